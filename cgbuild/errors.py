@@ -1,0 +1,28 @@
+"""Errors a person can act on: each names the file, the line and the field.
+
+The CLI turns any `UserError` into one line on stderr and exit code 2 (bad input); nothing the
+user wrote should ever surface as a traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input: a Cgfile, a label, a lock, a plan file. Exit code 2."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, file: str | None = None, line: int | None = None,
+                 field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.file = file
+        self.line = line
+        self.field = field
+
+    def __str__(self) -> str:
+        where = ""
+        if self.file:
+            where = self.file if self.line is None else f"{self.file}:{self.line}"
+        parts = [p for p in (where, self.field and f"field '{self.field}'") if p]
+        return f"{': '.join(parts)}: {self.message}" if parts else self.message

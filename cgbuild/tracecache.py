@@ -1,0 +1,64 @@
+"""Trace facts cached by the digest of their (over-keyed) inputs.
+
+A trace costs seconds and an import of torch; its facts (graph digest, call contract, topology)
+cost a row. SQLite gives atomic, crash-safe writes and fast lookups for 10,000 targets without a
+file per trace. A missed trace input would cost a wrong key, so the inputs are generous: family
+sources, entry, config, module, graph class, device, dtype, quant rule, Python major.minor, every
+installed distribution with its version, the tracing torch and the rule version.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+from .canon import digest
+
+TRACE_RULE_VERSION = 1
+
+
+def trace_inputs(*, family_inputs: str, module: str, spec: dict[str, Any], quant: str, torch: str,
+                 environment: str) -> str:
+    """Digest of everything a trace could depend on (over-keyed on purpose)."""
+    return digest({
+        "scheme": "cgbuild.trace-inputs/1",
+        "rule": TRACE_RULE_VERSION,
+        "family": family_inputs,
+        "module": module,
+        "spec": spec,
+        "quant": quant,
+        "torch": torch,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "environment": environment,
+    })
+
+
+class TraceCache:
+    """inputs digest → facts; safe for several processes (SQLite WAL)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS traces (inputs TEXT PRIMARY KEY, facts TEXT NOT NULL)")
+
+    def get_many(self, inputs: list[str]) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        unique = list(dict.fromkeys(inputs))
+        for i in range(0, len(unique), 500):
+            chunk = unique[i : i + 500]
+            marks = ",".join("?" * len(chunk))
+            for k, facts in self._db.execute(f"SELECT inputs, facts FROM traces WHERE inputs IN ({marks})",
+                                             chunk):
+                out[k] = json.loads(facts)
+        return out
+
+    def put(self, inputs: str, facts: dict[str, Any]) -> None:
+        with self._db:
+            self._db.execute("INSERT OR REPLACE INTO traces VALUES (?, ?)", (inputs, json.dumps(facts)))
+
+    def close(self) -> None:
+        self._db.close()
