@@ -55,3 +55,14 @@ def sha256_file(path: str, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def hexfloats(value: Any) -> Any:
+    """Copy of `value` with floats as exact hex text, for hashing user config (e.g. mlp_ratio=3.0)."""
+    if isinstance(value, float):
+        return value.hex()
+    if isinstance(value, list | tuple):
+        return [hexfloats(v) for v in value]
+    if isinstance(value, dict):
+        return {k: hexfloats(v) for k, v in value.items()}
+    return value

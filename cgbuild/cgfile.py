@@ -103,8 +103,17 @@ class _Reader:
                 raise self.fail(f"unknown key '{key}'{hint}", *where, key)
         return value
 
-    def get(self, table: dict[str, Any], where: tuple[str, ...], key: str, check: Callable[[Any], bool],
-            expected: str, *, required: bool = False, default: Any = None) -> Any:
+    def get(
+        self,
+        table: dict[str, Any],
+        where: tuple[str, ...],
+        key: str,
+        check: Callable[[Any], bool],
+        expected: str,
+        *,
+        required: bool = False,
+        default: Any = None,
+    ) -> Any:
         if key not in table:
             if required:
                 raise self.fail(f"missing required key '{key}'", *where, key)
@@ -116,14 +125,16 @@ class _Reader:
 
     def name(self, value: str, *where: str) -> str:
         if not NAME.match(value):
-            raise self.fail(f"bad name '{value}': names use [a-z0-9._-] and start with a letter or digit",
-                            *where)
+            raise self.fail(
+                f"bad name '{value}': names use [a-z0-9._-] and start with a letter or digit", *where
+            )
         return value
 
 
 def _kind(value: Any) -> str:
-    return {bool: "boolean", int: "integer", float: "float", str: "string", list: "array",
-            dict: "table"}.get(type(value), type(value).__name__)
+    return {bool: "boolean", int: "integer", float: "float", str: "string", list: "array", dict: "table"}.get(
+        type(value), type(value).__name__
+    )
 
 
 def _is_str(v: Any) -> bool:
@@ -166,8 +177,9 @@ def load(path: str | Path) -> Cgfile:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        line = getattr(exc, "lineno", None)
-        msg = getattr(exc, "msg", str(exc))
+        at = re.search(r"\(at line (\d+), column \d+\)", str(exc))
+        line = int(at.group(1)) if at else None
+        msg = str(exc)[: at.start()].strip() if at else str(exc)
         raise UserError(f"TOML syntax error: {msg}", file=str(path), line=line) from None
     return parse(data, path, KeyLines(text))
 
@@ -206,8 +218,9 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
         t = r.table(raw, where, {"quant", "reference"})
         quant = r.get(t, where, "quant", _is_str, "a quant rule name", required=True)
         if quant not in QUANT_RULES:
-            raise r.fail(f"unknown quant rule '{quant}' (known: {', '.join(sorted(QUANT_RULES))})",
-                         *where, "quant")
+            raise r.fail(
+                f"unknown quant rule '{quant}' (known: {', '.join(sorted(QUANT_RULES))})", *where, "quant"
+            )
         ref = r.get(t, where, "reference", _is_str, "a path to a safetensors checkpoint (file or folder)")
         layouts[name] = Layout(name, quant, root / ref if ref else None)
 
@@ -217,9 +230,18 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
     if not families:
         raise r.fail("no [family.*] declared: nothing to build", "family")
 
-    return Cgfile(path=path, root=root, state_dir=state_dir, store_dir=store_dir,
-                  toolchain_lock=root / lock if lock else None, cxx=cxx, skus=skus, layouts=layouts,
-                  families=families, lines=lines)
+    return Cgfile(
+        path=path,
+        root=root,
+        state_dir=state_dir,
+        store_dir=store_dir,
+        toolchain_lock=root / lock if lock else None,
+        cxx=cxx,
+        skus=skus,
+        layouts=layouts,
+        families=families,
+        lines=lines,
+    )
 
 
 FAMILY_KEYS = {"entry", "config", "sources", "skus", "layouts", "module"}
@@ -230,8 +252,12 @@ def _family(r: _Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict
     r.name(name, *where)
     if isinstance(raw, dict):
         for lane_key in LANE_KEYS & set(raw):
-            raise r.fail("kernel lanes are not supported yet: lanes are declared once mints measure them; "
-                         "remove this table", *where, lane_key)
+            raise r.fail(
+                "kernel lanes are not supported yet: lanes are declared once mints measure them; "
+                "remove this table",
+                *where,
+                lane_key,
+            )
     t = r.table(raw, where, FAMILY_KEYS)
     entry = r.get(t, where, "entry", _is_str, "'module:function'", required=True)
     if not ENTRY.match(entry):
@@ -249,8 +275,9 @@ def _family(r: _Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict
         for v in values:
             if v not in known:
                 kind = key[:-1]
-                raise r.fail(f"unknown {kind} '{v}' (declared: {', '.join(sorted(known)) or 'none'})",
-                             *where, key)
+                raise r.fail(
+                    f"unknown {kind} '{v}' (declared: {', '.join(sorted(known)) or 'none'})", *where, key
+                )
     modules_raw = r.table(t.get("module", {}), (*where, "module"), set(t.get("module", {})))
     if not modules_raw:
         raise r.fail("no [family.<name>.module.*] declared", *where, "module")
@@ -265,18 +292,24 @@ def _module(r: _Reader, where: tuple[str, ...], name: str, raw: Any) -> Module:
     r.name(name, *where)
     if isinstance(raw, dict):
         for lane_key in LANE_KEYS & set(raw):
-            raise r.fail("kernel lanes are not supported yet: lanes are declared once mints measure them; "
-                         "remove this key", *where, lane_key)
+            raise r.fail(
+                "kernel lanes are not supported yet: lanes are declared once mints measure them; "
+                "remove this key",
+                *where,
+                lane_key,
+            )
     t = r.table(raw, where, MODULE_KEYS)
-    component = r.get(t, where, "component", _is_str, "a checkpoint component name",
-                      default=name.split(".")[0])
+    component = r.get(
+        t, where, "component", _is_str, "a checkpoint component name", default=name.split(".")[0]
+    )
     shapes_raw = r.get(t, where, "shapes", _is_str_list, "an array of 'HxW' strings", required=True)
     shapes: list[tuple[int, int]] = []
     for s in shapes_raw:
         m = SHAPE.match(s)
         if not m:
-            raise r.fail(f"bad shape '{s}': expected 'HxW' with positive integers, e.g. '1024x768'",
-                         *where, "shapes")
+            raise r.fail(
+                f"bad shape '{s}': expected 'HxW' with positive integers, e.g. '1024x768'", *where, "shapes"
+            )
         shapes.append((int(m.group(1)), int(m.group(2))))
     texts = r.get(t, where, "text_lengths", _is_int_list, "an array of integers")
     batches = r.get(t, where, "batch_sizes", _is_int_list, "an array of integers", default=[1])
@@ -289,8 +322,16 @@ def _module(r: _Reader, where: tuple[str, ...], name: str, raw: Any) -> Module:
     for key, values in (("text_lengths", texts or []), ("batch_sizes", batches)):
         if any(v <= 0 for v in values):
             raise r.fail(f"'{key}' values must be positive", *where, key)
-    return Module(name, component, Envelope(tuple(shapes), tuple(texts) if texts is not None else None,
-                                            tuple(batches), tuple(_num_text(g) for g in guidance)))
+    return Module(
+        name,
+        component,
+        Envelope(
+            tuple(shapes),
+            tuple(texts) if texts is not None else None,
+            tuple(batches),
+            tuple(_num_text(g) for g in guidance),
+        ),
+    )
 
 
 def _num_text(value: float | int) -> str:

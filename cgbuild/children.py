@@ -27,12 +27,20 @@ def _describe_exit(code: int) -> str:
     return f"exited with status {code}"
 
 
-def run_child(rule: str, request: dict[str, Any], job_ids: list[str],
-              on_result: Callable[[Result], None], env: dict[str, str] | None = None) -> None:
+def run_child(
+    rule: str,
+    request: dict[str, Any],
+    job_ids: list[str],
+    on_result: Callable[[Result], None],
+    env: dict[str, str] | None = None,
+) -> None:
     """Run one rule child; every job id gets exactly one result through `on_result`."""
     proc = subprocess.Popen(
         [sys.executable, "-m", f"cgbuild_rules.{rule}"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env=env if env is not None else os.environ.copy(),
     )
     assert proc.stdin and proc.stdout and proc.stderr
@@ -57,12 +65,18 @@ def run_child(rule: str, request: dict[str, Any], job_ids: list[str],
         detail = f"{rule} worker {_describe_exit(code)}" + (f": {tail}" if tail else "")
         for jid in job_ids:
             if jid not in answered:
-                on_result({"id": jid, "ok": False, "code": "worker-crashed", "retryable": True,
-                           "detail": detail})
+                on_result(
+                    {"id": jid, "ok": False, "code": "worker-crashed", "retryable": True, "detail": detail}
+                )
 
 
-def run_groups(rule: str, groups: Iterable[tuple[dict[str, Any], list[str]]], *, workers: int,
-               on_result: Callable[[Result], None]) -> None:
+def run_groups(
+    rule: str,
+    groups: Iterable[tuple[dict[str, Any], list[str]]],
+    *,
+    workers: int,
+    on_result: Callable[[Result], None],
+) -> None:
     """Run several children at once (families in parallel), at most `workers` at a time."""
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         futures = [pool.submit(run_child, rule, req, ids, on_result) for req, ids in groups]

@@ -12,8 +12,9 @@ class UserError(Exception):
 
     exit_code = 2
 
-    def __init__(self, message: str, *, file: str | None = None, line: int | None = None,
-                 field: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, file: str | None = None, line: int | None = None, field: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.file = file

@@ -70,6 +70,8 @@ def parse_label(text: str) -> TargetId:
     """Parse a canonical label (all five parts)."""
     sel = parse_selector(text)
     if len(sel.path) != 3 or sel.layout is None or sel.sm_or_sku is None:
-        raise UserError(f"'{text}' is a selector, not a canonical label "
-                        "//family/module/graph-class@layout:sm", field="label")
+        raise UserError(
+            f"'{text}' is a selector, not a canonical label //family/module/graph-class@layout:sm",
+            field="label",
+        )
     return TargetId(*sel.path, sel.layout, sel.sm_or_sku)

@@ -51,9 +51,18 @@ QUANT_RULES: dict[str, QuantRule] = {
 
 # torch dtype names as the trace reports them → safetensors dtype codes as headers spell them.
 SAFETENSORS_DTYPE = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
 }
 
 
@@ -102,9 +111,11 @@ def component_files(reference: Path, component: str) -> list[Path]:
     single = reference / f"{component}.safetensors"
     if single.is_file():
         return [single]
-    raise UserError(f"reference checkpoint has no component '{component}' "
-                    f"(looked for {component}/*.safetensors and {component}.safetensors)",
-                    file=str(reference))
+    raise UserError(
+        f"reference checkpoint has no component '{component}' "
+        f"(looked for {component}/*.safetensors and {component}.safetensors)",
+        file=str(reference),
+    )
 
 
 def topology_from_reference(reference: Path, component: str) -> list[list[Any]]:
@@ -117,8 +128,9 @@ def topology_from_reference(reference: Path, component: str) -> list[list[Any]]:
     return rows
 
 
-def layout_axis(family: str, component: str, quant: QuantRule, topology: str,
-                source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def layout_axis(
+    family: str, component: str, quant: QuantRule, topology: str, source: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(identity, readable) blocks of the layout axis; identity holds digests only."""
     identity = {"topology": topology, "quant": quant.digest}
     stamp = f"{family}.{component}@{TOPOLOGY_SCHEME}+{quant.display}"

@@ -24,8 +24,12 @@ class GraphClass:
     batch: int
 
     def facet(self, guidance: tuple[str, ...]) -> dict[str, Any]:
-        return {"shape": f"{self.height}x{self.width}", "text_len": self.text_len, "batch": self.batch,
-                "guidance": list(guidance)}
+        return {
+            "shape": f"{self.height}x{self.width}",
+            "text_len": self.text_len,
+            "batch": self.batch,
+            "guidance": list(guidance),
+        }
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,10 @@ def select(cg: Cgfile, targets: list[Target], selector: Selector) -> list[Target
         raise UserError(f"no layout '{selector.layout}' in the Cgfile", file=str(cg.path), field="label")
     known_sms = set(sku_sm.values())
     if selector.sm_or_sku and selector.sm_or_sku not in known_sms and selector.sm_or_sku not in sku_sm:
-        raise UserError(f"'{selector.sm_or_sku}' is neither an sm nor a SKU of the Cgfile "
-                        f"(sms: {', '.join(sorted(known_sms))}; SKUs: {', '.join(sorted(sku_sm))})",
-                        file=str(cg.path), field="label")
+        raise UserError(
+            f"'{selector.sm_or_sku}' is neither an sm nor a SKU of the Cgfile "
+            f"(sms: {', '.join(sorted(known_sms))}; SKUs: {', '.join(sorted(sku_sm))})",
+            file=str(cg.path),
+            field="label",
+        )
     return [t for t in targets if selector.matches(t.id, sku_sm, t.skus)]

@@ -52,7 +52,7 @@ class KeyLines:
             if assign:
                 path = table + _split(assign.group(1))
                 self._lines.setdefault(path, number)
-                rest = line[assign.end():]
+                rest = line[assign.end() :]
                 for inner in _INLINE_KEY.finditer(rest):
                     self._lines.setdefault(path + _split(inner.group(1)), number)
                 if rest.count('"""') % 2 == 1 or rest.count("'''") % 2 == 1:

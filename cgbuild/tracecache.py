@@ -20,20 +20,23 @@ from .canon import digest
 TRACE_RULE_VERSION = 1
 
 
-def trace_inputs(*, family_inputs: str, module: str, spec: dict[str, Any], quant: str, torch: str,
-                 environment: str) -> str:
+def trace_inputs(
+    *, family_inputs: str, module: str, spec: dict[str, Any], quant: str, torch: str, environment: str
+) -> str:
     """Digest of everything a trace could depend on (over-keyed on purpose)."""
-    return digest({
-        "scheme": "cgbuild.trace-inputs/1",
-        "rule": TRACE_RULE_VERSION,
-        "family": family_inputs,
-        "module": module,
-        "spec": spec,
-        "quant": quant,
-        "torch": torch,
-        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
-        "environment": environment,
-    })
+    return digest(
+        {
+            "scheme": "cgbuild.trace-inputs/1",
+            "rule": TRACE_RULE_VERSION,
+            "family": family_inputs,
+            "module": module,
+            "spec": spec,
+            "quant": quant,
+            "torch": torch,
+            "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+            "environment": environment,
+        }
+    )
 
 
 class TraceCache:
@@ -51,8 +54,9 @@ class TraceCache:
         for i in range(0, len(unique), 500):
             chunk = unique[i : i + 500]
             marks = ",".join("?" * len(chunk))
-            for k, facts in self._db.execute(f"SELECT inputs, facts FROM traces WHERE inputs IN ({marks})",
-                                             chunk):
+            for k, facts in self._db.execute(
+                f"SELECT inputs, facts FROM traces WHERE inputs IN ({marks})", chunk
+            ):
                 out[k] = json.loads(facts)
         return out
 

@@ -1,0 +1,37 @@
+"""`cgbuild diff BASE.json HEAD.json`: what a change would re-mint, per family and per target."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .diff import check_plan, diff_plans, render
+from .errors import UserError
+from .output import print_json
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("base", help="plan JSON of the base (e.g. main)")
+    p.add_argument("head", help="plan JSON of the head (e.g. the toolchain bump)")
+    p.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    p.add_argument("--exit-code", action="store_true", help="exit 1 when anything must be re-minted")
+
+
+def _load(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return check_plan(json.load(f), path)
+    except FileNotFoundError:
+        raise UserError("no such plan file", file=path) from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"not JSON: {exc.msg}", file=path, line=exc.lineno) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    d = diff_plans(_load(args.base), _load(args.head))
+    if args.format == "json":
+        print_json(d)
+    else:
+        sys.stdout.write(render(d, args.format))
+    return 1 if args.exit_code and d["remint"] else 0

@@ -1,0 +1,53 @@
+"""Output for people (rich, on demand) and machines (JSON on stdout).
+
+rich is imported only when something is shown to a person, so `--json` runs never pay for it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+STATUS_STYLE = {"fresh": "green", "mint": "yellow", "trace": "cyan", "blocked": "red"}
+
+
+def console(stderr: bool = False):  # -> rich.console.Console
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+
+
+def print_json(data: Any, out: Any = None) -> None:
+    stream = out or sys.stdout
+    json.dump(data, stream, indent=None, sort_keys=True, separators=(",", ":"))
+    stream.write("\n")
+
+
+def progress_bar(description: str) -> tuple[Callable[[int, int, str], None], Callable[[], None]]:
+    """(update(done, total, item), close()) drawing a bar on stderr when it is a terminal."""
+    if not sys.stderr.isatty():
+
+        def plain(done: int, total: int, item: str) -> None:
+            print(f"{description} [{done}/{total}] {item}", file=sys.stderr, flush=True)
+
+        return plain, lambda: None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[item]}"),
+        console=console(stderr=True),
+        transient=True,
+    )
+    task = bar.add_task(description, total=None, item="")
+    bar.start()
+
+    def update(done: int, total: int, item: str) -> None:
+        bar.update(task, completed=done, total=total, item=item)
+
+    return update, bar.stop

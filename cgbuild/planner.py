@@ -1,0 +1,487 @@
+"""The plan: every selected target's key, status and the reasons for it (plan JSON, DESIGN §3b).
+
+DAG per target: sources → trace (graph digest, cached by over-keyed inputs) → toolchain fold →
+key → store lookup. Traces run only on a cache miss, in child interpreters; a re-trace that
+yields the same graph digest stops there (early cutoff). `fresh` comes only from a ref in the
+store, never from an earlier plan; the last plan is kept to say what moved since.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import environment, layout, toolchain
+from .canon import digest
+from .cgfile import Cgfile
+from .keys import AXES, Axis, graph_axis, key_of, sm_axis, toolchain_axis
+from .labels import Selector
+from .sources import SourceHasher
+from .store import Store
+from .targets import Target, expand, select
+from .tracecache import TraceCache, trace_inputs
+
+PLAN_SCHEMA = "cgbuild.plan/1"
+LAST_PLAN_SCHEMA = "cgbuild.last-plan/1"
+DETERMINISTIC_TRACE_FAILURES = {"entry-error", "trace-failed", "literal-hidden"}
+
+# Stable reason codes (documented in docs/plan.md).
+REASON_CODES = (
+    "new-target",
+    "axis-moved",
+    "missing-from-store",
+    "quarantined",
+    "trace-input-moved",
+    "early-cutoff",
+    "graph-unknown",
+    "no-cuda-torch",
+    "trace-failed",
+    "entry-error",
+    "literal-hidden",
+    "worker-crashed",
+    "layout-below-sm-floor",
+)
+
+
+def reason(code: str, detail: str, *, root: bool, **extra: Any) -> dict[str, Any]:
+    assert code in REASON_CODES, code
+    return {"code": code, "detail": detail, "root": root, **{k: v for k, v in extra.items() if v is not None}}
+
+
+@dataclass
+class Workspace:
+    cg: Cgfile
+    toolchain_lock: str | None = None
+
+    @property
+    def state(self) -> Path:
+        return self.cg.state_dir
+
+    def store(self) -> Store:
+        return Store(self.cg.store_dir)
+
+
+@dataclass
+class TraceUnit:
+    inputs: str
+    job: dict[str, Any]
+    targets: list[Target] = field(default_factory=list)
+
+
+def trace_job(ws: Workspace, t: Target) -> dict[str, Any]:
+    """The trace job for a target (the entry protocol's spec, DESIGN §3a); the mint reuses it."""
+    quant = layout.QUANT_RULES[ws.cg.layouts[t.id.layout].quant]
+    gc = t.graph_class
+    spec = {
+        "family": t.id.family,
+        "module": t.id.module,
+        "graph_class": gc.name,
+        "height": gc.height,
+        "width": gc.width,
+        "text_len": gc.text_len,
+        "batch": gc.batch,
+        "dtype": quant.dtype,
+        "device": t.device,
+    }
+    return {
+        "entry": t.family.entry,
+        "root": str(ws.cg.root),
+        "config": t.family.config,
+        "spec": spec,
+        "quant": quant.name,
+    }
+
+
+def _load_last(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+        return data if data.get("schema") == LAST_PLAN_SCHEMA else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def make_plan(
+    ws: Workspace,
+    selector: Selector,
+    *,
+    run_traces: bool = True,
+    workers: int | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> dict[str, Any]:
+    """Plan the selected targets; traces what is not cached (unless `run_traces` is False)."""
+    cg = ws.cg
+    targets = select(cg, expand(cg), selector)
+    cache_dir = ws.state / "cache"
+    dists = environment.installed(cache_dir / "dists.json")
+    env_digest = digest(sorted(dists.items()))
+    local_torch = environment.torch_build()
+    toolchains, tc_source = toolchain.resolve(
+        ws.toolchain_lock,
+        str(cg.toolchain_lock) if cg.toolchain_lock else None,
+        cxx=cg.cxx,
+        cache=cache_dir / "toolchain.json",
+    )
+    hasher = SourceHasher(cache_dir / "sources.json")
+    fam_inputs = {
+        name: hasher.family_inputs(cg, fam)
+        for name, fam in cg.families.items()
+        if any(t.id.family == name for t in targets)
+    }
+    hasher.save()
+
+    units: dict[str, TraceUnit] = {}
+    unit_of: dict[str, str] = {}
+    for t in targets:
+        platform = t.device
+        tc_torch = toolchain.torch_version(toolchains[platform])
+        job = trace_job(ws, t)
+        inputs = trace_inputs(
+            family_inputs=fam_inputs[t.id.family][0],
+            module=t.id.module,
+            spec=job["spec"],
+            quant=job["quant"],
+            torch=tc_torch or "absent",
+            environment=env_digest,
+        )
+        unit = units.setdefault(inputs, TraceUnit(inputs, {**job, "id": inputs}))
+        unit.targets.append(t)
+        unit_of[t.label] = inputs
+
+    cache = TraceCache(ws.state / "traces.sqlite")
+    facts = cache.get_many(list(units))
+    blocked: dict[str, dict[str, Any]] = {}
+    graph_unknown: dict[str, dict[str, Any]] = {}
+    todo: list[TraceUnit] = []
+    local_version = local_torch["version"] if local_torch else None
+    for inputs, unit in units.items():
+        if inputs in facts:
+            continue
+        device = unit.job["spec"]["device"]
+        tc_torch = toolchain.torch_version(toolchains[device])
+        if local_torch is None:
+            graph_unknown[inputs] = reason(
+                "graph-unknown", "torch is not installed here: cannot trace", root=True
+            )
+        elif tc_torch != local_version:
+            graph_unknown[inputs] = reason(
+                "graph-unknown",
+                f"toolchain torch {tc_torch} differs from the tracing torch {local_version}; "
+                "no trace under that torch is cached",
+                root=True,
+                old=local_version,
+                new=tc_torch,
+            )
+        elif device == "cuda" and not local_torch["cuda"]:
+            blocked[inputs] = reason(
+                "no-cuda-torch",
+                f"torch {local_version} is a CPU-only build: CUDA graphs "
+                "trace only with a CUDA build of torch (no GPU needed)",
+                root=True,
+            )
+        elif not run_traces:
+            graph_unknown[inputs] = reason("graph-unknown", "not traced yet (tracing disabled)", root=True)
+        else:
+            todo.append(unit)
+
+    if todo:
+        _run_traces(todo, cache, facts, blocked, workers=workers, progress=progress)
+    cache.close()
+
+    last = _load_last(ws.state / "last-plan.json")
+    last_targets: dict[str, Any] = last.get("targets", {})
+    store = ws.store()
+    out_targets = []
+    ref_states: dict[str, str] = {}
+    for t in targets:
+        inputs = unit_of[t.label]
+        entry = _plan_target(
+            ws,
+            t,
+            inputs,
+            facts.get(inputs),
+            blocked.get(inputs),
+            graph_unknown.get(inputs),
+            toolchains,
+            tc_source,
+            last_targets.get(t.label),
+            last,
+            dists,
+            store,
+            ref_states,
+        )
+        out_targets.append(entry)
+
+    plan = {
+        "schema": PLAN_SCHEMA,
+        "workspace": {"cgfile": str(cg.path), "store": str(cg.store_dir)},
+        "toolchains": {
+            p: {"fold": b["fold"], "source": tc_source, "components": b["components"]}
+            for p, b in toolchains.items()
+        },
+        "targets": out_targets,
+    }
+    _record(ws, plan, dists, unit_of)
+    return plan
+
+
+def _run_traces(
+    todo: list[TraceUnit],
+    cache: TraceCache,
+    facts: dict[str, Any],
+    blocked: dict[str, Any],
+    *,
+    workers: int | None,
+    progress: Callable[[int, int, str], None] | None,
+) -> None:
+    from .children import run_groups
+
+    groups: dict[tuple[str, str], list[TraceUnit]] = {}
+    for unit in todo:
+        groups.setdefault((unit.job["root"], unit.job["entry"]), []).append(unit)
+    done = 0
+    total = len(todo)
+    by_id = {u.inputs: u for u in todo}
+
+    def on_result(result: dict[str, Any]) -> None:
+        nonlocal done
+        done += 1
+        unit = by_id[result["id"]]
+        if result.get("ok"):
+            fact = {k: result[k] for k in ("graph_digest", "contract", "topology", "nodes", "torch")}
+            facts[unit.inputs] = fact
+            cache.put(unit.inputs, fact)
+        else:
+            code = result.get("code", "trace-failed")
+            code = code if code in REASON_CODES else "trace-failed"
+            blocked[unit.inputs] = reason(code, result.get("detail", "trace failed"), root=True)
+        if progress:
+            progress(done, total, unit.targets[0].label)
+
+    requests = [
+        ({"schema": "cgbuild.trace-request/1", "jobs": [u.job for u in units]}, [u.inputs for u in units])
+        for units in groups.values()
+    ]
+    run_groups(
+        "trace", requests, workers=workers or min(len(requests), os.cpu_count() or 1), on_result=on_result
+    )
+
+
+def _plan_target(
+    ws: Workspace,
+    t: Target,
+    inputs: str,
+    fact: dict[str, Any] | None,
+    blocked: dict[str, Any] | None,
+    unknown: dict[str, Any] | None,
+    toolchains: dict[str, Any],
+    tc_source: str,
+    last: dict[str, Any] | None,
+    last_plan: dict[str, Any],
+    dists: dict[str, str],
+    store: Store,
+    ref_states: dict[str, str],
+) -> dict[str, Any]:
+    cg = ws.cg
+    lay = cg.layouts[t.id.layout]
+    quant = layout.QUANT_RULES[lay.quant]
+    platform = t.device
+    tc = toolchains[platform]
+    axes: dict[str, Axis | None] = {
+        "graph": None,
+        "sm": sm_axis(t.id.sm),
+        "toolchain": toolchain_axis(platform, tc["fold"], tc_source),
+        "layout": None,
+    }
+    if lay.reference is not None:
+        topo = layout.topology_from_reference(lay.reference, t.module.component)
+        axes["layout"] = Axis(
+            *layout.layout_axis(
+                t.id.family, t.module.component, quant, layout.topology_digest(topo), "reference"
+            )
+        )
+    if fact is not None:
+        axes["graph"] = graph_axis(fact["graph_digest"], torch=fact["torch"], nodes=fact.get("nodes"))
+        if axes["layout"] is None:
+            topo = layout.from_trace(fact["topology"])
+            axes["layout"] = Axis(
+                *layout.layout_axis(
+                    t.id.family, t.module.component, quant, layout.topology_digest(topo), "trace"
+                )
+            )
+    stamp = (
+        axes["layout"].readable["stamp"]
+        if axes["layout"]
+        else f"{t.id.family}.{t.module.component}@{layout.TOPOLOGY_SCHEME}+{quant.display}"
+    )
+
+    reasons: list[dict[str, Any]] = []
+    key: str | None = None
+    if blocked is not None:
+        status = "blocked"
+        reasons.append(blocked)
+    elif fact is None:
+        status = "trace"
+        reasons.append(unknown or reason("graph-unknown", "graph not traced", root=True))
+    else:
+        key = key_of({name: axis for name, axis in axes.items() if axis is not None})
+        state = ref_states.get(key) or store.ref_state(key)
+        ref_states[key] = state
+        status = "fresh" if state == "fresh" else "mint"
+        if state == "quarantined":
+            reasons.append(
+                reason(
+                    "quarantined",
+                    "the stored artifact failed verification and was "
+                    "quarantined; a new verified mint repairs it",
+                    root=True,
+                )
+            )
+        elif state != "fresh":
+            reasons.append(
+                reason(
+                    "missing-from-store",
+                    "no verified ref for this key in the store",
+                    root=last is not None and last.get("key") == key,
+                )
+            )
+    reasons.extend(_moved(t, key, axes, inputs, last, last_plan, toolchains, dists))
+    if status == "fresh":
+        for r in reasons:
+            r["root"] = False
+    readable = {name: (axis.readable if axis else None) for name, axis in axes.items()}
+    return {
+        "label": t.label,
+        "family": t.id.family,
+        "module": t.id.module,
+        "graph_class": t.id.graph_class,
+        "layout": t.id.layout,
+        "stamp": stamp,
+        "sm": t.id.sm,
+        "skus": list(t.skus),
+        "envelope": t.facet,
+        "key": key,
+        "status": status,
+        "axes": readable,
+        "reasons": reasons,
+        "trace_inputs": inputs,
+    }
+
+
+def _moved(
+    t: Target,
+    key: str | None,
+    axes: dict[str, Axis | None],
+    inputs: str,
+    last: dict[str, Any] | None,
+    last_plan: dict[str, Any],
+    toolchains: dict[str, Any],
+    dists: dict[str, str],
+) -> list[dict[str, Any]]:
+    """What moved since the last recorded plan, as reasons (root causes first)."""
+    if last is None:
+        return [reason("new-target", "not in the last recorded plan of this workspace", root=True)]
+    out: list[dict[str, Any]] = []
+    trace_moved = last.get("trace_inputs") != inputs
+    if trace_moved:
+        changes = _dist_changes(last_plan.get("environment", {}), dists)
+        detail = "trace inputs moved" + (
+            f" ({'; '.join(changes[:4])})" if changes else " (family sources, entry config or rule version)"
+        )
+        out.append(reason("trace-input-moved", detail, root=True))
+    last_axes = last.get("axes", {})
+    for name in AXES:
+        new = axes.get(name)
+        old = last_axes.get(name)
+        if new is None or old is None:
+            continue
+        if _identity_of(name, old) == new.identity:
+            continue
+        if name == "toolchain":
+            old_comp = last_plan.get("toolchains", {}).get(old.get("platform"), {}).get("components", {})
+            new_comp = toolchains[t.device]["components"]
+            changes = toolchain.component_changes(old_comp, new_comp)
+            for comp, before, after in changes or [("?", old.get("fold"), new.identity["fold"])]:
+                out.append(
+                    reason(
+                        "axis-moved",
+                        f"toolchain: {comp} {before} → {after}",
+                        root=True,
+                        axis=name,
+                        component=comp,
+                        old=before,
+                        new=after,
+                    )
+                )
+        else:
+            out.append(
+                reason(
+                    "axis-moved",
+                    f"{name}: {_short(name, old)} → {_short(name, new.readable)}",
+                    root=not trace_moved or name != "graph",
+                    axis=name,
+                    old=_short(name, old),
+                    new=_short(name, new.readable),
+                )
+            )
+    if trace_moved and key is not None and last.get("key") == key:
+        out.append(
+            reason(
+                "early-cutoff", "re-traced: the graph digest did not move, so neither did the key", root=False
+            )
+        )
+    return out
+
+
+def _identity_of(name: str, readable: dict[str, Any]) -> dict[str, Any]:
+    fields = {
+        "graph": ("digest",),
+        "sm": ("sm",),
+        "toolchain": ("platform", "fold"),
+        "layout": ("topology", "quant"),
+    }[name]
+    return {f: readable.get(f) for f in fields}
+
+
+def _short(name: str, readable: dict[str, Any]) -> str:
+    if name == "sm":
+        return str(readable["sm"])
+    if name == "layout":
+        return f"{readable.get('stamp')} ({str(readable['topology'])[:12]}/{str(readable['quant'])[:12]})"
+    return str(readable.get("digest") or readable.get("fold"))[:16]
+
+
+def _dist_changes(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    out = []
+    for name in sorted(set(old) | set(new)):
+        a, b = old.get(name), new.get(name)
+        if a != b:
+            out.append(f"{name} {a or 'absent'} → {b or 'absent'}")
+    return out
+
+
+def _record(ws: Workspace, plan: dict[str, Any], dists: dict[str, str], unit_of: dict[str, str]) -> None:
+    """Keep what this plan saw, per label, so the next plan can say what moved."""
+    path = ws.state / "last-plan.json"
+    last = _load_last(path) or {"schema": LAST_PLAN_SCHEMA, "targets": {}}
+    for entry in plan["targets"]:
+        if entry["key"] is None and entry["label"] in last["targets"]:
+            continue  # an unknown graph says nothing new; keep what was known
+        last["targets"][entry["label"]] = {
+            "key": entry["key"],
+            "axes": entry["axes"],
+            "trace_inputs": entry["trace_inputs"],
+        }
+    last["environment"] = dists
+    last["toolchains"] = plan["toolchains"]
+    _save_json(path, last)

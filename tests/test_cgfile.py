@@ -1,0 +1,171 @@
+"""Cgfile validation: every malformed input names file, line and field; exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cgbuild import cgfile
+from cgbuild.errors import UserError
+from cgbuild.tomlpos import KeyLines
+
+GOOD = """\
+[workspace]
+state = ".state"
+
+[sku.cpu]
+sm = "cpu"
+memory_gib = 24
+
+[sku.h200]
+sm = "sm_90"
+memory_gib = 141
+
+[layout.fp32]
+quant = "plain.fp32"
+
+[family.toy]
+entry = "toy_models:build"
+sources = ["*.py"]
+skus = ["cpu", "h200"]
+layouts = ["fp32"]
+config = { hidden = 8 }
+
+[family.toy.module.mlp]
+shapes = ["8x64", "16x64"]
+batch_sizes = [1, 2]
+guidance = [3.5, 4]
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "Cgfile"
+    p.write_text(text)
+    return p
+
+
+def error_of(tmp_path: Path, text: str) -> UserError:
+    with pytest.raises(UserError) as info:
+        cgfile.load(write(tmp_path, text))
+    return info.value
+
+
+def test_good_cgfile_loads(tmp_path: Path) -> None:
+    cg = cgfile.load(write(tmp_path, GOOD))
+    assert cg.state_dir == tmp_path / ".state"
+    assert cg.store_dir == tmp_path / ".state" / "store"
+    fam = cg.families["toy"]
+    assert fam.skus == ("cpu", "h200")
+    env = fam.modules["mlp"].envelope
+    assert env.shapes == ((8, 64), (16, 64))
+    assert env.text_lengths is None
+    assert env.guidance == ("3.5", "4")
+    assert cg.skus["h200"].memory_bytes == 141 << 30
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "line", "field", "message"),
+    [
+        ('sm = "sm_90"', 'sm = "hopper"', 9, "sku.h200.sm", "bad sm"),
+        ("memory_gib = 24", 'memory_gib = "24"', 6, "sku.cpu.memory_gib", "expected a number"),
+        ('skus = ["cpu", "h200"]', 'skus = ["cpu", "h100"]', 18, "family.toy.skus", "unknown sku 'h100'"),
+        ('layouts = ["fp32"]', 'layouts = ["int8"]', 19, "family.toy.layouts", "unknown layout 'int8'"),
+        ('shapes = ["8x64", "16x64"]', "shapes = []", 23, "family.toy.module.mlp.shapes", "empty envelope"),
+        (
+            'shapes = ["8x64", "16x64"]',
+            'shapes = ["8x64", "8by64"]',
+            23,
+            "family.toy.module.mlp.shapes",
+            "bad shape",
+        ),
+        (
+            "batch_sizes = [1, 2]",
+            "batch_sizes = [1, 1]",
+            24,
+            "family.toy.module.mlp.batch_sizes",
+            "duplicate",
+        ),
+        ('sources = ["*.py"]', 'source = ["*.py"]', 17, "family.toy.source", "unknown key 'source'"),
+        ("[family.toy]", "[family.Toy]", 15, "family.Toy", "bad name"),
+        ('quant = "plain.fp32"', 'quant = "fp4.magic"', 13, "layout.fp32.quant", "unknown quant rule"),
+        ('entry = "toy_models:build"', 'entry = "toy_models"', 16, "family.toy.entry", "bad entry"),
+        ('skus = ["cpu", "h200"]', 'skus = ["cpu", "cpu"]', 18, "family.toy.skus", "duplicate name 'cpu'"),
+    ],
+)
+def test_errors_name_file_line_field(
+    tmp_path: Path, old: str, new: str, line: int, field: str, message: str
+) -> None:
+    assert old in GOOD
+    err = error_of(tmp_path, GOOD.replace(old, new, 1))
+    assert err.file == str(tmp_path / "Cgfile")
+    assert err.line == line, str(err)
+    assert err.field == field, str(err)
+    assert message in err.message
+    assert f"Cgfile:{line}" in str(err)
+
+
+def test_lanes_are_refused_not_ignored(tmp_path: Path) -> None:
+    err = error_of(tmp_path, GOOD + '\n[family.toy.lanes]\nlinear = ["baseline", "fused"]\n')
+    assert "not supported yet" in err.message
+    assert err.field == "family.toy.lanes"
+    assert err.line == 27
+
+
+def test_module_lane_key_refused(tmp_path: Path) -> None:
+    err = error_of(tmp_path, GOOD.replace("batch_sizes = [1, 2]", 'batch_sizes = [1, 2]\nlanes = "x"'))
+    assert "not supported yet" in err.message
+
+
+def test_syntax_error_has_line(tmp_path: Path) -> None:
+    err = error_of(tmp_path, GOOD.replace("memory_gib = 24", "memory_gib = = 24"))
+    assert err.line == 6
+    assert "TOML syntax error" in err.message
+
+
+def test_no_family_refused(tmp_path: Path) -> None:
+    err = error_of(tmp_path, '[sku.cpu]\nsm = "cpu"\nmemory_gib = 1\n')
+    assert "no [family.*]" in err.message
+
+
+def test_cli_bad_cgfile_exits_2_without_traceback(tmp_path: Path) -> None:
+    write(tmp_path, GOOD.replace('skus = ["cpu", "h200"]', 'skus = ["cpu", "h100"]'))
+    proc = subprocess.run(
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(tmp_path), "plan"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "Cgfile:18" in proc.stderr and "family.toy.skus" in proc.stderr
+
+
+def test_keylines_dotted_quoted_and_inline() -> None:
+    text = '[a]\nx = 1\n"b.c".d = { e = 2, f = 3 }\n[a."m.n"]\ny = 4\n[[arr]]\nz = 5\n[[arr]]\nz = 6\n'
+    kl = KeyLines(text)
+    assert kl.line("a", "x") == 2
+    assert kl.line("a", "b.c", "d", "f") == 3
+    assert kl.line("a", "m.n", "y") == 5
+    assert kl.line("arr", "1", "z") == 9
+    assert kl.line("a", "m.n", "missing") == 4
+
+
+def test_schema_accepts_examples() -> None:
+    import json
+    import tomllib
+
+    jsonschema = pytest.importorskip("jsonschema")
+    root = Path(__file__).resolve().parents[1]
+    schema = json.loads((root / "docs" / "cgfile.schema.json").read_text())
+    for path in [root / "Cgfile.example", *sorted((root / "examples").glob("*/Cgfile"))]:
+        jsonschema.validate(tomllib.loads(path.read_text()), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(
+            {
+                "family": {
+                    "x": {"entry": "a:b", "skus": [], "layouts": ["l"], "module": {}},
+                },
+                "bogus": 1,
+            },
+            schema,
+        )

@@ -1,0 +1,72 @@
+"""Labels and selectors: canonical form, composition, and errors for unknown parts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cgbuild import cgfile
+from cgbuild.errors import UserError
+from cgbuild.labels import parse_label, parse_selector
+from cgbuild.targets import expand, select
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.fixture(scope="module")
+def klein() -> cgfile.Cgfile:
+    return cgfile.load(EXAMPLES / "flux2_klein" / "Cgfile")
+
+
+def labels(cg: cgfile.Cgfile, text: str) -> list[str]:
+    return [t.label for t in select(cg, expand(cg), parse_selector(text))]
+
+
+def test_canonical_label_round_trip() -> None:
+    text = "//flux2-klein/transformer/1024x1024-t512-b1@bf16:sm_90"
+    assert parse_label(text).label == text
+
+
+def test_graph_class_names(klein: cgfile.Cgfile) -> None:
+    assert "//flux2-klein/transformer/1024x1024-t512-b1@bf16:sm_90" in labels(klein, "//...")
+
+
+@pytest.mark.parametrize(
+    ("selector", "count"),
+    [
+        ("//...", 10),
+        ("//flux2-klein", 4),
+        ("//flux2-klein/transformer", 4),
+        ("//flux2-klein:sm_120", 2),
+        (":rtx5090", 2),
+        (":sm_90", 5),
+        (":cpu", 3),
+        ("@bf16", 4),
+        ("//flux2-klein-tiny@fp32:cpu", 3),
+        ("//flux2-klein-tiny/transformer/64x48-t8-b1", 2),
+    ],
+)
+def test_selectors_compose(klein: cgfile.Cgfile, selector: str, count: int) -> None:
+    assert len(labels(klein, selector)) == count
+
+
+def test_sku_selector_means_targets_serving_that_sku(klein: cgfile.Cgfile) -> None:
+    assert all(label.endswith(":sm_120") for label in labels(klein, ":rtx5090"))
+
+
+@pytest.mark.parametrize("bad", ["flux2-klein", "//Flux", "//a/b/c/d", "@", "//x@y:z:w", ""])
+def test_bad_selectors(bad: str) -> None:
+    with pytest.raises(UserError):
+        parse_selector(bad)
+
+
+@pytest.mark.parametrize("unknown", ["//nope", "@int8", ":sm_75", ":a100"])
+def test_unknown_parts_are_errors_not_empty_sets(klein: cgfile.Cgfile, unknown: str) -> None:
+    with pytest.raises(UserError):
+        labels(klein, unknown)
+
+
+def test_selector_is_not_a_label() -> None:
+    with pytest.raises(UserError, match="selector, not a canonical label"):
+        parse_label("//flux2-klein:sm_90")
