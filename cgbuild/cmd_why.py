@@ -36,6 +36,8 @@ def explain(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+
     entry, tc = explain(args)
     if args.json:
         print_json({"target": entry, "toolchain": tc, "key_scheme": KEY_SCHEME})
@@ -55,11 +57,11 @@ def run(args: argparse.Namespace) -> int:
     rest = [r for r in entry["reasons"] if not r.get("root")]
     out.print("  root cause" + ("" if len(roots) == 1 else "s") + ":")
     for r in roots or [{"code": "-", "detail": "nothing moved"}]:
-        out.print(f"    - [{r['code']}] {r['detail']}")
+        out.print(f"    - {escape('[' + r['code'] + ']')} {escape(r['detail'])}")
     if rest:
         out.print("  propagated / informational:")
         for r in rest:
-            out.print(f"    - [{r['code']}] {r['detail']}")
+            out.print(f"    - {escape('[' + r['code'] + ']')} {escape(r['detail'])}")
     return 0
 
 

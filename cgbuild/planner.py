@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 from . import environment, layout, toolchain
 from .canon import digest
 from .cgfile import Cgfile
+from .errors import UserError
 from .keys import AXES, Axis, graph_axis, key_of, sm_axis, toolchain_axis
 from .labels import Selector
 from .sources import SourceHasher
@@ -96,6 +98,35 @@ def trace_job(ws: Workspace, t: Target) -> dict[str, Any]:
     }
 
 
+def resolve_toolchains(ws: Workspace, cache_dir: Path) -> tuple[dict[str, Any], str]:
+    """Toolchains per platform by precedence --toolchain > the Cgfile's lock > probing here."""
+    cg = ws.cg
+    try:
+        return toolchain.resolve(
+            ws.toolchain_lock,
+            str(cg.toolchain_lock) if cg.toolchain_lock else None,
+            lambda: toolchain.probe(cg.cxx, cache_path=str(cache_dir / "toolchain.json")),
+        )
+    except toolchain.ToolchainError as exc:
+        raise UserError(exc.message, file=exc.path, field=exc.field) from None
+
+
+def _platform_toolchain(toolchains: dict[str, Any], t: Target, source: str) -> dict[str, Any]:
+    block = toolchains.get(t.device)
+    if block is None:
+        raise UserError(
+            f"the toolchain ({source}) has no platform '{t.device}', needed by {t.label}", field="platforms"
+        )
+    return block
+
+
+def _torch_of(block: dict[str, Any]) -> str | None:
+    try:
+        return toolchain.torch_version(block)
+    except toolchain.ToolchainError:
+        return None
+
+
 def _load_last(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -126,12 +157,7 @@ def make_plan(
     dists = environment.installed(cache_dir / "dists.json")
     env_digest = digest(sorted(dists.items()))
     local_torch = environment.torch_build()
-    toolchains, tc_source = toolchain.resolve(
-        ws.toolchain_lock,
-        str(cg.toolchain_lock) if cg.toolchain_lock else None,
-        cxx=cg.cxx,
-        cache=cache_dir / "toolchain.json",
-    )
+    toolchains, tc_source = resolve_toolchains(ws, cache_dir)
     hasher = SourceHasher(cache_dir / "sources.json")
     fam_inputs = {
         name: hasher.family_inputs(cg, fam)
@@ -143,8 +169,7 @@ def make_plan(
     units: dict[str, TraceUnit] = {}
     unit_of: dict[str, str] = {}
     for t in targets:
-        platform = t.device
-        tc_torch = toolchain.torch_version(toolchains[platform])
+        tc_torch = _torch_of(_platform_toolchain(toolchains, t, tc_source))
         job = trace_job(ws, t)
         inputs = trace_inputs(
             family_inputs=fam_inputs[t.id.family][0],
@@ -168,7 +193,7 @@ def make_plan(
         if inputs in facts:
             continue
         device = unit.job["spec"]["device"]
-        tc_torch = toolchain.torch_version(toolchains[device])
+        tc_torch = _torch_of(toolchains[device])
         if local_torch is None:
             graph_unknown[inputs] = reason(
                 "graph-unknown", "torch is not installed here: cannot trace", root=True
@@ -253,7 +278,13 @@ def _run_traces(
     total = len(todo)
     by_id = {u.inputs: u for u in todo}
 
+    lock = threading.Lock()
+
     def on_result(result: dict[str, Any]) -> None:
+        with lock:
+            _take(result)
+
+    def _take(result: dict[str, Any]) -> None:
         nonlocal done
         done += 1
         unit = by_id[result["id"]]

@@ -44,7 +44,8 @@ class TraceCache:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, timeout=30)
+        # Results arrive on the threads that read the children; callers serialize writes.
+        self._db = sqlite3.connect(path, timeout=30, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS traces (inputs TEXT PRIMARY KEY, facts TEXT NOT NULL)")
 

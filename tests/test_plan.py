@@ -1,0 +1,367 @@
+"""The plan end to end: real traces of the toy family, real locks, a real store on disk.
+
+Key membership (DESIGN §3): a moved member moves the key; a moved non-member does not; an unknown
+toolchain component does. Each test works on its own copy of the toy workspace, sharing one trace
+cache so only traces whose inputs really moved run again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cgbuild import cgfile
+from cgbuild.diff import diff_plans, render
+from cgbuild.labels import parse_selector
+from cgbuild.planner import Workspace, make_plan
+from cgbuild.store import Store
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
+MLP16 = "//toy/mlp/16x64-b1@fp32:cpu"
+CONV = "//toy/conv/32x32-b2@fp32:cpu"
+
+
+@pytest.fixture(scope="module")
+def shared_traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("traces") / "traces.sqlite"
+
+
+@pytest.fixture
+def toy(tmp_path: Path, shared_traces: Path) -> Path:
+    ws = tmp_path / "toy"
+    shutil.copytree(EXAMPLES / "toy", ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+    state = ws / ".cgbuild"
+    state.mkdir()
+    if shared_traces.exists():
+        shutil.copy(shared_traces, state / "traces.sqlite")
+    yield ws
+    if (state / "traces.sqlite").exists() and not (state / "private-facts").exists():
+        shutil.copy(state / "traces.sqlite", shared_traces)
+
+
+def plan(ws: Path, label: str = "//...", lock: str | None = None) -> dict[str, Any]:
+    return make_plan(Workspace(cgfile.load(ws / "Cgfile"), toolchain_lock=lock), parse_selector(label))
+
+
+def by_label(p: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {t["label"]: t for t in p["targets"]}
+
+
+def keys(p: dict[str, Any]) -> dict[str, str | None]:
+    return {t["label"]: t["key"] for t in p["targets"]}
+
+
+def cli(ws: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True, env=env
+    )
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+
+
+def test_plan_json_shape_and_first_reasons(toy: Path) -> None:
+    p = plan(toy)
+    assert p["schema"] == "cgbuild.plan/1"
+    assert set(p["toolchains"]) == {"cpu", "cuda"}
+    t = by_label(p)[MLP8]
+    for field in (
+        "label",
+        "family",
+        "module",
+        "graph_class",
+        "layout",
+        "stamp",
+        "sm",
+        "skus",
+        "envelope",
+        "key",
+        "status",
+        "axes",
+        "reasons",
+    ):
+        assert field in t
+    assert t["status"] == "mint"
+    assert t["stamp"] == "toy.mlp@1+plain.fp32@1"
+    assert set(t["axes"]) == {"graph", "sm", "toolchain", "layout"}
+    assert {r["code"] for r in t["reasons"]} == {"missing-from-store", "new-target"}
+    assert len(set(keys(p).values())) == 3
+
+
+def test_fresh_only_from_a_verified_ref(toy: Path, tmp_path: Path) -> None:
+    first = by_label(plan(toy))[MLP8]
+    artifact = tmp_path / "artifact.bin"
+    artifact.write_bytes(b"stand-in bytes: the mint tests admit real artifacts")
+    store = Store(toy / ".cgbuild" / "store")
+    assert store.admit(first["key"], artifact).status == "admitted"
+    again = by_label(plan(toy))
+    assert again[MLP8]["status"] == "fresh"
+    assert again[MLP16]["status"] == "mint"
+    obj = store.object_path(store.read_ref(first["key"]).object)  # type: ignore[union-attr]
+    os.chmod(obj, 0o644)
+    obj.write_bytes(b"short")  # a torn object is not fresh
+    assert by_label(plan(toy))[MLP8]["status"] == "mint"
+
+
+def test_adding_a_resolution_adds_targets_and_rekeys_none(toy: Path) -> None:
+    before = keys(plan(toy))
+    edit(toy / "Cgfile", 'shapes = ["8x64", "16x64"]', 'shapes = ["8x64", "16x64", "32x64"]')
+    after = plan(toy)
+    new = keys(after)
+    assert set(new) - set(before) == {"//toy/mlp/32x64-b1@fp32:cpu"}
+    assert all(new[label] == key for label, key in before.items())
+    assert [r["code"] for r in by_label(after)["//toy/mlp/32x64-b1@fp32:cpu"]["reasons"]] == [
+        "missing-from-store",
+        "new-target",
+    ]
+
+
+def test_non_members_move_no_key(toy: Path) -> None:
+    before = plan(toy)
+    cg = toy / "Cgfile"
+    edit(cg, "memory_gib = 24", "memory_gib = 48")  # SKU memory
+    edit(cg, "[sku.cpu]", "[sku.cpu-host]")  # SKU name
+    edit(cg, 'skus = ["cpu"]', 'skus = ["cpu-host"]')
+    edit(cg, "batch_sizes = [2]", "batch_sizes = [2]\nguidance = [3.5]")  # guidance values
+    text = cg.read_text().replace("family.toy", "family.toyish")  # family name
+    cg.write_text(text)
+    after = plan(toy)
+    renamed = {t["label"].replace("//toyish/", "//toy/"): t["key"] for t in after["targets"]}
+    assert renamed == keys(before)
+    conv = next(t for t in after["targets"] if t["module"] == "conv")
+    assert conv["envelope"]["guidance"] == ["3.5"]
+    assert conv["stamp"] == "toyish.conv@1+plain.fp32@1"
+
+
+def test_topology_change_of_one_module_leaves_others(toy: Path) -> None:
+    ref = toy / "ref"
+    ref.mkdir()
+
+    def write(component: str, tensors: dict[str, tuple[str, list[int]]], data_short: bool = False) -> None:
+        header = {n: {"dtype": d, "shape": s, "data_offsets": [0, 0]} for n, (d, s) in tensors.items()}
+        raw = json.dumps(header).encode()
+        payload = b"" if data_short else b"\0" * 16
+        (ref / f"{component}.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + payload)
+
+    write("mlp", {"fc1.weight": ("F32", [128, 64])})
+    write("conv", {"conv1.weight": ("F32", [16, 3, 3, 3])}, data_short=True)  # header alone suffices
+    edit(toy / "Cgfile", 'quant = "plain.fp32"', 'quant = "plain.fp32"\nreference = "ref"')
+    before = by_label(plan(toy))
+    assert before[CONV]["axes"]["layout"]["topology_source"] == "reference"
+    write("conv", {"conv1.weight": ("F32", [32, 3, 3, 3])})
+    after = by_label(plan(toy))
+    assert after[MLP8]["key"] == before[MLP8]["key"]
+    assert after[CONV]["key"] != before[CONV]["key"]
+    moved = [r for r in after[CONV]["reasons"] if r["code"] == "axis-moved"]
+    assert [r["axis"] for r in moved] == ["layout"]
+
+
+def test_entry_source_change_moves_only_that_graph(toy: Path) -> None:
+    before = by_label(plan(toy))
+    edit(toy / "toy_models.py", "self.act = nn.GELU()", "self.act = nn.GELU(approximate='tanh')")
+    after = by_label(plan(toy))
+    assert after[MLP8]["key"] != before[MLP8]["key"]
+    assert after[CONV]["key"] == before[CONV]["key"]  # re-traced, same digest: early cutoff
+    assert "early-cutoff" in {r["code"] for r in after[CONV]["reasons"]}
+    graph_moved = [r for r in after[MLP8]["reasons"] if r.get("axis") == "graph"]
+    assert graph_moved and not graph_moved[0]["root"]  # the root cause is the moved trace input
+    assert any(r["code"] == "trace-input-moved" and r["root"] for r in after[MLP8]["reasons"])
+
+
+def test_installed_library_bump_retraces_and_moves_no_key(toy: Path, tmp_path: Path) -> None:
+    first = cli(toy, "plan", "--json")
+    assert first.returncode == 0, first.stderr
+    shadow = tmp_path / "shadow"
+    (shadow / "diffusers-99.0.0.dist-info").mkdir(parents=True)
+    (shadow / "diffusers-99.0.0.dist-info" / "METADATA").write_text("Name: diffusers\nVersion: 99.0.0\n")
+    env = {**os.environ, "PYTHONPATH": str(shadow)}
+    second = cli(toy, "plan", "--json", env=env)
+    assert second.returncode == 0, second.stderr
+    a, b = json.loads(first.stdout), json.loads(second.stdout)
+    assert keys(a) == keys(b)
+    assert "[1/3]" in second.stderr  # it did re-trace
+    codes = {r["code"] for r in by_label(b)[MLP8]["reasons"]}
+    assert {"trace-input-moved", "early-cutoff"} <= codes
+    moved = next(r for r in by_label(b)[MLP8]["reasons"] if r["code"] == "trace-input-moved")
+    assert "diffusers" in moved["detail"] and "99.0.0" in moved["detail"]
+
+
+def _lock(toy: Path, tmp_path: Path, mutate: Any = None) -> str:
+    out = cli(toy, "toolchain", "lock")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    if mutate:
+        mutate(doc["platforms"])
+        for block in doc["platforms"].values():
+            block.pop("fold", None)
+    path = tmp_path / f"lock{len(list(tmp_path.glob('lock*')))}.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def _cuda_facts_from_cpu(toy: Path) -> None:
+    """Share the CPU trace facts under the CUDA trace inputs, as a CUDA-build box would."""
+    import sqlite3
+
+    from cgbuild import environment
+    from cgbuild.canon import digest
+    from cgbuild.planner import trace_job
+    from cgbuild.sources import SourceHasher
+    from cgbuild.targets import expand
+    from cgbuild.tracecache import trace_inputs
+
+    cg = cgfile.load(toy / "Cgfile")
+    ws = Workspace(cg)
+    env = digest(sorted(environment.installed().items()))
+    fam = SourceHasher(toy / ".cgbuild" / "cache" / "sources.json").family_inputs(cg, cg.families["toy"])[0]
+    torch = environment.torch_build()["version"]  # type: ignore[index]
+    db = sqlite3.connect(toy / ".cgbuild" / "traces.sqlite")
+    for t in expand(cg):
+        job = trace_job(ws, t)
+        if t.device != "cpu":
+            continue
+        facts = db.execute(
+            "SELECT facts FROM traces WHERE inputs=?",
+            (
+                trace_inputs(
+                    family_inputs=fam,
+                    module=t.id.module,
+                    spec=job["spec"],
+                    quant=job["quant"],
+                    torch=torch,
+                    environment=env,
+                ),
+            ),
+        ).fetchone()
+        cuda_spec = {**job["spec"], "device": "cuda"}
+        cuda_inputs = trace_inputs(
+            family_inputs=fam,
+            module=t.id.module,
+            spec=cuda_spec,
+            quant=job["quant"],
+            torch=torch,
+            environment=env,
+        )
+        db.execute("INSERT OR REPLACE INTO traces VALUES (?, ?)", (cuda_inputs, facts[0]))
+    db.commit()
+    db.close()
+    (toy / ".cgbuild" / "private-facts").touch()  # keep these facts out of the shared cache
+
+
+def test_triton_bump_moves_only_cuda_targets(toy: Path, tmp_path: Path) -> None:
+    edit(toy / "Cgfile", 'skus = ["cpu"]', 'skus = ["cpu", "h200"]')
+    edit(toy / "Cgfile", "[layout.fp32]", '[sku.h200]\nsm = "sm_90"\nmemory_gib = 141\n\n[layout.fp32]')
+    plan(toy)
+    _cuda_facts_from_cpu(toy)
+
+    def bump_triton(platforms: dict[str, Any]) -> None:
+        platforms["cuda"]["components"]["triton"] = {"dist": "triton", "version": "3.7.0", "digest": "0" * 64}
+
+    base = plan(toy, lock=_lock(toy, tmp_path))
+    head = plan(toy, lock=_lock(toy, tmp_path, bump_triton))
+    bk, hk = keys(base), keys(head)
+    cuda = [label for label in bk if label.endswith(":sm_90")]
+    assert cuda and all(bk[label] and hk[label] != bk[label] for label in cuda)
+    assert all(hk[label] == bk[label] for label in bk if label.endswith(":cpu"))
+    d = diff_plans(base, head)
+    moved = {e["label"]: e for e in d["entries"]}
+    assert set(moved) == set(cuda)
+    assert all(e["axes"] == ["toolchain"] for e in moved.values())
+    assert "toolchain: triton" in moved[cuda[0]]["detail"] and "3.7.0" in moved[cuda[0]]["detail"]
+    assert "re-mint" in render(d, "markdown")
+
+
+def test_unknown_toolchain_component_moves_the_key(toy: Path, tmp_path: Path) -> None:
+    base = keys(plan(toy, lock=_lock(toy, tmp_path)))
+
+    def add(platforms: dict[str, Any]) -> None:
+        platforms["cpu"]["components"]["mystery-linker"] = {"version": "1"}
+
+    head = keys(plan(toy, lock=_lock(toy, tmp_path, add)))
+    assert all(head[label] != base[label] for label in base)
+
+
+def test_lock_with_other_torch_leaves_graph_unknown_and_diff_is_certain(toy: Path, tmp_path: Path) -> None:
+    base_lock = _lock(toy, tmp_path)
+    base = plan(toy, lock=base_lock)
+
+    def bump_torch(platforms: dict[str, Any]) -> None:
+        for block in platforms.values():
+            block["components"]["torch"] = {
+                **block["components"]["torch"],
+                "version": "2.99.0",
+                "digest": "1" * 64,
+            }
+
+    head = plan(toy, lock=_lock(toy, tmp_path, bump_torch))
+    t = by_label(head)[MLP8]
+    assert t["status"] == "trace" and t["key"] is None
+    assert t["reasons"][0]["code"] == "graph-unknown"
+    d = diff_plans(base, head)
+    entry = next(e for e in d["entries"] if e["label"] == MLP8)
+    assert entry["certain"] and entry["remint"]
+    assert "re-mint certain" in entry["detail"] and "torch" in entry["detail"] and "2.99.0" in entry["detail"]
+
+
+def test_cuda_target_with_cpu_torch_is_blocked(toy: Path) -> None:
+    edit(toy / "Cgfile", 'skus = ["cpu"]', 'skus = ["cpu", "h200"]')
+    edit(toy / "Cgfile", "[layout.fp32]", '[sku.h200]\nsm = "sm_90"\nmemory_gib = 141\n\n[layout.fp32]')
+    p = plan(toy, ":h200")
+    assert {t["status"] for t in p["targets"]} == {"blocked"}
+    assert {t["reasons"][0]["code"] for t in p["targets"]} == {"no-cuda-torch"}
+
+
+def test_warm_plan_does_not_import_torch(toy: Path) -> None:
+    assert cli(toy, "plan").returncode == 0
+    code = (
+        "import sys; from cgbuild.cli import main; rc = main(['-C', sys.argv[1], 'plan', '--json']); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(toy)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "tracing" not in proc.stderr
+
+
+def test_why_separates_root_causes(toy: Path) -> None:
+    plan(toy)
+    edit(toy / "toy_models.py", "self.act = nn.GELU()", "self.act = nn.GELU(approximate='tanh')")
+    out = cli(toy, "why", MLP8)
+    assert out.returncode == 0, out.stderr
+    root, _, propagated = out.stdout.partition("propagated")
+    assert "trace-input-moved" in root
+    assert "graph:" in propagated and "missing-from-store" in propagated
+
+
+def test_diff_cli_exit_code_and_formats(toy: Path, tmp_path: Path) -> None:
+    base = tmp_path / "base.json"
+    head = tmp_path / "head.json"
+    assert cli(toy, "plan", "-o", str(base)).returncode == 0
+    edit(toy / "Cgfile", 'shapes = ["32x32"]', 'shapes = ["32x32", "64x64"]')
+    assert cli(toy, "plan", "-o", str(head)).returncode == 0
+    same = cli(toy, "diff", str(base), str(base), "--exit-code")
+    assert same.returncode == 0 and "no target moved" in same.stdout
+    moved = cli(toy, "diff", str(base), str(head), "--exit-code", "--format", "markdown")
+    assert moved.returncode == 1
+    assert "`//toy/conv/64x64-b2@fp32:cpu`" in moved.stdout and "**toy**" in moved.stdout
+    bad = cli(toy, "diff", str(base), str(toy / "Cgfile"))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_query_outputs(toy: Path) -> None:
+    dot = cli(toy, "query", "//toy/mlp", "--output", "dot")
+    assert dot.returncode == 0 and dot.stdout.startswith("digraph cgbuild")
+    assert '"sources://toy" -> "trace://toy/mlp/8x64-b1@fp32:cpu"' in dot.stdout
+    data = json.loads(cli(toy, "query", "//...", "--output", "json").stdout)
+    assert [t["label"] for t in data["targets"]] == [MLP8, MLP16, CONV]
