@@ -28,7 +28,9 @@ silently falls back to scalar code): `cgbuild.compiler.isa_refusal` says so befo
 CPU code also specialises on the compiling host's thread count (`parallel_num_threads()` decides
 parallel depth and bakes `num_threads(N)` into kernels), so two machines with one toolchain would
 emit different kernels. `cpp.dynamic_threads` keeps the count a runtime value, and `cpp.threads`
-fixes the count the heuristics plan for, whatever the mint host has.
+fixes the count the heuristics plan for, whatever the mint host has. Checked: one graph compiled
+under OMP_NUM_THREADS=1 and =2 gives different kernels by default, and the same kernels (comments
+aside) with these two settings.
 """
 
 from __future__ import annotations
