@@ -1,0 +1,559 @@
+"""The mint rule: compile ONE key's AOTInductor package, prove it, and seal it.
+
+`python -m cgbuild_rules.mint` reads one JSON request on stdin and writes one JSON result line
+on stdout (torch's own prints go to stderr). The worker itself never imports torch: it runs two
+stage children and seals what they produced, so a segfault, an OOM kill or a hang in torch is a
+typed failure of a stage, never a lost result.
+
+1. `compile` stage, in a scrubbed, declared environment (`cgbuild.policy`) with the chosen host
+   compiler as `CXX` and the temp and Inductor cache folders inside a sandbox at a FIXED path:
+   (a) refuses a key whose device this machine does not have (`wrong-device`, naming the sm);
+   (b) re-derives the toolchain (`cgbuild.toolchain.probe`) and the graph digest (trace rule,
+   mode `empty`) and refuses `toolchain-drift` / `graph-drift` (old → new) when they differ from
+   the key it was asked to build, so a drifted worker image never seals under a wrong key;
+   (c) compiles weightless under the one compile policy; (d) normalizes the package (below).
+2. `verify` stage, in a fresh process: loads the normalized package through the real loader,
+   binds the entry's seed-0 random weights by FQN (user-managed, never calling before binding:
+   that segfaults), runs the entry's inputs and compares with eager under a per-dtype tolerance.
+3. Only then the worker writes the metadata and seals (`cgbuild.seal`).
+
+Normalization, measured on torch 2.13 CPU with two compiles of one graph: the package's
+top-level folder is its file's basename (fixed: `model`); each generated `.cpp` gets `// Compile
+cmd` / `// Link cmd` comment blocks with absolute cache, temp and include paths appended, one more
+block per warm-cache compile (stripped); the `// Triton kernels are embedded as comments in
+<path>` line names the sandbox (replaced by `<sandbox>`); `.data/serialization_id` is derived from
+the records' contents (recomputed by rewriting with torch's own archive writer, records sorted).
+The `.so` and the kernel file names depend on the cache path, which is why the sandbox path is
+fixed; the `.so` line tables (`-g1`) also carry torch's include folder, so machines must install
+torch at the same path for byte-identical packages (`mint --check` names the members that differ).
+
+Failures are typed: `retryable` ones (`oom`, `worker-killed`, `worker-signal`, `timeout`) may
+succeed on another attempt; the others (refusals, compile errors, verification mismatch) will
+not. Phase timings go in the result line, never in the sealed bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import cgbuild
+from cgbuild import compiler, policy
+from cgbuild.seal import LITERALS, PACKAGE, diff_artifacts, member_digests, read_metadata, seal
+
+REQUEST_SCHEMA = "cgbuild.mint-request/1"
+ARTIFACT_SCHEMA = "cgbuild.artifact/1"
+ARTIFACT_KIND = "aot-inductor"
+DEFAULT_SANDBOX = "/tmp/cgbuild-sandbox"
+RETRYABLE = frozenset({"oom", "worker-killed", "worker-signal", "timeout"})
+FAULT_ENV = "CGBUILD_MINT_FAULT"  # test hook: "<stage>:<SIGNAL>" makes that stage kill itself
+TRACE_ONLY = ("diffusers", "transformers", "peft")
+# Relative RMS error allowed against eager, by output dtype (as text: identity blocks hold no
+# floats). fp32 compiles measured ~1e-7; klein-4B bf16 measured 2.3% from rounding alone.
+TOLERANCE = {"float32": "1e-4", "float64": "1e-9", "float16": "1e-2", "bfloat16": "5e-2"}
+_REQUIRED = ("id", "key", "job", "sm", "graph_digest", "toolchain", "out")
+
+
+class MintFailure(Exception):
+    """A typed mint failure; `extra` carries fields like `old`/`new` for drift."""
+
+    def __init__(self, code: str, detail: str, **extra: Any) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+        self.extra = extra
+
+    def result(self, job_id: Any, phase: str) -> dict[str, Any]:
+        return {
+            "id": job_id,
+            "ok": False,
+            "code": self.code,
+            "retryable": self.code in RETRYABLE,
+            "phase": phase,
+            "detail": self.detail,
+            **self.extra,
+        }
+
+
+# ---- the worker (no torch) ---------------------------------------------------------------------
+def _check_request(req: Any) -> None:
+    if not isinstance(req, dict) or req.get("schema") != REQUEST_SCHEMA:
+        raise MintFailure("bad-request", f"schema must be {REQUEST_SCHEMA!r}")
+    missing = [k for k in _REQUIRED if k not in req]
+    if missing:
+        raise MintFailure("bad-request", f"missing {', '.join(missing)}")
+    device = (req["job"].get("spec") or {}).get("device")
+    platform_ = req["toolchain"].get("platform")
+    if (req["sm"] == "cpu") != (device == "cpu") or platform_ != device:
+        raise MintFailure(
+            "bad-request",
+            f"sm {req['sm']!r}, job device {device!r} and toolchain platform {platform_!r} disagree",
+        )
+
+
+@contextlib.contextmanager
+def _sandbox(path: Path, fresh: bool) -> Iterator[None]:
+    """Hold the sandbox: shared by warm mints; exclusive (and emptied) for a fresh one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if fresh else fcntl.LOCK_SH)
+        if fresh:
+            shutil.rmtree(path, ignore_errors=True)
+        for sub in ("tmp", "inductor", "triton"):
+            (path / sub).mkdir(parents=True, exist_ok=True)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(code).name
+    except ValueError:
+        return f"signal {code}"
+
+
+def run_stage(stage: str, work: Path, env: Mapping[str, str], timeout_s: float) -> dict[str, Any]:
+    """Run one stage child; return its result, or raise a typed failure for how it died."""
+    result_path = work / f"{stage}.json"
+    result_path.unlink(missing_ok=True)
+    with open(work / f"{stage}.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cgbuild_rules.mint", "--stage", stage, str(work)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+        )
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise MintFailure("timeout", f"{stage} stage ran past {timeout_s:.0f} s") from None
+    if result_path.exists():
+        result = json.loads(result_path.read_text())
+        if not result.get("ok"):
+            extra = {k: v for k, v in result.items() if k not in ("ok", "code", "detail")}
+            raise MintFailure(result["code"], result["detail"], **extra)
+        return result
+    tail = " | ".join((work / f"{stage}.log").read_text(errors="replace").strip().splitlines()[-3:])
+    if code < 0:
+        name = _signal_name(-code)
+        kind = "worker-killed" if -code == signal.SIGKILL else "worker-signal"
+        why = " (out of memory?)" if kind == "worker-killed" else ""
+        raise MintFailure(
+            kind, f"{stage} stage killed by {name}{why}" + (f": {tail}" if tail else ""), signal=name
+        )
+    if any(s in tail for s in ("MemoryError", "out of memory", "std::bad_alloc")):
+        raise MintFailure("oom", f"{stage} stage ran out of memory: {tail}")
+    raise MintFailure("stage-error", f"{stage} stage exited with status {code} and no result: {tail}")
+
+
+def _metadata(req: Mapping[str, Any], built: Mapping[str, Any]) -> dict[str, Any]:
+    """The sealed metadata: discrete facts only (no clocks, no paths, no measured errors)."""
+    components = built["toolchain"]["components"]
+    return {
+        "schema": ARTIFACT_SCHEMA,
+        "kind": ARTIFACT_KIND,
+        "key": req["key"],
+        "axes": req.get("axes") or {},
+        "graph": {"digest": built["graph_digest"], "contract": built["contract"], "nodes": built["nodes"]},
+        "facets": req.get("facets") or [],
+        "stamp": req.get("stamp"),
+        "sm": req["sm"],
+        "device": req["job"]["spec"]["device"],
+        "toolchain": built["toolchain"],
+        "policy": built["policy"],
+        "host": {
+            "isa": components["isa"],
+            "aoti_cpu_isa": built["aoti"].get("AOTI_CPU_ISA", ""),
+            "runtime": built["aoti"]["runtime"],
+            "cxx": {k: components["cxx"][k] for k in ("family", "version", "banner")},
+        },
+        "torch": built["torch"],
+        "cgbuild": cgbuild.__version__,
+        "constants": built["constants"],
+        "verify": {"metric": "rel-rms", "tolerance": TOLERANCE},
+        "forensics": built["forensics"],
+    }
+
+
+def mint(req: dict[str, Any]) -> dict[str, Any]:
+    """Run one mint request to its result line (never raises for the key's own failure)."""
+    start = time.perf_counter()
+    phase = "request"
+    try:
+        _check_request(req)
+        key = req["key"]
+        out = Path(req["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        work = out / f".mint-{key[:16]}-{os.getpid()}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        sandbox = Path(req.get("sandbox") or DEFAULT_SANDBOX)
+        cxx = compiler.choose_cxx(req.get("cxx"))
+        env = policy.mint_environment(
+            os.environ,
+            {
+                "TMPDIR": str(sandbox / "tmp"),
+                "TORCHINDUCTOR_CACHE_DIR": str(sandbox / "inductor"),
+                "TRITON_CACHE_DIR": str(sandbox / "triton"),
+            },
+        )
+        env["CXX"] = cxx
+        (work / "request.json").write_text(json.dumps({**req, "cxx_path": cxx, "sandbox": str(sandbox)}))
+        timeout = float(req.get("timeout_s") or 3600)
+        phase = "compile"
+        with _sandbox(sandbox, bool(req.get("fresh"))):
+            built = run_stage("compile", work, env, timeout)
+        phase = "verify"
+        (work / "tmp").mkdir()
+        checked = run_stage("verify", work, {**env, "TMPDIR": str(work / "tmp")}, timeout)
+        phase = "seal"
+        t = time.perf_counter()
+        members = {PACKAGE: work / PACKAGE}
+        if (work / LITERALS).exists():
+            members[LITERALS] = work / LITERALS
+        artifact = out / f"{key}.tar.gz"
+        sha = seal(artifact, _metadata(req, built), members)
+        if read_metadata(artifact)["key"] != key:
+            raise MintFailure("seal-failed", "sealed metadata does not read back with its key")
+        seal_s = time.perf_counter() - t
+        result: dict[str, Any] = {
+            "id": req["id"],
+            "ok": True,
+            "key": key,
+            "artifact": str(artifact),
+            "sha256": sha,
+            "size": artifact.stat().st_size,
+            "members": member_digests(artifact),
+            "verify": checked["errors"],
+            "phases": {
+                **built["seconds"],
+                "verify": checked["seconds"],
+                "seal": round(seal_s, 3),
+                "total": round(time.perf_counter() - start, 3),
+            },
+        }
+        if req.get("compare_with"):
+            differing = diff_artifacts(req["compare_with"], artifact)
+            result["reproducible"] = not differing
+            result["differing"] = differing
+        shutil.rmtree(work, ignore_errors=True)
+        return result
+    except MintFailure as e:
+        return e.result(req.get("id") if isinstance(req, dict) else None, phase)
+    except compiler.CompilerError as e:
+        return MintFailure("wrong-host", str(e)).result(req.get("id"), phase)
+    except Exception as e:  # the worker must answer, whatever broke
+        return MintFailure("mint-error", f"{type(e).__name__}: {e}").result(
+            req.get("id") if isinstance(req, dict) else None, phase
+        )
+
+
+# ---- stages (torch) ----------------------------------------------------------------------------
+def _fault(stage: str) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec.partition(":")[0] == stage:
+        os.kill(os.getpid(), getattr(signal, spec.partition(":")[2] or "SIGKILL"))
+
+
+def _device_refusal(device: str, sm: str) -> None:
+    import torch
+
+    if device == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise MintFailure(
+            "wrong-device", f"key needs {sm} (cuda); this machine has no CUDA device", needed=sm, found="cpu"
+        )
+    major, minor = torch.cuda.get_device_capability()
+    here = f"sm_{major}{minor}"
+    if here != sm:
+        raise MintFailure(
+            "wrong-device", f"key needs {sm}; this machine's device is {here}", needed=sm, found=here
+        )
+
+
+def _toolchain(req: Mapping[str, Any]) -> dict[str, Any]:
+    from cgbuild import toolchain
+
+    expected = req["toolchain"]
+    plat = expected["platform"]
+    block = toolchain.probe(req.get("cxx"))[plat]
+    here = {"platform": plat, "fold": toolchain.fold(block["components"]), "components": block["components"]}
+    if here["fold"] != expected["fold"]:
+        changes = toolchain.component_changes(expected.get("components") or {}, here["components"])
+        lines = [toolchain.format_change(c) for c in changes] or ["components unknown to the request"]
+        raise MintFailure(
+            "toolchain-drift",
+            f"toolchain {plat} moved: {'; '.join(lines)}",
+            old=expected["fold"],
+            new=here["fold"],
+            changes=lines,
+        )
+    refusal = compiler.isa_refusal(here["components"]["isa"])
+    if refusal:
+        raise MintFailure("wrong-host", refusal)
+    return here
+
+
+def _check_clamp(text: str, march: str | None) -> None:
+    """Every compile command Inductor recorded must carry the policy's -march (never native)."""
+    flags = {tok for tok in text.split() if tok.startswith("-march=")}
+    if march is not None and flags and flags != {f"-march={march}"}:
+        raise MintFailure("clamp-not-applied", f"compile used {sorted(flags)}, policy says -march={march}")
+
+
+def _strip_cpp(text: str, sandbox: str) -> str:
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if line == "// Compile cmd" and all(not rest.strip() or rest.startswith("//") for rest in lines[i:]):
+            lines = lines[:i]
+            break
+    return ("\n".join(lines).rstrip("\n") + "\n").replace(sandbox, "<sandbox>")
+
+
+def normalize_package(src: Path, dest: Path, sandbox: str, march: str | None) -> dict[str, Any]:
+    """Rewrite an AOTI package so it reproduces byte for byte (see the module docstring).
+
+    Returns the package's AOTI metadata (device key, CPU ISA) read from its records, and under
+    `runtime` the highest GLIBC/GLIBCXX/CXXABI versions its `.so` files require.
+    """
+    import zipfile
+
+    import torch
+    from cgbuild_rules.loader import required_runtime
+
+    writer_owned = {".data/version", ".data/serialization_id", "byteorder"}
+    with zipfile.ZipFile(src) as z:
+        records = {info.filename.split("/", 1)[1]: z.read(info) for info in z.infolist()}
+    if dest.name != PACKAGE:
+        raise ValueError(f"the package must be written as {PACKAGE} (its top-level folder is its name)")
+    aoti: dict[str, Any] = {}
+    for name, data in records.items():
+        if name.endswith(".wrapper_metadata.json"):
+            aoti.update(json.loads(data))
+    aoti["runtime"] = required_runtime(b"".join(d for n, d in sorted(records.items()) if n.endswith(".so")))
+    writer = torch._C.PyTorchFileWriter(str(dest))
+    writer.set_min_version(6)
+    for name in sorted(records):
+        if name in writer_owned:
+            continue
+        data = records[name]
+        if name.endswith(".cpp"):
+            text = data.decode()
+            _check_clamp(text, march)
+            data = _strip_cpp(text, sandbox).encode()
+        writer.write_record(name, data, len(data))
+    writer.write_end_of_file()
+    return aoti
+
+
+def _constants_table(ep: Any) -> dict[str, list[dict[str, Any]]]:
+    """State constants (bound from the live module at adopt) and literals (sealed), with layout."""
+    from cgbuild_rules.digest import dtype_name
+
+    table: dict[str, list[dict[str, Any]]] = {"state": [], "literal": []}
+    for s in ep.graph_signature.input_specs:
+        kind = s.kind.name
+        if kind == "PARAMETER" or (kind == "BUFFER" and s.persistent is not False):
+            group, t = "state", ep.state_dict[s.target]
+        elif kind in ("BUFFER", "CONSTANT_TENSOR"):
+            group, t = "literal", ep.constants[s.target]
+        else:
+            continue
+        table[group].append(
+            {
+                "fqn": str(s.target),
+                "dtype": dtype_name(t.dtype),
+                "shape": [int(d) for d in t.shape],
+                "stride": [int(d) for d in t.stride()],
+            }
+        )
+    return {g: sorted(rows, key=lambda r: r["fqn"]) for g, rows in table.items()}
+
+
+def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
+    _fault("compile")
+    import importlib.metadata as md
+
+    import torch
+    from cgbuild_rules import trace
+
+    job = trace.parse_job(req["job"])
+    _device_refusal(job.device, req["sm"])
+    tc = _toolchain(req)
+    t = time.perf_counter()
+    ep, facts = trace.export_job(job, "empty")
+    export_s = time.perf_counter() - t
+    if facts["graph_digest"] != req["graph_digest"]:
+        raise MintFailure(
+            "graph-drift",
+            f"graph digest {req['graph_digest'][:12]} → {facts['graph_digest'][:12]}: "
+            "this machine traces a different program than the key was built for",
+            old=req["graph_digest"],
+            new=facts["graph_digest"],
+        )
+    arch = compiler.normalize_arch(platform.machine())
+    configs: dict[str, Any] = policy.inductor_configs(arch)
+    applied = dict(configs)
+    configs["cpp.cxx"] = (None, req["cxx_path"])
+    t = time.perf_counter()
+    raw = work / "raw" / PACKAGE
+    raw.parent.mkdir(exist_ok=True)
+    try:
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=configs)
+    except MemoryError as e:
+        raise MintFailure("oom", f"compile ran out of memory: {e}") from None
+    except Exception as e:
+        raise MintFailure("compile-failed", f"{type(e).__name__}: {trace._one_line(str(e))}") from None
+    clamp = policy.isa_clamp(arch)
+    aoti = normalize_package(raw, work / PACKAGE, req["sandbox"], str(clamp["march"]) if clamp else None)
+    compile_s = time.perf_counter() - t
+    table = _constants_table(ep)
+    if table["literal"]:
+        from safetensors.torch import save_file
+
+        values = {r["fqn"]: ep.constants[r["fqn"]].detach().contiguous().cpu() for r in table["literal"]}
+        save_file(values, str(work / LITERALS))
+    forensics: dict[str, str] = {"python": ".".join(platform.python_version_tuple()[:2])}
+    for dist in TRACE_ONLY:
+        with contextlib.suppress(md.PackageNotFoundError):
+            forensics[dist] = md.version(dist)
+    return {
+        "ok": True,
+        "graph_digest": facts["graph_digest"],
+        "contract": facts["contract"],
+        "nodes": facts["nodes"],
+        "toolchain": tc,
+        "policy": applied,
+        "constants": table,
+        "aoti": aoti,
+        "torch": torch.__version__,
+        "forensics": forensics,
+        "seconds": {"export": round(export_s, 3), "compile": round(compile_s, 3)},
+    }
+
+
+def _rel_rms(got: Any, want: Any) -> float:
+
+    diff = (got.double() - want.double()).pow(2).mean().sqrt()
+    return float(diff / want.double().pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def stage_verify(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
+    _fault("verify")
+    import torch
+    from cgbuild_rules import trace
+    from cgbuild_rules.loader import Package
+    from torch.utils import _pytree as pytree
+
+    t = time.perf_counter()
+    job = trace.parse_job(req["job"])
+    built = trace.build(job, "real")
+    literals: dict[str, torch.Tensor] = {}
+    if (work / LITERALS).exists():
+        from safetensors.torch import load_file
+
+        literals = {k: v.to(job.device) for k, v in load_file(str(work / LITERALS)).items()}
+        for fqn, value in literals.items():
+            trace._set_attribute(built.module, fqn, value)
+    with torch.no_grad():
+        want = built.module(*built.args, **built.kwargs)
+    package = Package(work / PACKAGE)
+    live = {**dict(built.module.named_parameters()), **dict(built.module.named_buffers()), **literals}
+    missing = sorted(set(package.constant_fqns) - set(live))
+    if missing:
+        raise MintFailure(
+            "constant-table-mismatch", f"the package needs constants the module lacks: {missing[:5]}"
+        )
+    package.bind({fqn: live[fqn] for fqn in package.constant_fqns})
+    with torch.no_grad():
+        got = package(*built.args, **built.kwargs)
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    want_leaves, want_spec = pytree.tree_flatten(want)
+    if got_spec != want_spec:
+        raise MintFailure("verify-mismatch", f"output structure {got_spec} differs from eager {want_spec}")
+    errors = []
+    for i, (g, w) in enumerate(zip(got_leaves, want_leaves, strict=True)):
+        if not isinstance(w, torch.Tensor):
+            continue
+        if g.shape != w.shape or g.dtype != w.dtype:
+            raise MintFailure(
+                "verify-mismatch", f"output {i}: {g.dtype}{list(g.shape)} vs eager {w.dtype}{list(w.shape)}"
+            )
+        tol = float(TOLERANCE.get(str(w.dtype).removeprefix("torch."), "1e-2"))
+        if not torch.equal(torch.isfinite(g), torch.isfinite(w)):
+            raise MintFailure("verify-mismatch", f"output {i}: non-finite values differ from eager")
+        finite = torch.isfinite(w)
+        err = _rel_rms(g[finite], w[finite]) if finite.any() else 0.0
+        if err > tol:
+            raise MintFailure(
+                "verify-mismatch", f"output {i}: relative RMS error {err:.3g} > {tol:g} ({w.dtype})"
+            )
+        errors.append(
+            {"output": i, "rel_rms": err, "max_abs": float((g - w).abs().max()) if g.numel() else 0.0}
+        )
+    return {"ok": True, "errors": errors, "seconds": round(time.perf_counter() - t, 3)}
+
+
+def _stage_main(stage: str, work: Path) -> int:
+    req = json.loads((work / "request.json").read_text())
+    fn = {"compile": stage_compile, "verify": stage_verify}[stage]
+    try:
+        result = fn(req, work)
+    except MintFailure as e:
+        result = {"ok": False, "code": e.code, "detail": e.detail, **e.extra}
+    except MemoryError as e:
+        result = {"ok": False, "code": "oom", "detail": f"{stage}: {e}"}
+    except Exception as e:
+        from cgbuild_rules.digest import TraceError
+
+        code = getattr(e, "code", "trace-failed") if isinstance(e, TraceError) else f"{stage}-failed"
+        result = {
+            "ok": False,
+            "code": code,
+            "detail": f"{type(e).__name__}: {' '.join(str(e).split())[:600]}",
+        }
+    tmp = work / f".{stage}.json.tmp"
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, work / f"{stage}.json")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Worker: one request on stdin, one result line on stdout. `--stage NAME DIR` runs a stage."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--stage"]:
+        return _stage_main(args[1], Path(args[2]))
+    proto = os.fdopen(os.dup(1), "w", encoding="ascii")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        req = json.loads(sys.stdin.read())
+    except ValueError as e:
+        req = None
+        result = MintFailure("bad-request", f"not JSON: {e}").result(None, "request")
+    if req is not None:
+        result = mint(req)
+    proto.write(json.dumps(result, sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n")
+    proto.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
