@@ -1,0 +1,178 @@
+"""`cgbuild mint LABEL`: compile, verify, seal and admit every key the label selects that must be minted.
+
+`--plan PLAN.json` mints exactly the keys a recorded plan approved (a key that moved since is
+refused, not minted under the new identity). `--check` re-mints stored keys in a fresh sandbox
+and compares the bytes member by member.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from .cli import add_workspace_args, workspace
+from .errors import UserError
+from .labels import parse_selector
+from .output import console, print_json, progress_bar
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("label", nargs="?", help="label or selector (required unless --plan)")
+    add_workspace_args(p)
+    p.add_argument("--plan", metavar="PLAN.json", help="mint exactly the keys this recorded plan approved")
+    p.add_argument(
+        "--check", action="store_true", help="re-mint stored keys in a fresh sandbox; compare bytes"
+    )
+    p.add_argument("-j", "--jobs", type=int, help="keys minted at once (default: by cores and memory)")
+    p.add_argument("--json", action="store_true", help="print one JSON summary")
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import mint
+    from .planner import make_plan
+
+    if not args.label and not args.plan:
+        raise UserError("name a label (e.g. //toy:cpu) or --plan PLAN.json", field="label")
+    ws = workspace(args)
+    update, close = progress_bar("tracing")
+    try:
+        plan = make_plan(ws, parse_selector(args.label or "//..."), progress=update)
+    finally:
+        close()
+    refused: list[dict[str, Any]] = []
+    if args.plan:
+        recorded = mint.recorded_plan_keys(args.plan)
+        for t in plan["targets"]:
+            if t["label"] in recorded and t["key"] != recorded[t["label"]]:
+                refused.append(
+                    {
+                        "label": t["label"],
+                        "code": "plan-stale",
+                        "detail": f"key moved since the plan was approved "
+                        f"({recorded[t['label']][:12]} → {(t['key'] or 'unknown')[:12]})",
+                    }
+                )
+        plan = {**plan, "targets": [t for t in plan["targets"] if recorded.get(t["label"]) == t["key"]]}
+    for t in plan["targets"]:
+        if t["status"] in ("blocked", "trace"):
+            r = t["reasons"][0]
+            refused.append({"label": t["label"], "code": r["code"], "detail": r["detail"]})
+
+    if args.check:
+        return _check(args, ws, plan, refused)
+    keys = mint.approved(plan, ws)
+    fresh = sum(1 for t in plan["targets"] if t["status"] == "fresh")
+    started = time.perf_counter()
+    results = mint.mint_keys(ws, keys, jobs=args.jobs or mint.default_jobs(), on_event=_events(len(keys)))
+    failed = [mk for mk in results if not mk.result.get("ok")]
+    summary = {
+        "schema": "cgbuild.mint-summary/1",
+        "minted": [
+            {
+                "key": mk.key,
+                "labels": mk.labels,
+                "admission": mk.result.get("admission"),
+                "phases": mk.result.get("phases"),
+            }
+            for mk in results
+            if mk.result.get("ok")
+        ],
+        "failed": [
+            {
+                "key": mk.key,
+                "labels": mk.labels,
+                **{k: mk.result.get(k) for k in ("code", "retryable", "phase", "detail")},
+            }
+            for mk in failed
+        ],
+        "refused": refused,
+        "fresh": fresh,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    if args.json:
+        print_json(summary)
+    else:
+        _show(summary, ws)
+    return 1 if failed or refused else 0
+
+
+def _events(total: int):  # -> Callable[[MintKey, str], None]
+    update, close = progress_bar("minting")
+    done = 0
+
+    def on_event(mk: Any, phase: str) -> None:
+        nonlocal done
+        if phase in ("done", "failed"):
+            done += 1
+        update(
+            done,
+            total,
+            f"{mk.labels[0]}{' +' + str(len(mk.labels) - 1) if len(mk.labels) > 1 else ''}: {phase}",
+        )
+        if done == total:
+            close()
+
+    return on_event
+
+
+def _show(summary: dict[str, Any], ws: Any) -> None:
+    out = console()
+    n_min, n_fail, n_ref = len(summary["minted"]), len(summary["failed"]), len(summary["refused"])
+    out.print(
+        f"{n_min} minted, {summary['fresh']} already fresh, {n_fail} failed, {n_ref} refused "
+        f"({summary['seconds']:.1f} s) into {ws.cg.store_dir}"
+    )
+    for m in summary["minted"]:
+        phases = ", ".join(
+            f"{k} {v:.1f}s" for k, v in (m["phases"] or {}).items() if isinstance(v, int | float)
+        )
+        out.print(f"  [green]minted[/] {m['key'][:12]} {' '.join(m['labels'])} ({phases})")
+    for f in summary["failed"]:
+        kind = "retryable" if f["retryable"] else "deterministic"
+        out.print(
+            f"  [red]failed[/] {f['key'][:12]} {' '.join(f['labels'])}: {f['code']} ({kind}, "
+            f"phase {f['phase']}): {f['detail']}"
+        )
+    for r in summary["refused"]:
+        out.print(f"  [red]refused[/] {r['label']}: {r['code']}: {r['detail']}")
+
+
+def _check(args: argparse.Namespace, ws: Any, plan: dict[str, Any], refused: list[dict[str, Any]]) -> int:
+    from . import mint
+
+    keys = mint.approved(plan, ws, statuses=("fresh",))
+    if not keys:
+        raise UserError(
+            "nothing to check: no selected target has a stored artifact (mint it first)", field="label"
+        )
+    bad = 0
+    reports = []
+    for mk in keys:
+        result = mint.check_key(ws, mk)
+        same = bool(result.get("ok") and result.get("reproducible"))
+        bad += not same
+        reports.append(
+            {
+                "key": mk.key,
+                "labels": mk.labels,
+                "reproducible": same,
+                "differing": result.get("differing"),
+                "error": None if result.get("ok") else result,
+            }
+        )
+    if args.json:
+        print_json({"schema": "cgbuild.mint-check/1", "checks": reports, "refused": refused})
+    else:
+        out = console()
+        for r in reports:
+            if r["reproducible"]:
+                out.print(f"[green]byte-identical[/] {r['key'][:12]} {' '.join(r['labels'])}")
+            elif r["error"]:
+                out.print(
+                    f"[red]re-mint failed[/] {r['key'][:12]}: {r['error'].get('code')}: "
+                    f"{r['error'].get('detail')}"
+                )
+            else:
+                out.print(f"[red]differs[/] {r['key'][:12]}: members {', '.join(r['differing'] or [])}")
+    return 1 if bad else 0

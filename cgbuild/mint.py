@@ -1,0 +1,241 @@
+"""Minting what a plan approved: one child per key, parallel within the machine, durable records.
+
+Targets that share a key mint once; the artifact covers every facet of them. Each key runs in
+its own `python -m cgbuild_rules.mint` child (a crash there is a typed failure here), its stderr
+goes to a log beside its record, and the record (`<state>/mint/<key>.json`: labels, phases with
+timings, failure class, log path) is written atomically when the key starts and when it ends, so
+a killed run leaves an honest trail and a re-run resumes: admitted keys read `fresh` and are
+skipped. Admission is mint-once: a different artifact for an admitted key is reported, never
+written over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import environment
+from .errors import UserError
+from .planner import Workspace, trace_job
+from .store import Store
+from .targets import Target, expand
+
+RECORD_SCHEMA = "cgbuild.mint-record/1"
+RETRYABLE = {"oom", "worker-killed", "worker-signal", "timeout", "worker-crashed"}
+GIB = 1 << 30
+
+
+@dataclass
+class MintKey:
+    """One key to mint and every plan target it serves."""
+
+    key: str
+    entries: list[dict[str, Any]]
+    target: Target
+    toolchain: dict[str, Any]
+    result: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def labels(self) -> list[str]:
+        return [e["label"] for e in self.entries]
+
+
+def default_jobs() -> int:
+    """Parallel mints: a compile wants ~2 cores and a few GiB; never more than the machine has."""
+    cores = os.cpu_count() or 1
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        avail = 8 * GIB
+    return max(1, min(cores // 2, int(avail // (4 * GIB))))
+
+
+def approved(plan: dict[str, Any], ws: Workspace, statuses: tuple[str, ...] = ("mint",)) -> list[MintKey]:
+    """Group the plan's targets of these statuses by key (one mint per key)."""
+    targets = {t.label: t for t in expand(ws.cg)}
+    groups: dict[str, MintKey] = {}
+    for entry in plan["targets"]:
+        if entry["status"] not in statuses or not entry["key"]:
+            continue
+        target = targets.get(entry["label"])
+        if target is None:
+            raise UserError(f"{entry['label']} is in the plan but not in the Cgfile", field="targets")
+        platform = target.device
+        tc = plan["toolchains"][platform]
+        mk = groups.setdefault(
+            entry["key"],
+            MintKey(
+                entry["key"],
+                [],
+                target,
+                {"platform": platform, "fold": tc["fold"], "components": tc["components"]},
+            ),
+        )
+        mk.entries.append(entry)
+    return list(groups.values())
+
+
+def recorded_plan_keys(path: str) -> dict[str, str]:
+    """label → key of the targets a recorded plan marked `mint`."""
+    try:
+        with open(path) as f:
+            plan = json.load(f)
+    except FileNotFoundError:
+        raise UserError("no such plan file", file=path) from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"not JSON: {exc.msg}", file=path, line=exc.lineno) from None
+    if not isinstance(plan, dict) or plan.get("schema") != "cgbuild.plan/1":
+        raise UserError("not a cgbuild plan (expected schema 'cgbuild.plan/1')", file=path, field="schema")
+    return {t["label"]: t["key"] for t in plan["targets"] if t.get("status") == "mint" and t.get("key")}
+
+
+def _write_record(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f, sort_keys=True, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _device_refusal(mk: MintKey) -> dict[str, Any] | None:
+    """A CUDA key on a machine whose torch cannot run CUDA is refused before any child starts."""
+    if mk.target.device == "cpu":
+        return None
+    build = environment.torch_build()
+    if build and build.get("cuda"):
+        return None  # the child checks the actual device and its sm
+    skus = ", ".join(mk.entries[0]["skus"])
+    return {
+        "ok": False,
+        "code": "wrong-device",
+        "retryable": False,
+        "phase": "request",
+        "detail": f"{mk.key[:12]} needs an {mk.target.id.sm} GPU ({skus}); this machine has none "
+        f"(torch {build['version'] if build else 'absent'} is a CPU build)",
+    }
+
+
+def request_for(ws: Workspace, mk: MintKey, out: Path, **extra: Any) -> dict[str, Any]:
+    first = mk.entries[0]
+    return {
+        "schema": "cgbuild.mint-request/1",
+        "id": mk.key,
+        "key": mk.key,
+        "labels": mk.labels,
+        "job": {**trace_job(ws, mk.target), "id": mk.key},
+        "sm": mk.target.id.sm,
+        "graph_digest": first["axes"]["graph"]["digest"],
+        "toolchain": mk.toolchain,
+        "axes": first["axes"],
+        "facets": [e["envelope"] for e in mk.entries],
+        "stamp": first["stamp"],
+        "cxx": ws.cg.cxx,
+        "out": str(out),
+        **extra,
+    }
+
+
+def run_worker(request: dict[str, Any], log: Path) -> dict[str, Any]:
+    """One mint child; its stderr goes to `log`; a child that dies still yields a typed result."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as err:
+        proc = subprocess.run(
+            [sys.executable, "-m", "cgbuild_rules.mint"],
+            input=json.dumps(request),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return dict(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+    return {
+        "ok": False,
+        "code": "worker-crashed",
+        "retryable": True,
+        "phase": "worker",
+        "detail": f"mint worker {how} without a result (log: {log})",
+    }
+
+
+def mint_keys(
+    ws: Workspace, keys: list[MintKey], *, jobs: int, on_event: Callable[[MintKey, str], None] | None = None
+) -> list[MintKey]:
+    """Mint, admit and record each key; returns them with `result` filled."""
+    store = Store(ws.cg.store_dir)
+    records = ws.state / "mint"
+    build = ws.state / "build"
+
+    def one(mk: MintKey) -> MintKey:
+        record_path = records / f"{mk.key}.json"
+        log = records / f"{mk.key}.log"
+        record = {
+            "schema": RECORD_SCHEMA,
+            "key": mk.key,
+            "labels": mk.labels,
+            "state": "running",
+            "started": time.time(),
+            "log": str(log),
+        }
+        _write_record(record_path, record)
+        if on_event:
+            on_event(mk, "minting")
+        result = _device_refusal(mk) or run_worker(request_for(ws, mk, build), log)
+        if result.get("ok"):
+            if on_event:
+                on_event(mk, "admitting")
+            admission = store.admit(mk.key, result["artifact"], metadata={"labels": mk.labels})
+            result["admission"] = admission.status
+            if admission.status == "conflict":
+                result.update(
+                    ok=False,
+                    code="conflict",
+                    retryable=False,
+                    phase="admit",
+                    detail=f"the store already holds a different artifact for {mk.key[:12]} "
+                    f"({admission.existing}); it stands (mint-once)",
+                )
+            Path(result["artifact"]).unlink(missing_ok=True)
+        if not result.get("ok"):
+            result.setdefault("retryable", result.get("code") in RETRYABLE)
+        mk.result = result
+        record.update(
+            state="ok" if result.get("ok") else "failed",
+            finished=time.time(),
+            result={k: v for k, v in result.items() if k not in ("members",)},
+        )
+        _write_record(record_path, record)
+        if on_event:
+            on_event(mk, "done" if result.get("ok") else "failed")
+        return mk
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(one, keys))
+
+
+def check_key(ws: Workspace, mk: MintKey) -> dict[str, Any]:
+    """Re-mint a stored key in a fresh sandbox and compare with the stored artifact, member by member."""
+    store = Store(ws.cg.store_dir)
+    resolved = store.resolve(mk.key, verify=True)
+    with tempfile.TemporaryDirectory(prefix="cgbuild-check-") as tmp:
+        req = request_for(ws, mk, Path(tmp), fresh=True, compare_with=str(resolved.path))
+        result = run_worker(req, ws.state / "mint" / f"{mk.key}.check.log")
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result
