@@ -139,7 +139,11 @@ def request_for(ws: Workspace, mk: MintKey, out: Path, **extra: Any) -> dict[str
         "sm": mk.target.id.sm,
         "graph_digest": first["axes"]["graph"]["digest"],
         "toolchain": mk.toolchain,
-        "axes": first["axes"],
+        # the toolchain source may be a lock path: a machine fact, not one for sealed bytes
+        "axes": {
+            **first["axes"],
+            "toolchain": {k: v for k, v in first["axes"]["toolchain"].items() if k != "source"},
+        },
         "facets": [e["envelope"] for e in mk.entries],
         "stamp": first["stamp"],
         "cxx": ws.cg.cxx,
