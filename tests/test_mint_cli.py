@@ -1,0 +1,166 @@
+"""`cgbuild mint` end to end: real traces, real AOTInductor compiles on the CPU, a real store.
+
+Compiles cost ~30 s each on two cores, so one minted toy workspace is shared by the tests that
+only read it; tests that change it work on a copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cgbuild.seal import read_metadata
+from cgbuild.store import Store
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
+
+pytestmark = pytest.mark.slow
+
+
+def cli(ws: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True, env=env
+    )
+
+
+def mint_json(ws: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    proc = cli(ws, "mint", *args, "--json", env=env)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def copy_ws(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"), symlinks=True)
+    return dest
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+
+
+@pytest.fixture(scope="module")
+def minted_toy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ws = copy_ws(EXAMPLES / "toy", tmp_path_factory.mktemp("minted") / "toy")
+    shutil.rmtree(ws / ".cgbuild", ignore_errors=True)
+    rc, summary = mint_json(ws, "//toy:cpu")
+    assert rc == 0, summary
+    assert len(summary["minted"]) == 3 and not summary["failed"] and not summary["refused"]
+    return ws
+
+
+def test_mint_records_and_artifacts(minted_toy: Path) -> None:
+    plan = json.loads(cli(minted_toy, "plan", "--json").stdout)
+    assert {t["status"] for t in plan["targets"]} == {"fresh"}
+    store = Store(minted_toy / ".cgbuild" / "store")
+    for t in plan["targets"]:
+        record = json.loads((minted_toy / ".cgbuild" / "mint" / f"{t['key']}.json").read_text())
+        assert record["state"] == "ok" and record["labels"] == [t["label"]]
+        assert {"export", "compile", "verify", "seal"} <= set(record["result"]["phases"])
+        assert Path(record["log"]).exists()
+        meta = read_metadata(store.resolve(t["key"]).path)
+        assert meta["key"] == t["key"] and meta["sm"] == "cpu"
+        assert meta["facets"] == [t["envelope"]]
+        assert meta["axes"]["graph"]["digest"] == t["axes"]["graph"]["digest"]
+        assert "source" not in meta["axes"]["toolchain"]
+
+
+def test_second_mint_is_a_noop(minted_toy: Path) -> None:
+    rc, summary = mint_json(minted_toy, "//toy:cpu")
+    assert rc == 0
+    assert summary["minted"] == [] and summary["fresh"] == 3
+
+
+def test_verify_run_then_flipped_byte_is_quarantined(minted_toy: Path, tmp_path: Path) -> None:
+    ok = cli(minted_toy, "verify", "//toy/mlp", "--run", "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert {a["status"] for a in json.loads(ok.stdout)["artifacts"]} == {"ok"}
+    ws = copy_ws(minted_toy, tmp_path / "toy")
+    store = Store(ws / ".cgbuild" / "store")
+    plan = json.loads(cli(ws, "plan", MLP8, "--json").stdout)
+    key = plan["targets"][0]["key"]
+    obj = store.resolve(key, verify=False).path
+    os.chmod(obj, 0o644)
+    data = bytearray(obj.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    obj.write_bytes(bytes(data))
+    bad = cli(ws, "verify", MLP8, "--json")
+    assert bad.returncode == 1
+    assert json.loads(bad.stdout)["artifacts"][0]["status"] == "corrupt"
+    after = json.loads(cli(ws, "plan", MLP8, "--json").stdout)["targets"][0]
+    assert after["status"] == "mint"
+    assert after["reasons"][0]["code"] == "quarantined"
+
+
+def test_mint_plan_mints_exactly_the_approved_keys(minted_toy: Path, tmp_path: Path) -> None:
+    ws = copy_ws(minted_toy, tmp_path / "toy")
+    cg = ws / "Cgfile"
+    edit(cg, 'shapes = ["8x64", "16x64"]', 'shapes = ["8x64", "16x64", "32x64"]')
+    approved = tmp_path / "approved.json"
+    assert cli(ws, "plan", "-o", str(approved)).returncode == 0
+    edit(cg, '"32x64"]', '"32x64", "4x64"]')  # declared after approval: not minted
+    rc, summary = mint_json(ws, "--plan", str(approved))
+    assert rc == 0, summary
+    assert [m["labels"] for m in summary["minted"]] == [["//toy/mlp/32x64-b1@fp32:cpu"]]
+    statuses = {t["label"]: t["status"] for t in json.loads(cli(ws, "plan", "--json").stdout)["targets"]}
+    assert statuses["//toy/mlp/4x64-b1@fp32:cpu"] == "mint"
+    # the approved key moves (a source edit): --plan refuses rather than mint another identity
+    edit(ws / "toy_models.py", "self.act = nn.GELU()", "self.act = nn.GELU(approximate='tanh')")
+    rc, summary = mint_json(ws, "--plan", str(approved))
+    assert rc == 1 and summary["minted"] == []
+    assert {r["code"] for r in summary["refused"]} == {"plan-stale"}
+
+
+def test_killed_worker_is_a_typed_retryable_failure_and_rerun_resumes(
+    minted_toy: Path, tmp_path: Path
+) -> None:
+    ws = copy_ws(minted_toy, tmp_path / "toy")
+    edit(ws / "Cgfile", 'shapes = ["32x32"]', 'shapes = ["32x32", "16x16"]')
+    label = "//toy/conv/16x16-b2@fp32:cpu"
+    env = {**os.environ, "CGBUILD_MINT_FAULT": "compile:SIGKILL"}
+    rc, summary = mint_json(ws, label, env=env)
+    assert rc == 1
+    failure = summary["failed"][0]
+    assert failure["retryable"] is True and failure["code"] == "worker-killed"
+    record = json.loads((ws / ".cgbuild" / "mint" / f"{failure['key']}.json").read_text())
+    assert record["state"] == "failed"
+    rc, summary = mint_json(ws, label)
+    assert rc == 0 and [m["labels"] for m in summary["minted"]] == [[label]]
+
+
+def test_mint_check_is_byte_identical(minted_toy: Path) -> None:
+    proc = cli(minted_toy, "mint", MLP8, "--check", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    check = json.loads(proc.stdout)["checks"][0]
+    assert check["reproducible"] is True and not check["differing"]
+
+
+def test_flux2_tiny_shares_one_key_for_transposed_shapes(tmp_path: Path) -> None:
+    ws = copy_ws(EXAMPLES / "flux2_klein", tmp_path / "klein")
+    shutil.rmtree(ws / ".cgbuild", ignore_errors=True)
+    rc, summary = mint_json(ws, "//flux2-klein-tiny:cpu")
+    assert rc == 0, summary
+    labels = sorted(sorted(m["labels"]) for m in summary["minted"])
+    assert labels == [
+        [
+            "//flux2-klein-tiny/transformer/48x64-t8-b1@fp32:cpu",
+            "//flux2-klein-tiny/transformer/64x48-t8-b1@fp32:cpu",
+        ],
+        ["//flux2-klein-tiny/transformer/64x64-t8-b1@fp32:cpu"],
+    ]
+    shared = next(m for m in summary["minted"] if len(m["labels"]) == 2)
+    meta = read_metadata(Store(ws / ".cgbuild" / "store").resolve(shared["key"]).path)
+    assert sorted(f["shape"] for f in meta["facets"]) == ["48x64", "64x48"]
+    rc, summary = mint_json(ws, "//flux2-klein-tiny")  # adds the sm_90 targets: CPU torch can't
+    assert rc == 1
+    assert {r["code"] for r in summary["refused"]} == {"no-cuda-torch"}
+    assert summary["fresh"] == 3
