@@ -1,0 +1,452 @@
+"""The trace rule: entry protocol, export of one job, and the `python -m cgbuild_rules.trace` worker.
+
+An entry is `"module:function"`, imported with the job's `root` (the Cgfile's folder) first on
+`sys.path`. cgbuild calls `function(spec)` and gets `(module, args, kwargs)` or
+`(module, args, kwargs, dynamic_shapes)`. cgbuild, not the entry, owns every context: the entry
+runs under FakeTensorMode (or the meta device), `torch.device(device)`, the spec's default dtype
+(constructing under `set_default_dtype` works where `.to(dtype)` fails on fake parameters) and
+`torch.no_grad()`; the module is put in eval mode. So one entry serves digests, mints and CPU
+and CUDA targets without ever moving a tensor.
+
+Build modes of `export_job`:
+- `fake`: FakeTensorMode; no weight memory at all (a 4B transformer traces in < 0.5 GB). Digests.
+- `empty`: build on the meta device, then `module.to_empty(device)` and real (zero) inputs on the
+  device: what AOTInductor can compile (it refuses fake tensors). Same digest as `fake`.
+- `real`: real random weights (seed 0) on the device: the reference both are checked against.
+
+Trace-baked literals (non-persistent buffers and plain tensor attributes: constants that are not
+state-dict weights) enter the digest by VALUE. Fake and meta builds hide those values, so when a
+module holds any, the entry is built once more on CPU with parameters and persistent buffers sent
+to the meta device (cheap even for billions of parameters) and only the literals computed for
+real (seed 0); their values are read by FQN. In `empty` mode they are also installed into the
+module, so the compiled artifact bakes the same values the digest names. A literal that cannot be
+reached by FQN (e.g. a tensor kept in a Python list) is refused as `literal-hidden` rather than
+hashed by shape alone; `real` mode sees it.
+
+CUDA targets trace on a CPU-only box when torch is a CUDA build (fake CUDA tensors are supported
+by FakeTensorMode); with a CPU-only torch the job is refused as `no-cuda-torch` without trying:
+the CPU wheel aborts on fake CUDA parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from cgbuild_rules.digest import TraceError, graph_facts, is_hidden
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.export import ExportedProgram
+from torch.utils._pytree import tree_map
+
+REQUEST_SCHEMA = "cgbuild.trace-request/1"
+CODES = ("no-cuda-torch", "entry-error", "trace-failed", "literal-hidden")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DEVICES = ("cpu", "cuda")
+Mode = Literal["fake", "empty", "real"]
+MODES: tuple[str, ...] = ("fake", "empty", "real")
+
+
+class EntryError(TraceError):
+    """The entry could not be imported, raised inside build(), or returned the wrong shape."""
+
+    code = "entry-error"
+
+
+class NoCudaTorch(TraceError):
+    """A CUDA target asked of a CPU-only torch build: refused before any attempt."""
+
+    code = "no-cuda-torch"
+
+
+# -- quant layouts ---------------------------------------------------------------------------------
+QUANT_RULES: dict[str, torch.dtype] = {
+    "plain.fp32": torch.float32,
+    "plain.bf16": torch.bfloat16,
+    "plain.fp16": torch.float16,
+}
+"""Known quant rules. `plain.*` are identities: the element dtype comes from the spec's default
+dtype at construction; the rule only checks the module agrees with it."""
+
+
+def apply_quant(module: nn.Module, quant: str) -> nn.Module:
+    """Apply the layout's quant rule to a freshly built module; the single place rules plug in.
+
+    Unknown rules are refused: silently tracing an unquantized graph under a quant layout would
+    key an artifact for tensors it cannot bind.
+    """
+    if quant not in QUANT_RULES:
+        known = ", ".join(sorted(QUANT_RULES))
+        raise TraceError(f"unknown quant rule {quant!r} (known: {known})")
+    want = QUANT_RULES[quant]
+    for fqn, p in module.named_parameters():
+        if p.is_floating_point() and p.dtype != want:
+            raise TraceError(
+                f"quant rule {quant!r} expects {want} parameters but {fqn} is {p.dtype} "
+                "(the spec dtype and the layout disagree)"
+            )
+    return module
+
+
+# -- jobs ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    """One validated trace job."""
+
+    id: str
+    entry: str
+    root: str
+    spec: dict[str, Any]
+    """The spec build() receives, with `config` folded in."""
+    quant: str
+
+    @property
+    def device(self) -> str:
+        return str(self.spec["device"])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.spec["dtype"]]
+
+
+SPEC_KEYS = ("family", "module", "graph_class", "height", "width", "text_len", "batch", "dtype", "device")
+
+
+def parse_job(raw: Mapping[str, Any]) -> Job:
+    """Validate one job of a trace request; malformed jobs are `trace-failed` with a 'bad job' detail."""
+    try:
+        spec_in = raw["spec"]
+        missing = [k for k in ("id", "entry", "root", "quant") if k not in raw]
+        missing += [f"spec.{k}" for k in SPEC_KEYS if k not in spec_in]
+        if missing:
+            raise TraceError(f"bad job: missing {', '.join(missing)}")
+        config = raw.get("config") or {}
+        if not isinstance(config, dict):
+            raise TraceError("bad job: config must be an object")
+        spec = {k: spec_in[k] for k in SPEC_KEYS} | {"config": config}
+        if spec["dtype"] not in DTYPES:
+            raise TraceError(f"bad job: dtype {spec['dtype']!r} not in {sorted(DTYPES)}")
+        if spec["device"] not in DEVICES:
+            raise TraceError(f"bad job: device {spec['device']!r} not in {list(DEVICES)}")
+        return Job(
+            id=str(raw["id"]),
+            entry=str(raw["entry"]),
+            root=str(raw["root"]),
+            spec=spec,
+            quant=str(raw["quant"]),
+        )
+    except (KeyError, TypeError) as e:
+        raise TraceError(f"bad job: {type(e).__name__}: {e}") from None
+
+
+def check_device(device: str) -> None:
+    if device == "cuda" and torch.version.cuda is None:
+        raise NoCudaTorch(f"CUDA target but torch {torch.__version__} is a CPU-only build")
+
+
+# -- entries ---------------------------------------------------------------------------------------
+def _defined_under(module: Any, root: Path) -> bool:
+    f = getattr(module, "__file__", None)
+    return f is not None and Path(f).resolve().is_relative_to(root)
+
+
+def load_entry(entry: str, root: str) -> Callable[[dict[str, Any]], Any]:
+    """Import `module:function` with `root` first on sys.path.
+
+    Jobs from several Cgfile folders share one worker: a module name already imported from
+    another root is dropped and re-imported from this one when this root provides it.
+    """
+    modname, sep, fname = entry.partition(":")
+    if not sep or not modname or not fname:
+        raise EntryError(f"entry {entry!r} is not 'module:function'")
+    base = Path(root).resolve()
+    if str(base) in sys.path:
+        sys.path.remove(str(base))
+    sys.path.insert(0, str(base))
+    top = modname.split(".")[0]
+    loaded = sys.modules.get(top)
+    provides = (base / f"{top}.py").exists() or (base / top).is_dir()
+    if loaded is not None and provides and not _defined_under(loaded, base):
+        for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+            del sys.modules[name]
+    try:
+        obj: Any = importlib.import_module(modname)
+        for part in fname.split("."):
+            obj = getattr(obj, part)
+    except Exception as e:
+        raise EntryError(f"cannot load entry {entry!r}: {type(e).__name__}: {e}") from None
+    if not callable(obj):
+        raise EntryError(f"entry {entry!r} is not callable")
+    return obj
+
+
+@dataclass
+class Built:
+    """What an entry returned, validated."""
+
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    dynamic_shapes: Any = None
+
+
+def _unpack(out: Any) -> Built:
+    if not isinstance(out, tuple) or len(out) not in (3, 4):
+        raise EntryError(
+            "build() must return (module, args, kwargs) or (module, args, kwargs, dynamic_shapes)"
+        )
+    module, args, kwargs = out[0], out[1], out[2]
+    if not isinstance(module, nn.Module):
+        raise EntryError(f"build() returned a {type(module).__name__}, not an nn.Module")
+    if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+        raise EntryError("build() must return args as a tuple and kwargs as a dict")
+    return Built(module, args, kwargs, out[3] if len(out) == 4 else None)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@contextlib.contextmanager
+def _weights_on_meta() -> Iterator[None]:
+    """Send parameters and persistent buffers to meta as they are registered.
+
+    Leaves non-persistent buffers and plain tensor attributes real, so literals are computed
+    without paying for (or initialising) the weights.
+    """
+    reg_param = nn.Module.register_parameter
+    reg_buffer = nn.Module.register_buffer
+
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        reg_param(self, name, param)
+
+    def register_buffer(
+        self: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True
+    ) -> None:
+        if persistent and tensor is not None:
+            tensor = tensor.to("meta")
+        reg_buffer(self, name, tensor, persistent)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = reg_param  # type: ignore[method-assign]
+        nn.Module.register_buffer = reg_buffer  # type: ignore[method-assign]
+
+
+def literal_attributes(module: nn.Module) -> dict[str, torch.Tensor]:
+    """FQN → tensor of the module's trace-baked literals: non-persistent buffers and plain tensor
+    attributes (what torch.export lifts into constants rather than the state dict)."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, mod in module.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for name, buf in mod._buffers.items():
+            if buf is not None and name in mod._non_persistent_buffers_set:
+                out[dot + name] = buf
+        for name, value in vars(mod).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                out[dot + name] = value
+    return out
+
+
+def _set_attribute(module: nn.Module, fqn: str, value: torch.Tensor) -> None:
+    prefix, _, name = fqn.rpartition(".")
+    owner = module.get_submodule(prefix) if prefix else module
+    if name in owner._buffers:
+        owner._buffers[name] = value
+    else:
+        setattr(owner, name, value)
+
+
+def _call_entry(fn: Callable[[dict[str, Any]], Any], spec: dict[str, Any], quant: str) -> Built:
+    try:
+        built = _unpack(fn(dict(spec)))
+        built.module.eval()
+    except TraceError:
+        raise
+    except Exception as e:
+        raise EntryError(f"build() raised {type(e).__name__}: {e}") from None
+    built.module = apply_quant(built.module, quant)
+    return built
+
+
+def build(job: Job, mode: Mode, fn: Callable[[dict[str, Any]], Any] | None = None) -> Built:
+    """Run the entry under cgbuild's contexts for `mode` (see the module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    check_device(job.device)
+    fn = fn or load_entry(job.entry, job.root)
+    device = torch.device(job.device)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(default_dtype(job.dtype))
+        stack.enter_context(torch.no_grad())
+        if mode == "fake":
+            stack.enter_context(FakeTensorMode())
+            stack.enter_context(device)
+        elif mode == "empty":
+            stack.enter_context(torch.device("meta"))
+        else:
+            torch.manual_seed(0)
+            stack.enter_context(device)
+        built = _call_entry(fn, job.spec, job.quant)
+    if mode == "empty":
+        with torch.no_grad():
+            built.module.to_empty(device=device)
+
+        def real(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.is_meta:
+                return torch.zeros(x.shape, dtype=x.dtype, device=device)
+            return x
+
+        built.args = tree_map(real, built.args)
+        built.kwargs = tree_map(real, built.kwargs)
+    return built
+
+
+def literal_values(job: Job, fn: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, torch.Tensor]:
+    """Real CPU values of the entry's literals, by FQN, with the weights kept on meta (seed 0)."""
+    fn = fn or load_entry(job.entry, job.root)
+    torch.manual_seed(0)
+    with default_dtype(job.dtype), torch.no_grad(), _weights_on_meta(), torch.device("cpu"):
+        built = _call_entry(fn, job.spec, job.quant)
+    return {
+        fqn: t.detach().clone() for fqn, t in literal_attributes(built.module).items() if not is_hidden(t)
+    }
+
+
+def export_job(job: Job | Mapping[str, Any], mode: Mode = "fake") -> tuple[ExportedProgram, dict[str, Any]]:
+    """Export one job (default, pre-decomposition export) and compute its graph facts.
+
+    Returns the ExportedProgram and {graph_digest, contract, topology, nodes, torch, mode, identity}
+    (`identity`: the digested object, to show what moved when two digests differ).
+    `fake`, `empty` and `real` give the same digest; only `empty`/`real` programs can be compiled.
+    Raises TraceError subclasses carrying the result code.
+    """
+    if not isinstance(job, Job):
+        job = parse_job(job)
+    check_device(job.device)
+    fn = load_entry(job.entry, job.root)
+    built = build(job, mode, fn)
+    values: dict[str, torch.Tensor] = {}
+    if mode != "real" and literal_attributes(built.module):
+        values = literal_values(job, fn)
+        if mode == "empty":
+            for fqn, value in values.items():
+                _set_attribute(built.module, fqn, value.to(job.device))
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(
+                built.module, built.args, built.kwargs, dynamic_shapes=built.dynamic_shapes, strict=False
+            )
+    except Exception as e:
+        raise TraceError(f"torch.export failed: {type(e).__name__}: {e}") from None
+    try:
+        facts = graph_facts(ep, values)
+    except TraceError:
+        raise
+    except Exception as e:
+        raise TraceError(f"digest failed: {type(e).__name__}: {e}") from None
+    return ep, {
+        "graph_digest": facts.digest,
+        "contract": facts.contract,
+        "topology": facts.topology,
+        "nodes": facts.nodes,
+        "torch": torch.__version__,
+        "mode": mode,
+        "identity": facts.identity,
+    }
+
+
+def _one_line(text: str, limit: int = 600) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def trace_job(job: Mapping[str, Any]) -> dict[str, Any]:
+    """Trace one raw job and return its result line; never raises for a job's own failure."""
+    start = time.perf_counter()
+    job_id = job.get("id") if isinstance(job, Mapping) else None
+    try:
+        parsed = parse_job(job)
+        _, facts = export_job(parsed, "fake")
+    except TraceError as e:
+        return {"id": job_id, "ok": False, "code": e.code, "detail": _one_line(str(e))}
+    except Exception as e:  # a torch internal error must not take the other jobs down
+        return {
+            "id": job_id,
+            "ok": False,
+            "code": "trace-failed",
+            "detail": _one_line(f"{type(e).__name__}: {e}"),
+        }
+    return {
+        "id": parsed.id,
+        "ok": True,
+        "graph_digest": facts["graph_digest"],
+        "contract": facts["contract"],
+        "topology": facts["topology"],
+        "nodes": facts["nodes"],
+        "torch": facts["torch"],
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+# -- worker ----------------------------------------------------------------------------------------
+def _result_json(line: Mapping[str, Any]) -> str:
+    return json.dumps(line, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def main() -> int:
+    """Read one trace request on stdin; write one result line per job on stdout, as each finishes.
+
+    File descriptor 1 is handed to the protocol alone: prints from entries, torch or diffusers
+    (Python or C++) go to stderr, so a chatty model can never corrupt a result line.
+    """
+    proto = os.fdopen(os.dup(1), "w", encoding="ascii")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        request = json.loads(sys.stdin.read())
+        if not isinstance(request, dict) or request.get("schema") != REQUEST_SCHEMA:
+            raise ValueError(f"schema must be {REQUEST_SCHEMA!r}")
+        jobs = request.get("jobs")
+        if not isinstance(jobs, list):
+            raise ValueError("jobs must be a list")
+    except ValueError as e:
+        print(f"cgbuild_rules.trace: bad request: {e}", file=sys.stderr)
+        return 2
+    for job in jobs:
+        line = (
+            trace_job(job)
+            if isinstance(job, dict)
+            else {"id": None, "ok": False, "code": "trace-failed", "detail": "bad job: not an object"}
+        )
+        proto.write(_result_json(line) + "\n")
+        proto.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
