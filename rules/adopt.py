@@ -1,0 +1,432 @@
+"""Adopt: serve a live module through its sealed artifacts, compiled when a call fits, else eager.
+
+`adopt(artifact, module)` checks the artifact's recorded facts against this host BEFORE loading
+anything (a package that cannot load here may segfault rather than raise): the device (`sm`),
+the torch version (a package is ABI-locked to one torch), the host ISA (the host must support the
+clamp level the code was built for), the host compiler family and the C/C++ runtime versions the
+package's `.so` requires. It then loads through the package's C++ loader (milliseconds; the
+Python `aoti_load_package` adds a ~2 s ISA probe per process), and binds the live module's
+weights by FQN without copying, after checking every tensor's dtype, shape, stride and device
+against the table the mint recorded.
+
+Nothing on the call path raises because of the artifact: a refused artifact, a call outside its
+contract (shapes, dtypes, devices, symbol ranges) or a compiled call that fails is served eager,
+and the reason is named and counted. `adopt_manifest` adopts every graph class of a module in one
+call and routes each call to the artifact whose contract fits.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from cgbuild_rules.loader import Package, host_runtime
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from cgbuild import compiler
+from cgbuild.seal import LITERALS, PACKAGE, SealError, read_metadata, unseal
+from cgbuild.store import Store, StoreError
+
+log = logging.getLogger("cgbuild.adopt")
+MANIFEST_SCHEMA = "cgbuild.serving-manifest/1"
+
+
+class AdoptRefused(RuntimeError):
+    """Raised only with `strict=True`: the artifact cannot serve on this host or for this module."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(f"{refusal.code}: {refusal.detail}")
+        self.refusal = refusal
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why an artifact (or one call) is served eager: a stable `code` and a sentence."""
+
+    code: str
+    detail: str
+
+
+# ---- host facts --------------------------------------------------------------------------------
+def device_sm(device: torch.device) -> str:
+    """`cpu`, or `sm_<major><minor>` of a CUDA device: the only hardware key axis."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"sm_{major}{minor}"
+    return device.type
+
+
+def module_device(module: nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def torch_compiler_family() -> str | None:
+    """The compiler family this torch was built with (from its build configuration)."""
+    config = torch.__config__.show()
+    if re.search(r"\bGCC\b", config):
+        return "gcc"
+    if re.search(r"\bclang\b", config, re.IGNORECASE):
+        return "clang"
+    return None
+
+
+def host_refusal(meta: Mapping[str, Any], device: torch.device) -> Refusal | None:
+    """The first recorded fact this host or device contradicts, checked before any load."""
+    if meta.get("kind") != "aot-inductor":
+        return Refusal("bad-artifact", f"kind {meta.get('kind')!r} is not an AOTInductor artifact")
+    here = device_sm(device)
+    if meta.get("sm") != here:
+        return Refusal("wrong-sm", f"artifact is for {meta.get('sm')}, the module is on {device} ({here})")
+    if meta.get("torch") != torch.__version__:
+        return Refusal(
+            "torch-version",
+            f"artifact was built with torch {meta.get('torch')}, "
+            f"this process runs {torch.__version__} (packages are ABI-locked)",
+        )
+    host = meta.get("host") or {}
+    isa = compiler.isa_refusal(host.get("isa") or {})
+    if isa:
+        return Refusal("host-isa", isa)
+    family = (host.get("cxx") or {}).get("family")
+    built_with = torch_compiler_family()
+    if family and built_with and family != built_with:
+        return Refusal("compiler-family", f"package built with {family}, torch with {built_with}")
+    provided = host_runtime()
+    for name, need in (host.get("runtime") or {}).items():
+        want = tuple(int(x) for x in need.split("."))
+        if name in provided and provided[name] < want:
+            have = ".".join(map(str, provided[name]))
+            return Refusal("host-runtime", f"package needs {name}_{need}, this host provides {have}")
+    return None
+
+
+# ---- call contracts ----------------------------------------------------------------------------
+def _dim_value(expr: str, bound: Mapping[str, int]) -> int | None:
+    """Evaluate a rendered size (`7`, `S0`, `2*S0`, `S0 + 1`); None if it is not that simple."""
+    total = 0
+    for term in expr.replace(" ", "").split("+"):
+        prod = 1
+        for factor in term.split("*"):
+            if factor.isdigit():
+                prod *= int(factor)
+            elif factor in bound:
+                prod *= bound[factor]
+            else:
+                return None
+        total += prod
+    return total
+
+
+def fit(
+    contract: Mapping[str, Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> tuple[Refusal | None, list[Any]]:
+    """Does this call fit the contract? Returns (why not, or None) and the call's leaves in order."""
+    inputs = contract.get("inputs") or []
+    positional = [i for i in inputs if not i.get("keyword")]
+    keywords = {i["name"] for i in inputs if i.get("keyword")}
+    if len(args) != len(positional) or set(kwargs) != keywords:
+        want = f"{len(positional)} positional + {sorted(keywords)}"
+        return Refusal(
+            "call-structure", f"call passes {len(args)} positional + {sorted(kwargs)}, artifact takes {want}"
+        ), []
+    bounds = {s["name"]: (s.get("min"), s.get("max")) for s in contract.get("symbols") or []}
+    bound: dict[str, int] = {}
+    leaves: list[Any] = []
+    pending: list[tuple[str, str, int]] = []
+    arg_iter = iter(args)
+    for spec in inputs:
+        value = kwargs[spec["name"]] if spec.get("keyword") else next(arg_iter)
+        got = pytree.tree_leaves(value)
+        want = spec.get("leaves") or []
+        if len(got) != len(want):
+            return Refusal(
+                "call-structure", f"{spec['name']}: {len(got)} leaves, artifact takes {len(want)}"
+            ), []
+        for j, (g, w) in enumerate(zip(got, want, strict=True)):
+            where = f"{spec['name']}" + (f"[{j}]" if len(want) > 1 else "")
+            if not isinstance(w, dict):
+                if isinstance(g, torch.Tensor) or g != w:
+                    return Refusal("constant-arg", f"{where}: {g!r} where the program baked {w!r}"), []
+                leaves.append(g)
+                continue
+            if not isinstance(g, torch.Tensor):
+                return Refusal("not-a-tensor", f"{where}: {type(g).__name__}, artifact takes a tensor"), []
+            dtype = str(g.dtype).removeprefix("torch.")
+            if dtype != w["dtype"]:
+                return Refusal("dtype", f"{where}: {dtype}, artifact takes {w['dtype']}"), []
+            if g.device.type != w["device"]:
+                return Refusal("device", f"{where}: on {g.device.type}, artifact takes {w['device']}"), []
+            if g.dim() != len(w["shape"]):
+                return Refusal("shape", f"{where}: rank {g.dim()}, artifact takes {len(w['shape'])}"), []
+            for axis, (size, dim) in enumerate(zip(g.shape, w["shape"], strict=True)):
+                if isinstance(dim, int):
+                    if size != dim:
+                        return Refusal("shape", f"{where} dim {axis}: {size}, artifact takes {dim}"), []
+                elif dim in bounds:
+                    lo, hi = bounds[dim]
+                    if bound.setdefault(dim, size) != size:
+                        return Refusal("shape", f"{where} dim {axis}: {size}, but {dim} = {bound[dim]}"), []
+                    if (lo is not None and size < lo) or (hi is not None and size > hi):
+                        return Refusal(
+                            "symbol-range", f"{where} dim {axis}: {size} outside {dim} ∈ [{lo}, {hi}]"
+                        ), []
+                else:
+                    pending.append((f"{where} dim {axis}", dim, size))
+            leaves.append(g)
+    for where, expr, size in pending:
+        value = _dim_value(expr, bound)
+        if value is None:
+            return Refusal("shape", f"{where}: size {expr!r} is not checkable here"), []
+        if value != size:
+            return Refusal("shape", f"{where}: {size}, artifact takes {expr} = {value}"), []
+    return None, leaves
+
+
+# ---- artifacts ---------------------------------------------------------------------------------
+@dataclass
+class Artifact:
+    """One sealed artifact as adopted for a module: armed (`package` set) or refused."""
+
+    key: str
+    label: str
+    metadata: dict[str, Any]
+    package: Package | None = None
+    refusal: Refusal | None = None
+    literals: dict[str, torch.Tensor] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def contract(self) -> dict[str, Any]:
+        return self.metadata.get("graph", {}).get("contract", {})
+
+    @property
+    def dynamic(self) -> bool:
+        return bool(self.contract.get("symbols"))
+
+
+def _weights(
+    module: nn.Module, meta: Mapping[str, Any], device: torch.device
+) -> tuple[dict[str, torch.Tensor], Refusal | None]:
+    """The live module's tensors for the artifact's state constants, each checked; no copies."""
+    live = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    out: dict[str, torch.Tensor] = {}
+    for row in (meta.get("constants") or {}).get("state", []):
+        fqn = row["fqn"]
+        t = live.get(fqn)
+        if t is None:
+            return {}, Refusal("weights-missing", f"the module has no tensor {fqn!r}")
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype != row["dtype"]:
+            return {}, Refusal("weights-mismatch", f"{fqn}: dtype {dtype}, artifact takes {row['dtype']}")
+        if list(t.shape) != row["shape"]:
+            return {}, Refusal(
+                "weights-mismatch", f"{fqn}: shape {list(t.shape)}, artifact takes {row['shape']}"
+            )
+        if list(t.stride()) != row["stride"]:
+            return {}, Refusal(
+                "weights-mismatch",
+                f"{fqn}: stride {list(t.stride())}, artifact takes {row['stride']} (never repacked silently)",
+            )
+        if t.device.type != device.type:
+            return {}, Refusal(
+                "weights-mismatch", f"{fqn}: on {t.device}, the artifact runs on {device.type}"
+            )
+        out[fqn] = t.detach()
+    return out, None
+
+
+def _arm(art: Artifact, files: Mapping[str, Path], module: nn.Module, device: torch.device) -> None:
+    weights, refusal = _weights(module, art.metadata, device)
+    if refusal:
+        art.refusal = refusal
+        return
+    if LITERALS in files:
+        from safetensors.torch import load_file
+
+        art.literals = {k: v.to(device) for k, v in load_file(str(files[LITERALS])).items()}
+    try:
+        package = Package(files[PACKAGE], device_index=device.index if device.index is not None else -1)
+    except Exception as e:
+        art.refusal = Refusal("load-failed", f"{type(e).__name__}: {e}")
+        return
+    table = {
+        r["fqn"]
+        for group in ("state", "literal")
+        for r in (art.metadata.get("constants") or {}).get(group, [])
+    }
+    if set(package.constant_fqns) != table:
+        extra, lacking = (
+            sorted(set(package.constant_fqns) - table),
+            sorted(table - set(package.constant_fqns)),
+        )
+        art.refusal = Refusal(
+            "constant-table-mismatch",
+            f"package wants {extra[:3]} beyond the metadata; metadata names {lacking[:3]} the package lacks",
+        )
+        return
+    package.bind({**weights, **art.literals})
+    art.package = package
+
+
+def load_artifact(
+    source: str | os.PathLike[str], module: nn.Module, *, store: Store | None = None, label: str | None = None
+) -> Artifact:
+    """Resolve, check and arm one artifact for `module`; a refusal is recorded, never raised."""
+    t = time.perf_counter()
+    device = module_device(module)
+    key = str(source)
+    path = Path(source)
+    try:
+        if store is not None:
+            path = store.resolve(key, verify=True).path
+        meta = read_metadata(path)
+    except (StoreError, SealError, OSError, ValueError) as e:
+        code = getattr(e, "code", "bad-artifact")
+        return Artifact(
+            key, label or key[:12], {}, refusal=Refusal(code, str(e)), seconds=time.perf_counter() - t
+        )
+    art = Artifact(str(meta.get("key")), label or str(meta.get("key", ""))[:12], meta)
+    if store is not None and art.key != key:
+        art.refusal = Refusal(
+            "key-mismatch", f"store key {key[:12]} holds an artifact that says {art.key[:12]}"
+        )
+    else:
+        art.refusal = host_refusal(meta, device)
+    if art.refusal is None:
+        scratch = Path(tempfile.mkdtemp(prefix="cgbuild-adopt-"))
+        try:
+            _arm(art, unseal(path, scratch), module, device)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)  # the loader has its own copy by now
+    art.seconds = time.perf_counter() - t
+    return art
+
+
+class Adopted:
+    """A module served through its artifacts: `__call__` runs compiled when a call fits one, else
+    eager, naming and counting the reason. Never raises because of an artifact."""
+
+    def __init__(self, module: nn.Module, artifacts: Iterable[Artifact]) -> None:
+        self.module = module
+        self._eager = type(module).forward.__get__(module)
+        # Static classes before dynamic ones: an exact bucket beats a range that also covers it.
+        self.artifacts = sorted(artifacts, key=lambda a: a.dynamic)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.last_reason: Refusal | None = None
+        self._warned: set[str] = set()
+
+    @property
+    def armed(self) -> list[Artifact]:
+        return [a for a in self.artifacts if a.package is not None]
+
+    @property
+    def refusals(self) -> dict[str, Refusal]:
+        return {a.label: a.refusal for a in self.artifacts if a.refusal is not None}
+
+    def route(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> tuple[Artifact | None, list[Any], Refusal]:
+        """The artifact this call runs on (with its leaves), or None and the reason it runs eager."""
+        armed = self.armed
+        if not armed:
+            first = next(iter(self.refusals.values()), Refusal("no-artifact", "no artifact adopted"))
+            return None, [], first
+        closest: Refusal | None = None
+        for art in armed:
+            why, leaves = fit(art.contract, args, kwargs)
+            if why is None:
+                return art, leaves, Refusal("", "")
+            if closest is None:
+                closest = Refusal(why.code, f"{art.label}: {why.detail}")
+        assert closest is not None
+        return None, [], closest
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        art, leaves, why = self.route(args, kwargs)
+        if art is not None and art.package is not None:
+            try:
+                out = art.package.run_flat([x for x in leaves if isinstance(x, torch.Tensor)])
+                self.counters["compiled"] += 1
+                return out
+            except Exception as e:  # a compiled failure disarms the artifact and serves eager
+                art.refusal = Refusal("compiled-error", f"{type(e).__name__}: {e}")
+                art.package = None
+                why = art.refusal
+        self.counters[f"eager:{why.code}"] += 1
+        self.last_reason = why
+        if why.code not in self._warned:
+            self._warned.add(why.code)
+            log.warning("serving %s eager: %s (%s)", type(self.module).__name__, why.code, why.detail)
+        return self._eager(*args, **kwargs)
+
+    def rebind(self) -> None:
+        """Re-bind after the module's tensors were REPLACED (in-place updates need nothing)."""
+        device = module_device(self.module)
+        for art in self.armed:
+            weights, refusal = _weights(self.module, art.metadata, device)
+            if refusal:
+                art.refusal, art.package = refusal, None
+            else:
+                assert art.package is not None
+                art.package.bind({**weights, **art.literals})
+
+    def install(self) -> Adopted:
+        """Serve `module(...)` through this object (an instance attribute; hooks stay intact)."""
+        self.module.forward = self  # type: ignore[method-assign]
+        return self
+
+    def release(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+def adopt(
+    artifact: str | os.PathLike[str], module: nn.Module, *, store: Store | None = None, strict: bool = False
+) -> Adopted:
+    """Adopt one sealed artifact (a path, or a key when `store` is given) for `module`.
+
+    With `strict`, a refused artifact raises `AdoptRefused`; otherwise it serves eager, named.
+    """
+    art = load_artifact(artifact, module, store=store)
+    if strict and art.refusal is not None:
+        raise AdoptRefused(art.refusal)
+    return Adopted(module, [art])
+
+
+def adopt_manifest(
+    manifest: Mapping[str, Any], modules: Mapping[str, nn.Module], *, store: Store | None = None
+) -> dict[str, Adopted]:
+    """Adopt every graph class of every module a serving manifest names, in one call.
+
+    Manifest: {"schema": "cgbuild.serving-manifest/1", "modules": {module: {graph class: key or
+    artifact path}}}. Keys are resolved through `store`. Modules the manifest names but the
+    caller does not pass are skipped; each returned `Adopted` routes a call to the class whose
+    contract fits, else eager.
+    """
+    if manifest.get("schema") != MANIFEST_SCHEMA:
+        raise ValueError(f"manifest schema must be {MANIFEST_SCHEMA!r}")
+    served: dict[str, Adopted] = {}
+    for name, classes in (manifest.get("modules") or {}).items():
+        if name not in modules:
+            continue
+        arts = [
+            load_artifact(src, modules[name], store=store, label=cls) for cls, src in sorted(classes.items())
+        ]
+        served[name] = Adopted(modules[name], arts)
+    return served
