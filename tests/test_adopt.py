@@ -1,0 +1,241 @@
+"""Adopt: host checks before loading, binding without copies, routing, eager with a named reason.
+
+Uses the session's real artifacts from test_mint (`minted`), so adopting costs no compile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from cgbuild_rules.adopt import AdoptRefused, adopt, adopt_manifest, fit
+from test_mint import minted, session_dirs
+
+from cgbuild.seal import read_metadata, seal, unseal
+from cgbuild.store import Store
+
+pytestmark = pytest.mark.slow
+
+
+def tiny(factory: pytest.TempPathFactory, seed: int = 1, **kw: Any) -> torch.nn.Module:
+    root, _ = session_dirs(factory)
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import tiny_entry
+
+    torch.manual_seed(seed)
+    return tiny_entry.Tiny(64, **kw).eval()
+
+
+@pytest.fixture(scope="module")
+def art_a(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(minted(tmp_path_factory, "A")[1]["artifact"])
+
+
+def edited(src: Path, dest: Path, edit: Any) -> Path:
+    """A copy of a sealed artifact with its metadata changed by `edit(meta)`."""
+    files = unseal(src, dest.with_suffix(".d"))
+    meta = read_metadata(src)
+    edit(meta)
+    seal(dest, meta, {k: v for k, v in files.items() if k != "metadata.json"})
+    return dest
+
+
+def test_adopted_module_serves_compiled_and_binds_without_copying(
+    art_a: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    m = tiny(tmp_path_factory)
+    served = adopt(art_a, m)
+    assert served.refusals == {} and len(served.armed) == 1
+    x = torch.randn(1, 8, 64)
+    with torch.no_grad():
+        got, want = served(x), m(x)
+        assert served.counters == {"compiled": 1}
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        m.fc1.weight.mul_(2.0)  # in place: the package reads the live storage
+        torch.testing.assert_close(served(x), m(x), rtol=1e-5, atol=1e-6)
+        m.fc2.weight = torch.nn.Parameter(torch.randn_like(m.fc2.weight))  # replaced: needs rebind
+        served.rebind()
+        torch.testing.assert_close(served(x), m(x), rtol=1e-5, atol=1e-6)
+    assert served.counters == {"compiled": 3}
+    served.install()
+    with torch.no_grad():
+        m(x)
+    assert served.counters["compiled"] == 4
+    served.release()
+    assert "forward" not in m.__dict__
+
+
+def test_calls_outside_the_contract_serve_eager_with_a_reason(
+    art_a: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    m = tiny(tmp_path_factory)
+    served = adopt(art_a, m)
+    with torch.no_grad():
+        out = served(torch.randn(2, 8, 64))
+    assert out.shape == (2, 8, 4)
+    assert served.counters == {"eager:shape": 1}
+    assert served.last_reason is not None and "x dim 0: 2, artifact takes 1" in served.last_reason.detail
+    contract = read_metadata(art_a)["graph"]["contract"]
+    assert fit(contract, (torch.randn(1, 8, 64, dtype=torch.float64),), {})[0].code == "dtype"
+    assert fit(contract, (torch.randn(1, 8, 64),), {"extra": 1})[0].code == "call-structure"
+    assert fit(contract, ([torch.randn(1, 8, 64)],), {})[0] is None  # a one-leaf list flattens alike
+    assert fit(contract, ("text",), {})[0].code == "not-a-tensor"
+
+
+@pytest.mark.parametrize(
+    ("edit", "code", "needle"),
+    [
+        (lambda m: m.update(torch="2.0.0+cpu"), "torch-version", "2.0.0+cpu"),
+        (lambda m: m.update(sm="sm_90"), "wrong-sm", "sm_90"),
+        (lambda m: m["host"]["isa"].update(arch="aarch64"), "host-isa", "aarch64"),
+        (lambda m: m["host"]["isa"].update(level="x86-64-v9"), "host-isa", "x86-64-v9"),
+        (lambda m: m["host"]["cxx"].update(family="msvc"), "compiler-family", "msvc"),
+        (lambda m: m["host"]["runtime"].update(GLIBC="9.99"), "host-runtime", "GLIBC_9.99"),
+    ],
+)
+def test_host_facts_are_checked_before_loading(
+    art_a: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, edit: Any, code: str, needle: str
+) -> None:
+    bad = edited(art_a, tmp_path / "bad.tar.gz", edit)
+    m = tiny(tmp_path_factory)
+    served = adopt(bad, m)
+    (refusal,) = served.refusals.values()
+    assert refusal.code == code and needle in refusal.detail
+    assert served.armed == []
+    x = torch.randn(1, 8, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(served(x), m(x))
+    assert served.counters == {f"eager:{code}": 1}
+    with pytest.raises(AdoptRefused, match=code):
+        adopt(bad, m, strict=True)
+
+
+def test_live_weights_are_checked_by_fqn(art_a: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    (wrong_shape,) = adopt(art_a, tiny(tmp_path_factory, hidden=16)).refusals.values()
+    assert wrong_shape.code == "weights-mismatch" and "fc1.bias: shape [16]" in wrong_shape.detail
+    m = tiny(tmp_path_factory)
+    m.fc1.weight = torch.nn.Parameter(m.fc1.weight.detach().t().contiguous().t())  # same values, column-major
+    strided = adopt(art_a, m)
+    assert (
+        "fc1.weight: stride [1, 32], artifact takes [64, 1]" in next(iter(strided.refusals.values())).detail
+    )
+    m = tiny(tmp_path_factory)
+    m.fc2.weight = torch.nn.Parameter(m.fc2.weight.detach().double())
+    assert next(iter(adopt(art_a, m).refusals.values())).detail.startswith("fc2.weight: dtype float64")
+    m = tiny(tmp_path_factory)
+    m.head = m.fc2
+    del m.fc2
+    missing = next(iter(adopt(art_a, m).refusals.values()))
+    assert missing.code == "weights-missing" and "fc2" in missing.detail
+
+
+def test_adopt_from_the_store_verifies_and_never_fails_a_call(
+    art_a: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    store = Store(tmp_path / "store")
+    key = read_metadata(art_a)["key"]
+    assert store.admit(key, art_a).status == "admitted"
+    m = tiny(tmp_path_factory)
+    assert adopt(key, m, store=store).armed
+    assert next(iter(adopt("ff" * 32, m, store=store).refusals.values())).code == "missing"
+    obj = store.object_path(store.read_ref(key).object)  # type: ignore[union-attr]
+    os.chmod(obj, 0o644)
+    data = bytearray(obj.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    obj.write_bytes(bytes(data))
+    served = adopt(key, m, store=store)
+    assert next(iter(served.refusals.values())).code == "corrupt" and store.ref_state(key) == "quarantined"
+    with torch.no_grad():
+        assert served(torch.randn(1, 8, 64)).shape == (1, 8, 4)
+    assert served.counters == {"eager:corrupt": 1}
+
+
+def test_manifest_routes_each_call_to_the_class_that_fits(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    store = Store(tmp_path / "store")
+    classes = {}
+    for name in ("A", "B"):
+        _, result = minted(tmp_path_factory, name)
+        store.admit(result["key"], result["artifact"])
+        classes[read_metadata(result["artifact"])["facets"][0]["graph_class"]] = result["key"]
+    manifest = {
+        "schema": "cgbuild.serving-manifest/1",
+        "modules": {"mlp": classes, "absent": {"x": "00" * 32}},
+    }
+    m = tiny(tmp_path_factory)
+    served = adopt_manifest(manifest, {"mlp": m}, store=store)["mlp"]
+    assert [a.label for a in served.armed] == ["8x64-b1", "4x64-b2-16"]  # static before dynamic
+    with torch.no_grad():
+        for shape in ((1, 8, 64), (5, 4, 64), (16, 4, 64)):
+            x = torch.randn(*shape)
+            torch.testing.assert_close(served(x), m(x), rtol=1e-5, atol=1e-6)
+        assert served.counters == {"compiled": 3}
+        served(torch.randn(1, 3, 64))
+        assert served.last_reason is not None and served.last_reason.code == "shape"
+        served(torch.randn(17, 4, 64))
+    assert served.counters["eager:shape"] == 2
+    assert "8x64-b1" in served.last_reason.detail  # the closest class is named
+
+
+_FIRST_OUTPUT = textwrap.dedent(
+    """
+    import json, sys, time
+    t0 = time.perf_counter()
+    import torch
+    t1 = time.perf_counter()
+    from cgbuild_rules.adopt import adopt
+    t2 = time.perf_counter()
+    sys.path.insert(0, sys.argv[2])
+    import tiny_entry
+    m = tiny_entry.Tiny(64).eval()
+    t3 = time.perf_counter()
+    served = adopt(sys.argv[1], m)
+    t4 = time.perf_counter()
+    with torch.no_grad():
+        served(torch.randn(1, 8, 64))
+    t5 = time.perf_counter()
+    assert served.counters == {"compiled": 1}, served.counters
+    print(json.dumps({"import_torch": t1 - t0, "import_adopt": t2 - t1, "adopt": t4 - t3,
+                      "first_call": t5 - t4, "adopt_to_first_output": t5 - t3}))
+    """
+)
+_LOAD = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch
+    t = time.perf_counter()
+    if sys.argv[2] == "aoti_load_package":
+        torch._inductor.aoti_load_package(sys.argv[1])
+    else:
+        from cgbuild_rules.loader import Package
+        Package(sys.argv[1])
+    print(json.dumps({sys.argv[2]: time.perf_counter() - t}))
+    """
+)
+
+
+def _child(code: str, *args: str) -> dict[str, float]:
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_adopt_to_first_output_in_a_fresh_process(
+    art_a: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    root, _ = session_dirs(tmp_path_factory)
+    timings = _child(_FIRST_OUTPUT, str(art_a), str(root))
+    pt2 = unseal(art_a, tmp_path / "u")["model.pt2"]
+    loads = {**_child(_LOAD, str(pt2), "aoti_load_package"), **_child(_LOAD, str(pt2), "cxx_loader")}
+    print("\nadopt timings (s):", json.dumps({k: round(v, 4) for k, v in {**timings, **loads}.items()}))
+    assert timings["adopt_to_first_output"] < 2.0
+    assert loads["cxx_loader"] < loads["aoti_load_package"]
