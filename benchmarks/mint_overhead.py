@@ -1,0 +1,625 @@
+"""What a mint costs beyond the compile it wraps, and what adopting its artifact costs a server.
+
+Why: `cgbuild mint` puts a lot around one AOTInductor compile (a plan that traces the graph, a
+worker with two stage children, a toolchain re-probe, a graph re-digest, normalization, a
+verification run against eager in a fresh process, sealing, admission). That is only worth it
+if it is small next to the compile itself, and the artifact only pays off at serving time if
+adopting it reaches a first output faster than the alternatives. Both claims are measured here,
+on the toy MLP (`//toy/mlp/8x64-b1@fp32:cpu` of examples/toy), side by side in one run.
+
+Every measurement is a fresh process started with `subprocess`; each round runs every case once,
+so load from other work on the (shared) box falls on all of them alike. Per round:
+
+(a) `bare_cold`: export + `torch._inductor.aoti_compile_and_package` of the same graph with the
+    mint policy's settings (`cgbuild.policy.inductor_configs()`, the host compiler the mint
+    chooses as `cpp.cxx`), in the mint's scrubbed environment with a fresh TMPDIR and
+    Inductor/Triton cache (cold). Times inside the process (build + export, compile) and the
+    whole process; its graph digest, computed after timing, must equal the minted artifact's.
+    `bare_warm`: the same in a new process reusing those folders. The distinction matters: on
+    a cold TMPDIR Inductor first builds precompiled headers (about 280 MB, most of a cold
+    compile here), and a mint never sees that cold state after its first compile on a machine,
+    because its sandbox is a FIXED path shared by every mint (`cgbuild_rules.mint`). Whether the
+    sandbox held precompiled headers before each mint is recorded.
+(b) `mint`: `cgbuild -C WS mint LABEL --json` into a fresh copy of examples/toy per round (so the
+    plan traces cold and the store is empty), the sandbox as it is; the whole command's wall
+    time, and the phases from its summary (checked against the durable mint record). overhead =
+    wall - (export + compile + verify): everything the mint adds around the compile and its
+    verification, the plan and seal included, split into what the summary lets us attribute.
+    It is compared with both bare variants; the target is overhead <= 5% of the bare path.
+(c) serving, to first output, each in a fresh process: `adopt`
+    (`cgbuild_rules.adopt.adopt(key, module, store=...)` on the stored artifact with a live toy
+    module, then the first call; strict, and the call must run compiled); `aoti_load_package`
+    (`torch._inductor.aoti_load_package(pt2)` on the unsealed package + `load_constants` from the
+    live module + first call); `torch_compile` (`torch.compile(module)` with its defaults, then
+    the first call). Each runs first with a fresh TMPDIR and Inductor cache (`_cold`), and the
+    two baselines again in a new process reusing those folders (`_warm`). In-process times start
+    just after `import torch` (its cost is reported separately); the whole-process wall too.
+
+Writes benchmarks/results/mint_overhead.json (runs, medians, ratios, machine, versions, date).
+
+    python benchmarks/mint_overhead.py [--reps 3] [--budget-s 720]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cgbuild_rules.mint import DEFAULT_SANDBOX
+
+import cgbuild
+from cgbuild import compiler, policy
+from cgbuild.seal import PACKAGE, read_metadata, unseal
+from cgbuild.store import Store
+
+HERE = Path(__file__).resolve().parent
+TOY = HERE.parent / "examples" / "toy"
+RESULT = HERE / "results" / "mint_overhead.json"
+LABEL = "//toy/mlp/8x64-b1@fp32:cpu"
+# The toy Cgfile's mlp at 8x64, batch 1, with the family config (hidden 128, out 10).
+SPEC: dict[str, Any] = {
+    "family": "toy",
+    "module": "mlp",
+    "graph_class": "8x64-b1",
+    "height": 8,
+    "width": 64,
+    "text_len": None,
+    "batch": 1,
+    "dtype": "float32",
+    "device": "cpu",
+    "config": {"hidden": 128, "out": 10},
+}
+TARGET_OVERHEAD_RATIO = 0.05
+SERVING = ("adopt", "aoti_load_package", "torch_compile_cold", "torch_compile_warm")
+
+
+# ---- children (torch is imported only here) ----------------------------------------------------
+def _import_torch() -> float:
+    start = time.perf_counter()
+    import torch  # noqa: F401
+
+    return time.perf_counter() - start
+
+
+def _toy() -> tuple[Any, Any]:
+    """The toy MLP with seed-0 weights (as the mint's verification builds it) and its input."""
+    import torch
+
+    sys.path.insert(0, str(TOY))
+    import toy_models
+
+    torch.manual_seed(0)
+    module, args, _kwargs = toy_models.build(dict(SPEC))
+    module.eval()
+    return module, args[0]
+
+
+def child_bare(arg: Mapping[str, Any]) -> dict[str, Any]:
+    imported = _import_torch()
+    import torch
+
+    t0 = time.perf_counter()
+    module, x = _toy()
+    with torch.no_grad():
+        ep = torch.export.export(module, (x,), strict=False)
+    t1 = time.perf_counter()
+    configs: dict[str, Any] = dict(policy.inductor_configs(compiler.normalize_arch(platform.machine())))
+    configs["cpp.cxx"] = (None, arg["cxx"])
+    torch._inductor.aoti_compile_and_package(
+        ep, package_path=str(Path(arg["out"]) / PACKAGE), inductor_configs=configs
+    )
+    t2 = time.perf_counter()
+    from cgbuild_rules.digest import graph_facts  # untimed: proves it is the minted graph
+
+    return {
+        "import_torch": imported,
+        "export": t1 - t0,
+        "compile": t2 - t1,
+        "export_compile": t2 - t0,
+        "graph_digest": graph_facts(ep).digest,
+    }
+
+
+def _max_abs(got: Any, module: Any, x: Any) -> float:
+    import torch
+
+    with torch.no_grad():
+        want = type(module).forward(module, x)
+    return float((got - want).abs().max())
+
+
+def child_adopt(arg: Mapping[str, Any]) -> dict[str, Any]:
+    imported = _import_torch()
+    import torch
+
+    t0 = time.perf_counter()
+    from cgbuild_rules.adopt import adopt
+
+    t1 = time.perf_counter()
+    module, x = _toy()
+    t2 = time.perf_counter()
+    adopted = adopt(arg["key"], module, store=Store(arg["store"]), strict=True)
+    t3 = time.perf_counter()
+    with torch.no_grad():
+        out = adopted(x)
+    t4 = time.perf_counter()
+    if dict(adopted.counters) != {"compiled": 1}:
+        raise SystemExit(f"the first call did not run compiled: {dict(adopted.counters)}")
+    return {
+        "import_torch": imported,
+        "import_rules": t1 - t0,
+        "build_module": t2 - t1,
+        "adopt": t3 - t2,
+        "first_call": t4 - t3,
+        "to_first_output": t4 - t0,
+        "max_abs_vs_eager": _max_abs(out, module, x),
+    }
+
+
+def child_aoti(arg: Mapping[str, Any]) -> dict[str, Any]:
+    imported = _import_torch()
+    import torch
+
+    t0 = time.perf_counter()
+    module, x = _toy()
+    t1 = time.perf_counter()
+    compiled = torch._inductor.aoti_load_package(arg["pt2"])
+    t2 = time.perf_counter()
+    live = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    compiled.load_constants(
+        {fqn: live[fqn].detach() for fqn in compiled.get_constant_fqns()},
+        check_full_update=True,
+        user_managed=True,
+    )
+    t3 = time.perf_counter()
+    with torch.no_grad():
+        out = compiled(x)
+    t4 = time.perf_counter()
+    return {
+        "import_torch": imported,
+        "build_module": t1 - t0,
+        "load_package": t2 - t1,
+        "load_constants": t3 - t2,
+        "first_call": t4 - t3,
+        "to_first_output": t4 - t0,
+        "max_abs_vs_eager": _max_abs(out, module, x),
+    }
+
+
+def child_torch_compile(arg: Mapping[str, Any]) -> dict[str, Any]:
+    imported = _import_torch()
+    import torch
+
+    t0 = time.perf_counter()
+    module, x = _toy()
+    t1 = time.perf_counter()
+    compiled = torch.compile(module)
+    with torch.no_grad():
+        out = compiled(x)
+    t2 = time.perf_counter()
+    return {
+        "import_torch": imported,
+        "build_module": t1 - t0,
+        "first_call": t2 - t1,
+        "to_first_output": t2 - t0,
+        "max_abs_vs_eager": _max_abs(out, module, x),
+    }
+
+
+def child_import(arg: Mapping[str, Any]) -> dict[str, Any]:
+    return {"import_torch": _import_torch()}
+
+
+CHILDREN: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
+    "bare": child_bare,
+    "adopt": child_adopt,
+    "aoti_load_package": child_aoti,
+    "torch_compile": child_torch_compile,
+    "import": child_import,
+}
+
+
+# ---- parent ------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One fresh process: its wall time and what it reported about itself."""
+
+    wall: float
+    inner: dict[str, Any]
+
+
+def _json_tail(text: str) -> dict[str, Any]:
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            return dict(json.loads(line))
+    raise ValueError("no JSON line")
+
+
+def _tail(text: str, n: int = 5) -> str:
+    return " | ".join(text.strip().splitlines()[-n:])
+
+
+def run_child(case: str, arg: Mapping[str, Any], env: Mapping[str, str]) -> Run:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", case, json.dumps(dict(arg))]
+    start = time.perf_counter()
+    proc = subprocess.run(argv, env=dict(env), capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{case} child failed (exit {proc.returncode}): {_tail(proc.stderr)}")
+    return Run(wall, _json_tail(proc.stdout))
+
+
+def _fresh_dirs(root: Path) -> dict[str, str]:
+    dirs = {
+        "TMPDIR": root / "tmp",
+        "TORCHINDUCTOR_CACHE_DIR": root / "inductor",
+        "TRITON_CACHE_DIR": root / "triton",
+    }
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+    return {k: str(v) for k, v in dirs.items()}
+
+
+def sandbox_env(root: Path, cxx: str) -> dict[str, str]:
+    """The mint's scrubbed environment, with this round's own (empty) temp and cache folders."""
+    env = policy.mint_environment(os.environ, _fresh_dirs(root))
+    env["CXX"] = cxx
+    return env
+
+
+def serving_env(root: Path) -> dict[str, str]:
+    """A serving process's environment (this one's), with its own (empty) temp and cache folders."""
+    return {**os.environ, **_fresh_dirs(root)}
+
+
+def cgbuild_argv() -> list[str]:
+    script = Path(sys.executable).parent / "cgbuild"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "cgbuild.cli"]
+
+
+def run_mint(ws: Path) -> Run:
+    """`cgbuild -C ws mint LABEL --json` in a fresh copy of the toy workspace."""
+    shutil.copytree(TOY, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+    argv = [*cgbuild_argv(), "-C", str(ws), "mint", LABEL, "--json"]
+    start = time.perf_counter()
+    proc = subprocess.run(argv, cwd=ws, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"mint failed (exit {proc.returncode}): {proc.stdout[-2000:]} {_tail(proc.stderr)}")
+    summary = json.loads(proc.stdout)
+    if len(summary["minted"]) != 1 or summary["failed"] or summary["refused"]:
+        raise SystemExit(f"expected one minted key: {summary}")
+    minted = summary["minted"][0]
+    if minted["admission"] != "admitted":
+        raise SystemExit(f"admission {minted['admission']!r}, expected a fresh admission")
+    record = json.loads((ws / ".cgbuild" / "mint" / f"{minted['key']}.json").read_text())
+    if record["state"] != "ok" or record["result"]["phases"] != minted["phases"]:
+        raise SystemExit("the mint record disagrees with the summary")
+    phases = minted["phases"]
+    return Run(
+        wall,
+        {
+            "key": minted["key"],
+            "summary_seconds": summary["seconds"],
+            "record_seconds": record["finished"] - record["started"],
+            **{k: phases[k] for k in ("export", "compile", "verify", "seal", "total")},
+        },
+    )
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def series(values: list[float], digits: int = 3) -> dict[str, Any]:
+    return {"runs": [round(v, digits) for v in values], "median": round(med(values), digits)}
+
+
+def inner_series(runs: list[Run], *fields: str) -> dict[str, Any]:
+    return {f: series([r.inner[f] for r in runs]) for f in fields}
+
+
+def cpu_model() -> str:
+    try:
+        for row in Path("/proc/cpuinfo").read_text().splitlines():
+            if row.startswith("model name"):
+                return row.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def memory_gib() -> float | None:
+    try:
+        for row in Path("/proc/meminfo").read_text().splitlines():
+            if row.startswith("MemTotal:"):
+                return round(int(row.split()[1]) / (1 << 20), 1)
+    except OSError:
+        pass
+    return None
+
+
+def versions(cxx: str) -> dict[str, Any]:
+    import importlib.metadata as md
+
+    comp = compiler.cxx_component(cxx)
+    return {
+        "python": platform.python_version(),
+        "torch": md.version("torch"),
+        "cgbuild": cgbuild.__version__,
+        "cxx": {k: comp.get(k) for k in ("family", "version")},
+    }
+
+
+def sandbox_has_pch() -> bool:
+    """Does the mint's fixed, shared sandbox already hold Inductor's precompiled headers?"""
+    root = Path(DEFAULT_SANDBOX) / "tmp"
+    return any(root.glob("*/precompiled_headers/*.gch"))
+
+
+CASES = (
+    "bare_cold",
+    "bare_warm",
+    "mint",
+    "adopt",
+    "aoti_load_package_cold",
+    "aoti_load_package_warm",
+    "torch_compile_cold",
+    "torch_compile_warm",
+)
+
+
+def one_round(r: Path, cxx: str, runs: dict[str, list[Run]], facts: dict[str, list[Any]]) -> None:
+    """Every case once, in this order; the warm variants reuse the cold run's folders."""
+    out = r / "bare-out"
+    out.mkdir(parents=True)
+    bare_env = sandbox_env(r / "bare", cxx)
+    runs["bare_cold"].append(run_child("bare", {"cxx": cxx, "out": str(out)}, bare_env))
+    runs["bare_warm"].append(run_child("bare", {"cxx": cxx, "out": str(out)}, bare_env))
+
+    facts["mint_sandbox_pch_before"].append(sandbox_has_pch())
+    mint_run = run_mint(r / "ws")
+    runs["mint"].append(mint_run)
+    key = mint_run.inner["key"]
+    store = Store(r / "ws" / ".cgbuild" / "store")
+    artifact = store.resolve(key, verify=True).path
+    facts["minted_digests"].append(read_metadata(artifact)["graph"]["digest"])
+    files = unseal(artifact, r / "unsealed")
+
+    runs["adopt"].append(run_child("adopt", {"key": key, "store": str(store.root)}, serving_env(r / "adopt")))
+    aoti_env = serving_env(r / "aoti")
+    aoti_arg = {"pt2": str(files[PACKAGE])}
+    runs["aoti_load_package_cold"].append(run_child("aoti_load_package", aoti_arg, aoti_env))
+    runs["aoti_load_package_warm"].append(run_child("aoti_load_package", aoti_arg, aoti_env))
+    tc_env = serving_env(r / "tc")
+    runs["torch_compile_cold"].append(run_child("torch_compile", {}, tc_env))
+    runs["torch_compile_warm"].append(run_child("torch_compile", {}, tc_env))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3, help="rounds (each runs every case once)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=720.0,
+        help="start no round (after the second) that would end past this",
+    )
+    ap.add_argument("--out", type=Path, default=RESULT)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    args = ap.parse_args()
+
+    started = time.perf_counter()
+    load_start = os.getloadavg()
+    cxx = compiler.choose_cxx(None)
+    tmp = Path(tempfile.mkdtemp(prefix="cgbuild-mint-overhead-"))
+    runs: dict[str, list[Run]] = {name: [] for name in CASES}
+    facts: dict[str, list[Any]] = {"mint_sandbox_pch_before": [], "minted_digests": [], "round_seconds": []}
+    stopped = ""
+    try:
+        run_child("import", {}, os.environ)  # untimed: torch's files into the page cache
+        for rep in range(args.reps):
+            elapsed = time.perf_counter() - started
+            if rep >= 2 and elapsed / rep * (rep + 1) > args.budget_s:
+                stopped = f"stopped after {rep} rounds: round {rep + 1} would end past {args.budget_s:.0f} s"
+                break
+            round_start = time.perf_counter()
+            one_round(tmp / f"round{rep}", cxx, runs, facts)
+            facts["round_seconds"].append(round(time.perf_counter() - round_start, 1))
+            print(
+                f"round {rep + 1}: bare cold {runs['bare_cold'][-1].inner['export_compile']:.1f} s, "
+                f"warm {runs['bare_warm'][-1].inner['export_compile']:.1f} s, "
+                f"mint {runs['mint'][-1].wall:.1f} s ({facts['round_seconds'][-1]:.0f} s in all)",
+                flush=True,
+            )
+        result = summarize(runs, facts, cxx, stopped, load_start, args.reps)
+        result["benchmark_seconds"] = round(time.perf_counter() - started, 1)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps({k: result[k] for k in ("medians", "ratios", "target")}, indent=2))
+    finally:
+        if args.keep:
+            print(f"kept: {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+FIELDS: dict[str, tuple[str, ...]] = {
+    "bare_cold": ("import_torch", "export", "compile", "export_compile"),
+    "bare_warm": ("import_torch", "export", "compile", "export_compile"),
+    "adopt": ("import_torch", "import_rules", "build_module", "adopt", "first_call", "to_first_output"),
+    "aoti_load_package_cold": (
+        "import_torch",
+        "build_module",
+        "load_package",
+        "load_constants",
+        "first_call",
+        "to_first_output",
+    ),
+    "torch_compile_cold": ("import_torch", "build_module", "first_call", "to_first_output"),
+}
+FIELDS["aoti_load_package_warm"] = FIELDS["aoti_load_package_cold"]
+FIELDS["torch_compile_warm"] = FIELDS["torch_compile_cold"]
+
+
+def summarize(
+    runs: dict[str, list[Run]],
+    facts: dict[str, list[Any]],
+    cxx: str,
+    stopped: str,
+    load_start: tuple[float, float, float],
+    reps: int,
+) -> dict[str, Any]:
+    mint = runs["mint"]
+    digests = facts["minted_digests"]
+    bare_digests = {r.inner["graph_digest"] for name in ("bare_cold", "bare_warm") for r in runs[name]}
+    same_graph = len(set(digests)) == 1 and bare_digests == set(digests)
+
+    def m(r: Run, k: str) -> float:
+        return float(r.inner[k])
+
+    def mm(name: str, k: str) -> float:
+        return med([m(r, k) for r in runs[name]])
+
+    overhead = [r.wall - (m(r, "export") + m(r, "compile") + m(r, "verify")) for r in mint]
+    breakdown = {
+        # CLI start, workspace load, the plan (a trace child that imports torch, cold trace
+        # cache) and printing: everything outside `mint_keys`.
+        "cli_and_plan": [r.wall - m(r, "summary_seconds") for r in mint],
+        # record writes, worker process start, admission into the store
+        "worker_start_records_admit": [m(r, "summary_seconds") - m(r, "total") for r in mint],
+        # inside the worker, outside its timed phases: two stage processes (each starts Python
+        # and imports torch), the toolchain re-probe, the sandbox lock, metadata
+        "worker_untimed": [
+            m(r, "total") - sum(m(r, k) for k in ("export", "compile", "verify", "seal")) for r in mint
+        ],
+        "seal": [m(r, "seal") for r in mint],
+    }
+    overhead_med = med(overhead)
+    bare_cold, bare_warm = mm("bare_cold", "export_compile"), mm("bare_warm", "export_compile")
+    verify = mm("mint", "verify")
+    first = {
+        name: mm(name, "to_first_output")
+        for name in CASES
+        if name.startswith(("adopt", "aoti", "torch_compile"))
+    }
+    wall = {name: med([r.wall for r in runs[name]]) for name in CASES}
+    import_torch = [m(r, "import_torch") for name in FIELDS for r in runs[name]]
+    seconds: dict[str, Any] = {}
+    for name in CASES:
+        block: dict[str, Any] = {"process_wall": series([r.wall for r in runs[name]])}
+        if name == "mint":
+            block["phases"] = inner_series(mint, "export", "compile", "verify", "seal", "total")
+            block["mint_keys"] = series([m(r, "summary_seconds") for r in mint])
+            block["overhead"] = series(overhead)
+            block["overhead_breakdown"] = {k: series(v) for k, v in breakdown.items()}
+        else:
+            block.update(inner_series(runs[name], *FIELDS[name]))
+        seconds[name] = block
+    load_end = os.getloadavg()
+    return {
+        "benchmark": "mint_overhead",
+        "what": f"toy MLP {LABEL}: bare AOTI compile vs `cgbuild mint`; adopt vs others to first output",
+        "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
+        "machine": {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "memory_gib": memory_gib(),
+            "system": f"{platform.system()} {platform.machine()}",
+            "loadavg_start": [round(v, 2) for v in load_start],
+            "loadavg_end": [round(v, 2) for v in load_end],
+            "note": "other work may share the CPU while this runs (see loadavg); each round runs every "
+            "case once so such load falls on all of them alike, but single runs can be inflated",
+        },
+        "versions": versions(cxx),
+        "label": LABEL,
+        "graph_digest": digests[0] if digests else None,
+        "reps_requested": reps,
+        "reps": len(mint),
+        "round_seconds": facts["round_seconds"],
+        "stopped_early": stopped or None,
+        "settings": {
+            "inductor_configs": policy.inductor_configs(compiler.normalize_arch(platform.machine())),
+            "bare_cold": "mint environment (cgbuild.policy.mint_environment) with a fresh TMPDIR and "
+            "Inductor/Triton cache per round; cpp.cxx = the host compiler the mint chooses",
+            "bare_warm": "the same, in a new process reusing the cold run's TMPDIR and caches (Inductor's "
+            "precompiled headers live under TMPDIR): the state cgbuild's fixed mint sandbox is in "
+            "after its first compile",
+            "mint": "cgbuild mint LABEL --json into a fresh copy of examples/toy per round (cold trace "
+            "cache, empty store); the compile runs in cgbuild's fixed, shared sandbox, as is",
+            "serving": "this environment with a fresh TMPDIR and Inductor cache per round (cold); the "
+            "warm variants are a new process reusing the cold run's folders. adopt resolves the "
+            "key in the round's store (re-hashing the object) and unseals it; aoti_load_package "
+            "gets the already-unsealed model.pt2; torch.compile uses its defaults",
+            "first_call": "under torch.no_grad(), module in eval mode, seed-0 weights",
+        },
+        "seconds": seconds,
+        "medians": {
+            "import_torch_all_children": round(med(import_torch), 3),
+            "bare_cold_export_compile": round(bare_cold, 3),
+            "bare_warm_export_compile": round(bare_warm, 3),
+            "bare_cold_compile": round(mm("bare_cold", "compile"), 3),
+            "bare_warm_compile": round(mm("bare_warm", "compile"), 3),
+            "mint_wall": round(wall["mint"], 3),
+            "mint_export_phase": round(mm("mint", "export"), 3),
+            "mint_compile_phase": round(mm("mint", "compile"), 3),
+            "mint_verify_phase": round(verify, 3),
+            "mint_overhead": round(overhead_med, 3),
+            "to_first_output": {k: round(v, 3) for k, v in first.items()},
+            "process_wall": {k: round(v, 3) for k, v in wall.items()},
+        },
+        "ratios": {
+            "mint_overhead_over_bare_cold_export_compile": round(overhead_med / bare_cold, 3),
+            "mint_overhead_over_bare_warm_export_compile": round(overhead_med / bare_warm, 3),
+            "mint_verify_over_bare_cold_export_compile": round(verify / bare_cold, 4),
+            "mint_verify_over_bare_warm_export_compile": round(verify / bare_warm, 4),
+            "mint_compile_phase_over_bare_warm_compile": round(
+                mm("mint", "compile") / mm("bare_warm", "compile"), 3
+            ),
+            "mint_wall_over_bare_cold_process_wall": round(wall["mint"] / wall["bare_cold"], 3),
+            "mint_wall_over_bare_warm_process_wall": round(wall["mint"] / wall["bare_warm"], 3),
+            **{
+                f"adopt_over_{name}_to_first_output": round(first["adopt"] / first[name], 4)
+                for name in first
+                if name != "adopt"
+            },
+            **{
+                f"adopt_over_{name}_process_wall": round(wall["adopt"] / wall[name], 3)
+                for name in first
+                if name != "adopt"
+            },
+        },
+        "target": {
+            "mint_overhead_ratio_max": TARGET_OVERHEAD_RATIO,
+            "met_vs_bare_cold": overhead_med / bare_cold <= TARGET_OVERHEAD_RATIO,
+            "met_vs_bare_warm": overhead_med / bare_warm <= TARGET_OVERHEAD_RATIO,
+        },
+        "checks": {
+            "same_graph_digest_bare_and_minted": same_graph,
+            "adopt_first_call_ran_compiled": True,  # the adopt child exits non-zero otherwise
+            "mint_sandbox_had_precompiled_headers_before_each_mint": facts["mint_sandbox_pch_before"],
+            "max_abs_vs_eager": {
+                name: max(r.inner["max_abs_vs_eager"] for r in runs[name]) for name in first
+            },
+        },
+    }
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        print(json.dumps(CHILDREN[sys.argv[2]](json.loads(sys.argv[3]))), flush=True)
+    else:
+        main()
