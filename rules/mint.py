@@ -221,7 +221,9 @@ def mint(req: dict[str, Any]) -> dict[str, Any]:
             built = run_stage("compile", work, env, timeout)
         phase = "verify"
         (work / "tmp").mkdir()
+        t = time.perf_counter()
         checked = run_stage("verify", work, {**env, "TMPDIR": str(work / "tmp")}, timeout)
+        verify_s = time.perf_counter() - t  # the whole fresh process: start, import, load, compare
         phase = "seal"
         t = time.perf_counter()
         members = {PACKAGE: work / PACKAGE}
@@ -243,7 +245,7 @@ def mint(req: dict[str, Any]) -> dict[str, Any]:
             "verify": checked["errors"],
             "phases": {
                 **built["seconds"],
-                "verify": checked["seconds"],
+                "verify": round(verify_s, 3),
                 "seal": round(seal_s, 3),
                 "total": round(time.perf_counter() - start, 3),
             },
@@ -462,7 +464,6 @@ def stage_verify(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     from cgbuild_rules.loader import Package
     from torch.utils import _pytree as pytree
 
-    t = time.perf_counter()
     job = trace.parse_job(req["job"])
     built = trace.build(job, "real")
     literals: dict[str, torch.Tensor] = {}
@@ -508,7 +509,7 @@ def stage_verify(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
         errors.append(
             {"output": i, "rel_rms": err, "max_abs": float((g - w).abs().max()) if g.numel() else 0.0}
         )
-    return {"ok": True, "errors": errors, "seconds": round(time.perf_counter() - t, 3)}
+    return {"ok": True, "errors": errors}
 
 
 def _stage_main(stage: str, work: Path) -> int:

@@ -156,6 +156,7 @@ def test_mint_seals_a_verified_artifact(
     mint_a: tuple[dict[str, Any], dict[str, Any]], tmp_path: Path
 ) -> None:
     req, result = mint_a
+    print("\nmint phases (s):", json.dumps(result["phases"]), "artifact bytes:", result["size"])
     assert result["key"] == req["key"] and Path(result["artifact"]).name == f"{req['key']}.tar.gz"
     assert set(result["phases"]) == {"export", "compile", "verify", "seal", "total"}
     assert result["verify"][0]["rel_rms"] < 1e-5

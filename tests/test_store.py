@@ -211,3 +211,19 @@ def test_gc_keeps_referenced_objects_and_drops_orphans(tmp_path: Path) -> None:
     live = store.gc(keep={"k2"})
     assert live.refs_dropped == ["k1"] and live.objects_removed == [k1.object]
     assert store.ref_state("k1") == "missing" and store.resolve("k2").ref.object == k2.object
+
+
+def test_ref_state_is_cheap_enough_for_a_10000_target_plan(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s")
+    keys = [f"{i:064x}" for i in range(100)]
+    for key in keys:
+        store.admit(key, _blob(tmp_path / "b", key.encode()))
+    start = time.perf_counter()
+    states = [store.ref_state(keys[i % 100]) for i in range(10_000)]
+    fresh_s = time.perf_counter() - start
+    start = time.perf_counter()
+    missing = [store.ref_state(f"e{i:063x}") for i in range(10_000)]
+    missing_s = time.perf_counter() - start
+    print(f"\nref_state x10000: fresh {fresh_s:.3f} s, missing {missing_s:.3f} s")
+    assert set(states) == {"fresh"} and set(missing) == {"missing"}
+    assert fresh_s < 3.0 and missing_s < 3.0  # ~0.3 s and ~0.1 s measured; generous for a busy box
