@@ -23,9 +23,11 @@ cmd` / `// Link cmd` comment blocks with absolute cache, temp and include paths 
 block per warm-cache compile (stripped); the `// Triton kernels are embedded as comments in
 <path>` line names the sandbox (replaced by `<sandbox>`); `.data/serialization_id` is derived from
 the records' contents (recomputed by rewriting with torch's own archive writer, records sorted).
-The `.so` and the kernel file names depend on the cache path, which is why the sandbox path is
-fixed; the `.so` line tables (`-g1`) also carry torch's include folder, so machines must install
-torch at the same path for byte-identical packages (`mint --check` names the members that differ).
+The `.so` and the generated file names depend on the cache path, which is why the sandbox path
+is fixed. They depend on where torch is installed too (its include folder is in the compile
+flags Inductor hashes, and in the `.so` line tables): the same venv reached through a symlinked
+path renamed every kernel and wrapper file. Byte-identical packages across machines therefore
+need torch at the same path; `mint --check` names the members that differ.
 
 Failures are typed: `retryable` ones (`oom`, `worker-killed`, `worker-signal`, `timeout`) may
 succeed on another attempt; the others (refusals, compile errors, verification mismatch) will
