@@ -459,12 +459,44 @@ def _rel_rms(got: Any, want: Any) -> float:
     return float(diff / want.double().pow(2).mean().sqrt().clamp_min(1e-30))
 
 
+def compare_outputs(got: Any, want: Any) -> list[dict[str, Any]]:
+    """Compiled vs eager, leaf by leaf: same structure, dtype, shape and non-finite pattern, and a
+    relative RMS error within the output dtype's tolerance; raises `verify-mismatch` otherwise."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    want_leaves, want_spec = pytree.tree_flatten(want)
+    if got_spec != want_spec:
+        raise MintFailure("verify-mismatch", f"output structure {got_spec} differs from eager {want_spec}")
+    errors = []
+    for i, (g, w) in enumerate(zip(got_leaves, want_leaves, strict=True)):
+        if not isinstance(w, torch.Tensor):
+            continue
+        if g.shape != w.shape or g.dtype != w.dtype:
+            raise MintFailure(
+                "verify-mismatch", f"output {i}: {g.dtype}{list(g.shape)} vs eager {w.dtype}{list(w.shape)}"
+            )
+        tol = float(TOLERANCE.get(str(w.dtype).removeprefix("torch."), "1e-2"))
+        finite = torch.isfinite(w)
+        if not torch.equal(torch.isfinite(g), finite):
+            raise MintFailure("verify-mismatch", f"output {i}: non-finite values differ from eager")
+        err = _rel_rms(g[finite], w[finite]) if finite.any() else 0.0
+        if err > tol:
+            raise MintFailure(
+                "verify-mismatch", f"output {i}: relative RMS error {err:.3g} > {tol:g} ({w.dtype})"
+            )
+        errors.append(
+            {"output": i, "rel_rms": err, "max_abs": float((g - w).abs().max()) if g.numel() else 0.0}
+        )
+    return errors
+
+
 def stage_verify(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     _fault("verify")
     import torch
     from cgbuild_rules import trace
     from cgbuild_rules.loader import Package
-    from torch.utils import _pytree as pytree
 
     job = trace.parse_job(req["job"])
     built = trace.build(job, "real")
@@ -487,31 +519,7 @@ def stage_verify(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     package.bind({fqn: live[fqn] for fqn in package.constant_fqns})
     with torch.no_grad():
         got = package(*built.args, **built.kwargs)
-    got_leaves, got_spec = pytree.tree_flatten(got)
-    want_leaves, want_spec = pytree.tree_flatten(want)
-    if got_spec != want_spec:
-        raise MintFailure("verify-mismatch", f"output structure {got_spec} differs from eager {want_spec}")
-    errors = []
-    for i, (g, w) in enumerate(zip(got_leaves, want_leaves, strict=True)):
-        if not isinstance(w, torch.Tensor):
-            continue
-        if g.shape != w.shape or g.dtype != w.dtype:
-            raise MintFailure(
-                "verify-mismatch", f"output {i}: {g.dtype}{list(g.shape)} vs eager {w.dtype}{list(w.shape)}"
-            )
-        tol = float(TOLERANCE.get(str(w.dtype).removeprefix("torch."), "1e-2"))
-        if not torch.equal(torch.isfinite(g), torch.isfinite(w)):
-            raise MintFailure("verify-mismatch", f"output {i}: non-finite values differ from eager")
-        finite = torch.isfinite(w)
-        err = _rel_rms(g[finite], w[finite]) if finite.any() else 0.0
-        if err > tol:
-            raise MintFailure(
-                "verify-mismatch", f"output {i}: relative RMS error {err:.3g} > {tol:g} ({w.dtype})"
-            )
-        errors.append(
-            {"output": i, "rel_rms": err, "max_abs": float((g - w).abs().max()) if g.numel() else 0.0}
-        )
-    return {"ok": True, "errors": errors}
+    return {"ok": True, "errors": compare_outputs(got, want)}
 
 
 def _stage_main(stage: str, work: Path) -> int:

@@ -239,3 +239,43 @@ def test_adopt_to_first_output_in_a_fresh_process(
     print("\nadopt timings (s):", json.dumps({k: round(v, 4) for k, v in {**timings, **loads}.items()}))
     assert timings["adopt_to_first_output"] < 2.0
     assert loads["cxx_loader"] < loads["aoti_load_package"]
+
+
+def test_package_refuses_to_run_before_binding(art_a: Path, tmp_path: Path) -> None:
+    from cgbuild_rules.loader import NotBound, Package
+
+    package = Package(unseal(art_a, tmp_path)["model.pt2"])
+    with pytest.raises(NotBound):  # calling it now would segfault the process
+        package(torch.randn(1, 8, 64))
+
+
+def test_store_key_and_constant_table_witnesses(
+    art_a: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    m = tiny(tmp_path_factory)
+    store = Store(tmp_path / "store")
+    store.admit("cd" * 32, art_a)  # stored under a key its metadata does not name
+    (wrong_key,) = adopt("cd" * 32, m, store=store).refusals.values()
+    assert wrong_key.code == "key-mismatch"
+    forgetful = edited(art_a, tmp_path / "f.tar.gz", lambda meta: meta["constants"].update(literal=[]))
+    (table,) = adopt(forgetful, m).refusals.values()
+    assert table.code == "constant-table-mismatch" and "scale" in table.detail
+
+
+def test_a_failing_compiled_call_is_served_eager_and_disarms(
+    art_a: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    m = tiny(tmp_path_factory)
+    served = adopt(art_a, m)
+    package = served.armed[0].package
+    assert package is not None
+
+    def broken(flat: Any) -> Any:
+        raise RuntimeError("kernel launch failed")
+
+    package.run_flat = broken  # type: ignore[method-assign]
+    x = torch.randn(1, 8, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(served(x), m(x))
+        served(x)
+    assert served.armed == [] and served.counters == {"eager:compiled-error": 2}

@@ -268,3 +268,31 @@ def test_generated_sources_lose_compile_commands_and_sandbox_paths() -> None:
     )
     code = "int g();\n// Compile cmd\nint h();\n"  # not a trailing comment block: left alone
     assert _strip_cpp(code, "/sb") == code
+
+
+def test_compile_commands_must_carry_the_clamp() -> None:
+    from cgbuild_rules.mint import MintFailure, _check_clamp
+
+    _check_clamp("// g++ a.cpp -O3 -march=x86-64-v3 -mavx2", "x86-64-v3")
+    with pytest.raises(MintFailure, match="clamp-not-applied"):
+        _check_clamp("// g++ a.cpp -march=x86-64-v3\n// g++ w.cpp -march=native", "x86-64-v3")
+
+
+def test_verification_compares_structure_dtype_nonfinite_and_tolerance() -> None:
+    import torch
+    from cgbuild_rules.mint import MintFailure, compare_outputs
+
+    want = torch.randn(4, 8)
+    (row,) = compare_outputs(want + 1e-7, want)
+    assert row["output"] == 0 and row["rel_rms"] < 1e-5
+    for got, needle in [
+        (want * 1.01, "relative RMS error"),
+        (want.double(), "vs eager"),
+        (want[:2], "vs eager"),
+        (torch.where(want > 0, float("nan"), want), "non-finite"),
+        ((want, want), "structure"),
+    ]:
+        with pytest.raises(MintFailure, match=needle):
+            compare_outputs(got, want)
+    half = want.bfloat16()
+    compare_outputs(half * 1.01, half)  # bf16 rounding noise is within its tolerance
