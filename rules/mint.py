@@ -32,6 +32,22 @@ need torch at the same path; `mint --check` names the members that differ.
 Failures are typed: `retryable` ones (`oom`, `worker-killed`, `worker-signal`, `timeout`) may
 succeed on another attempt; the others (refusals, compile errors, verification mismatch) will
 not. Phase timings go in the result line, never in the sealed bytes.
+
+Request (`schema: "cgbuild.mint-request/1"`): `id`, `key`, `job` (a trace job), `sm`,
+`graph_digest`, `toolchain` {`platform`, `fold`, `components`}; optional `axes` (readable blocks),
+`facets`, `stamp`, `labels`, `cxx` (compiler override), `out` (folder for `<key>.tar.gz`),
+`sandbox` (default `DEFAULT_SANDBOX`), `fresh` (empty the sandbox first, under an exclusive lock),
+`compare_with` (an earlier artifact of the key: the result says `reproducible` and names the
+`differing` members), `timeout_s` (per stage).
+Result: `{"id", "ok": true, "key", "artifact", "sha256", "size", "members": {name: sha256},
+"verify": [{"output", "rel_rms", "max_abs"}], "phases": {"export", "compile", "verify", "seal",
+"total"}}` or `{"id", "ok": false, "code", "retryable", "phase", "detail", ...}` with `old`/`new`
+(drift), `changes` (toolchain components), `needed`/`found` (device) or `signal`. Codes:
+`bad-request`, `wrong-device`, `wrong-host`, `toolchain-drift`, `graph-drift`, `entry-error`,
+`trace-failed`, `literal-hidden`, `compile-failed`, `clamp-not-applied`,
+`constant-table-mismatch`, `verify-mismatch`, `verify-failed`, `seal-failed`, `stage-error`,
+`mint-error`; retryable: `oom`, `worker-killed`, `worker-signal`, `timeout`. A failed mint leaves
+its stage logs in `<out>/.mint-<key16>-<pid>/`.
 """
 
 from __future__ import annotations
