@@ -117,9 +117,12 @@ def _checked_members(tar: tarfile.TarFile, artifact: object) -> list[tarfile.Tar
 
 
 def read_metadata(artifact: str | os.PathLike[str]) -> dict[str, Any]:
-    """The sealed metadata, read without unpacking the package."""
+    """The sealed metadata, read from the first member only (the package is not decompressed;
+    the closed member list is checked by `unseal`)."""
     with _open(artifact) as tar:
-        first = _checked_members(tar, artifact)[0]
+        first = tar.next()
+        if first is None or first.name != METADATA or not first.isreg():
+            raise SealError(f"{artifact}: the first member must be {METADATA}")
         if first.size > _MAX_METADATA:
             raise SealError(f"{artifact}: metadata.json is {first.size} bytes")
         f = tar.extractfile(first)
