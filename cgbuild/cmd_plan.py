@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
 from typing import Any
 
@@ -46,7 +47,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+ROW_LIMIT = 40
+ORDER = {"mint": 0, "trace": 1, "blocked": 2, "fresh": 3}
+
+
 def show(plan: dict[str, Any], *, every: bool) -> None:
+    """Summary, causes grouped, then the rows that need action (all rows with `--all`).
+
+    Rows are plain text: a rich table of 10,000 rows takes seconds to lay out.
+    """
     targets = plan["targets"]
     counts = Counter(t["status"] for t in targets)
     keys = {t["key"] for t in targets if t["key"]}
@@ -55,20 +64,36 @@ def show(plan: dict[str, Any], *, every: bool) -> None:
         f"[{STATUS_STYLE[s]}]{counts[s]} {s}[/]" for s in ("mint", "trace", "blocked", "fresh") if counts[s]
     )
     out.print(f"{len(targets)} targets, {len(keys)} distinct keys: {summary or 'nothing selected'}")
-    rows = targets if every else [t for t in targets if t["status"] != "fresh"]
-    if not rows:
+    pending = sorted((t for t in targets if t["status"] != "fresh"), key=lambda t: ORDER[t["status"]])
+    if not pending and not every:
         if targets:
             out.print("[green]everything is fresh[/]")
         return
-    from rich.table import Table
-
-    table = Table(box=None, pad_edge=False)
-    for col in ("status", "label", "key", "why"):
-        table.add_column(col)
-    for t in rows:
-        roots = [r for r in t["reasons"] if r.get("root")] or t["reasons"]
-        why = "; ".join(r["detail"] for r in roots[:2])
-        table.add_row(
-            f"[{STATUS_STYLE[t['status']]}]{t['status']}[/]", t["label"], (t["key"] or "-")[:12], why
+    causes: Counter[tuple[str, str]] = Counter()
+    example: dict[tuple[str, str], str] = {}
+    for t in pending:
+        cause = (t["status"], _root(t)["code"])
+        causes[cause] += 1
+        example.setdefault(cause, _root(t)["detail"])
+    for (status, code), n in sorted(causes.items(), key=lambda kv: (ORDER[kv[0][0]], -kv[1])):
+        out.print(
+            f"  [{STATUS_STYLE[status]}]{n:>6} {status}[/] {code}: {example[(status, code)]}", highlight=False
         )
-    out.print(table)
+    rows = sorted(targets, key=lambda t: ORDER[t["status"]]) if every else pending[:ROW_LIMIT]
+    width = max((len(t["label"]) for t in rows), default=0)
+    lines = [
+        f"{t['status']:<8} {t['label']:<{width}}  {(t['key'] or '-')[:12]:<12}  {_root(t)['detail']}"
+        for t in rows
+    ]
+    sys.stdout.write("\n".join(lines) + ("\n" if lines else ""))
+    if not every and len(pending) > ROW_LIMIT:
+        print(
+            f"... {len(pending) - ROW_LIMIT} more need action (--all lists every target, --json for machines)"
+        )
+
+
+def _root(t: dict[str, Any]) -> dict[str, Any]:
+    return (
+        next((r for r in t["reasons"] if r.get("root")), None)
+        or (t["reasons"] or [{"code": "-", "detail": ""}])[0]
+    )
