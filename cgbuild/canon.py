@@ -16,27 +16,61 @@ class NotCanonical(ValueError):
     """An identity block holds a value that has no stable canonical rendering."""
 
 
-def _check(value: Any, where: str) -> None:
-    if isinstance(value, bool) or value is None or isinstance(value, int | str):
+_LEAVES = (str, int, bool, type(None))
+
+
+def _first_bad(value: Any) -> tuple[str, Any, bool] | None:
+    """(path, value, is_key) of the first non-canonical value or key, or None. Iterative, and builds no path
+    strings unless something is wrong: a warm plan digests tens of thousands of small blocks."""
+    stack: list[Any] = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, _LEAVES):
+            continue
+        if isinstance(v, dict):
+            for k, item in v.items():
+                if not isinstance(k, str):
+                    return _path_to(value, v) or "$", k, True
+                stack.append(item)
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+        else:
+            return _path_to(value, v) or "$", v, False
+    return None
+
+
+def _path_to(root: Any, target: Any, where: str = "$") -> str | None:
+    """Where `target` sits inside `root` (only called to word an error)."""
+    if root is target:
+        return where
+    if isinstance(root, dict):
+        children = ((f"{where}.{k}", item) for k, item in root.items())
+    elif isinstance(root, list | tuple):
+        children = ((f"{where}[{i}]", item) for i, item in enumerate(root))
+    else:
+        return None
+    for sub, item in children:
+        found = _path_to(item, target, sub)
+        if found:
+            return found
+    return None
+
+
+def _check(value: Any) -> None:
+    bad = _first_bad(value)
+    if bad is None:
         return
-    if isinstance(value, float):
-        raise NotCanonical(f"{where}: float {value!r} in an identity block (use an integer or a string)")
-    if isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            _check(item, f"{where}[{i}]")
-        return
-    if isinstance(value, dict):
-        for k, item in value.items():
-            if not isinstance(k, str):
-                raise NotCanonical(f"{where}: non-string key {k!r}")
-            _check(item, f"{where}.{k}")
-        return
-    raise NotCanonical(f"{where}: {type(value).__name__} has no canonical rendering")
+    where, v, is_key = bad
+    if is_key:
+        raise NotCanonical(f"{where}: non-string key {v!r}")
+    if isinstance(v, float):
+        raise NotCanonical(f"{where}: float {v!r} in an identity block (use an integer or a string)")
+    raise NotCanonical(f"{where}: {type(v).__name__} has no canonical rendering")
 
 
 def canonical_json(value: Any) -> str:
     """Render `value` canonically; refuses floats and foreign types."""
-    _check(value, "$")
+    _check(value)
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
@@ -66,3 +100,13 @@ def hexfloats(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: hexfloats(v) for k, v in value.items()}
     return value
+
+
+def digest_unguarded(value: Any) -> str:
+    """sha256 of the same canonical rendering, without the identity guard.
+
+    For over-keyed cache inputs only (trace inputs): a value that renders unstably there costs
+    a spurious re-trace, never a wrong key, and the guard's walk is most of a warm plan's cost.
+    """
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()

@@ -158,29 +158,33 @@ def make_plan(
     env_digest = digest(sorted(dists.items()))
     local_torch = environment.torch_build()
     toolchains, tc_source = resolve_toolchains(ws, cache_dir)
+    selected_families = {t.id.family for t in targets}
     hasher = SourceHasher(cache_dir / "sources.json")
     fam_inputs = {
-        name: hasher.family_inputs(cg, fam)
-        for name, fam in cg.families.items()
-        if any(t.id.family == name for t in targets)
+        name: hasher.family_inputs(cg, fam) for name, fam in cg.families.items() if name in selected_families
     }
     hasher.save()
 
     units: dict[str, TraceUnit] = {}
     unit_of: dict[str, str] = {}
+    by_unit: dict[tuple[str, ...], str] = {}  # targets of one trace unit differ only in sm
     for t in targets:
-        tc_torch = _torch_of(_platform_toolchain(toolchains, t, tc_source))
-        job = trace_job(ws, t)
-        inputs = trace_inputs(
-            family_inputs=fam_inputs[t.id.family][0],
-            module=t.id.module,
-            spec=job["spec"],
-            quant=job["quant"],
-            torch=tc_torch or "absent",
-            environment=env_digest,
-        )
-        unit = units.setdefault(inputs, TraceUnit(inputs, {**job, "id": inputs}))
-        unit.targets.append(t)
+        tc_torch = _torch_of(_platform_toolchain(toolchains, t, tc_source)) or "absent"
+        unit_id = (t.id.family, t.id.module, t.id.graph_class, t.id.layout, t.device, tc_torch)
+        inputs = by_unit.get(unit_id, "")
+        if not inputs:
+            job = trace_job(ws, t)
+            inputs = trace_inputs(
+                family_inputs=fam_inputs[t.id.family][0],
+                module=t.id.module,
+                spec=job["spec"],
+                quant=job["quant"],
+                torch=tc_torch,
+                environment=env_digest,
+            )
+            by_unit[unit_id] = inputs
+            units.setdefault(inputs, TraceUnit(inputs, {**job, "id": inputs}))
+        units[inputs].targets.append(t)
         unit_of[t.label] = inputs
 
     cache = TraceCache(ws.state / "traces.sqlite")
@@ -256,7 +260,7 @@ def make_plan(
         },
         "targets": out_targets,
     }
-    _record(ws, plan, dists, unit_of)
+    _record(ws, plan, dists, last)
     return plan
 
 
@@ -501,10 +505,9 @@ def _dist_changes(old: dict[str, str], new: dict[str, str]) -> list[str]:
     return out
 
 
-def _record(ws: Workspace, plan: dict[str, Any], dists: dict[str, str], unit_of: dict[str, str]) -> None:
+def _record(ws: Workspace, plan: dict[str, Any], dists: dict[str, str], last: dict[str, Any]) -> None:
     """Keep what this plan saw, per label, so the next plan can say what moved."""
-    path = ws.state / "last-plan.json"
-    last = _load_last(path) or {"schema": LAST_PLAN_SCHEMA, "targets": {}}
+    last = {"schema": LAST_PLAN_SCHEMA, "targets": {}, **last}
     for entry in plan["targets"]:
         if entry["key"] is None and entry["label"] in last["targets"]:
             continue  # an unknown graph says nothing new; keep what was known
@@ -515,4 +518,4 @@ def _record(ws: Workspace, plan: dict[str, Any], dists: dict[str, str], unit_of:
         }
     last["environment"] = dists
     last["toolchains"] = plan["toolchains"]
-    _save_json(path, last)
+    _save_json(ws.state / "last-plan.json", last)

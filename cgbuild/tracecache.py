@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .canon import digest
+from .canon import digest_unguarded
 
 TRACE_RULE_VERSION = 1
 
@@ -24,7 +24,7 @@ def trace_inputs(
     *, family_inputs: str, module: str, spec: dict[str, Any], quant: str, torch: str, environment: str
 ) -> str:
     """Digest of everything a trace could depend on (over-keyed on purpose)."""
-    return digest(
+    return digest_unguarded(
         {
             "scheme": "cgbuild.trace-inputs/1",
             "rule": TRACE_RULE_VERSION,
