@@ -98,20 +98,49 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _events(total: int):  # -> Callable[[MintKey, str], None]
-    update, close = progress_bar("minting")
-    done = 0
+    """Per-key phase rows and an overall bar with ETA on a terminal; one line per event otherwise."""
+    import sys
+
+    if not sys.stderr.isatty():
+
+        def plain(mk: Any, phase: str) -> None:
+            print(f"mint {mk.key[:12]} {mk.labels[0]}: {phase}", file=sys.stderr, flush=True)
+
+        return plain
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from .output import console
+
+    board = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[phase]}"),
+        console=console(stderr=True),
+    )
+    overall = board.add_task("all keys", total=total, phase="")
+    rows: dict[str, Any] = {}
+    steps = {"starting": 0, "compile": 1, "verify": 2, "seal": 3, "admitting": 4, "done": 5, "failed": 5}
+    board.start()
 
     def on_event(mk: Any, phase: str) -> None:
-        nonlocal done
+        if mk.key not in rows:
+            more = f" +{len(mk.labels) - 1}" if len(mk.labels) > 1 else ""
+            rows[mk.key] = board.add_task(f"{mk.labels[0]}{more}", total=5, phase="")
+        board.update(rows[mk.key], completed=steps.get(phase, 0), phase=phase)
         if phase in ("done", "failed"):
-            done += 1
-        update(
-            done,
-            total,
-            f"{mk.labels[0]}{' +' + str(len(mk.labels) - 1) if len(mk.labels) > 1 else ''}: {phase}",
-        )
-        if done == total:
-            close()
+            board.advance(overall)
+            if board.tasks[overall].finished:
+                board.stop()
 
     return on_event
 

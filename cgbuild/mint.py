@@ -152,24 +152,43 @@ def request_for(ws: Workspace, mk: MintKey, out: Path, **extra: Any) -> dict[str
     }
 
 
-def run_worker(request: dict[str, Any], log: Path) -> dict[str, Any]:
-    """One mint child; its stderr goes to `log`; a child that dies still yields a typed result."""
+def run_worker(
+    request: dict[str, Any], log: Path, on_progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """One mint child; its stderr goes to `log`; a child that dies still yields a typed result.
+
+    The child announces each phase on its protocol stream (`{"progress": "compile"}`) before
+    its one result line.
+    """
     log.parent.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] | None = None
     with open(log, "w") as err:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "cgbuild_rules.mint"],
-            input=json.dumps(request),
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
         )
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
+        assert proc.stdin and proc.stdout
+        proc.stdin.write(json.dumps(request))
+        proc.stdin.close()
+        for line in proc.stdout:
             try:
-                return dict(json.loads(line))
+                message = json.loads(line)
             except json.JSONDecodeError:
-                break
-    how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+                continue
+            if not isinstance(message, dict):
+                continue
+            if "progress" in message:
+                if on_progress:
+                    on_progress(str(message["progress"]))
+            elif "ok" in message:
+                result = message
+        code = proc.wait()
+    if result is not None:
+        return result
+    how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
     return {
         "ok": False,
         "code": "worker-crashed",
@@ -200,8 +219,13 @@ def mint_keys(
         }
         _write_record(record_path, record)
         if on_event:
-            on_event(mk, "minting")
-        result = _device_refusal(mk) or run_worker(request_for(ws, mk, build), log)
+            on_event(mk, "starting")
+
+        def progress(phase: str) -> None:
+            if on_event:
+                on_event(mk, phase)
+
+        result = _device_refusal(mk) or run_worker(request_for(ws, mk, build), log, progress)
         if result.get("ok"):
             if on_event:
                 on_event(mk, "admitting")

@@ -62,7 +62,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -209,8 +209,11 @@ def _metadata(req: Mapping[str, Any], built: Mapping[str, Any]) -> dict[str, Any
     }
 
 
-def mint(req: dict[str, Any]) -> dict[str, Any]:
-    """Run one mint request to its result line (never raises for the key's own failure)."""
+def mint(req: dict[str, Any], progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run one mint request to its result line (never raises for the key's own failure).
+
+    `progress` hears each phase as it starts, so the engine can show it.
+    """
     start = time.perf_counter()
     phase = "request"
     try:
@@ -235,14 +238,20 @@ def mint(req: dict[str, Any]) -> dict[str, Any]:
         (work / "request.json").write_text(json.dumps({**req, "cxx_path": cxx, "sandbox": str(sandbox)}))
         timeout = float(req.get("timeout_s") or 3600)
         phase = "compile"
+        if progress:
+            progress(phase)
         with _sandbox(sandbox, bool(req.get("fresh"))):
             built = run_stage("compile", work, env, timeout)
         phase = "verify"
+        if progress:
+            progress(phase)
         (work / "tmp").mkdir()
         t = time.perf_counter()
         checked = run_stage("verify", work, {**env, "TMPDIR": str(work / "tmp")}, timeout)
         verify_s = time.perf_counter() - t  # the whole fresh process: start, import, load, compare
         phase = "seal"
+        if progress:
+            progress(phase)
         t = time.perf_counter()
         members = {PACKAGE: work / PACKAGE}
         if (work / LITERALS).exists():
@@ -576,7 +585,12 @@ def main(argv: list[str] | None = None) -> int:
         req = None
         result = MintFailure("bad-request", f"not JSON: {e}").result(None, "request")
     if req is not None:
-        result = mint(req)
+
+        def progress(phase: str) -> None:
+            proto.write(json.dumps({"id": req.get("id"), "progress": phase}) + "\n")
+            proto.flush()
+
+        result = mint(req, progress)
     proto.write(json.dumps(result, sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n")
     proto.flush()
     return 0
