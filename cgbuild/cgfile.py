@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
-from .layout import QUANT_RULES
+from .layout import QUANT_RULES, compute_dtype
 from .tomlpos import KeyLines
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -37,6 +37,8 @@ class Layout:
     name: str
     quant: str
     reference: Path | None
+    dtype: str = "float32"
+    """The compute dtype: the one the rule fixes (plain.*) or the one declared (quantized rules)."""
 
 
 @dataclass(frozen=True)
@@ -215,14 +217,19 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
     for name, raw in r.table(data.get("layout", {}), ("layout",), set(data.get("layout", {}))).items():
         where = ("layout", name)
         r.name(name, *where)
-        t = r.table(raw, where, {"quant", "reference"})
+        t = r.table(raw, where, {"quant", "reference", "dtype"})
         quant = r.get(t, where, "quant", _is_str, "a quant rule name", required=True)
         if quant not in QUANT_RULES:
             raise r.fail(
                 f"unknown quant rule '{quant}' (known: {', '.join(sorted(QUANT_RULES))})", *where, "quant"
             )
         ref = r.get(t, where, "reference", _is_str, "a path to a safetensors checkpoint (file or folder)")
-        layouts[name] = Layout(name, quant, root / ref if ref else None)
+        declared = r.get(t, where, "dtype", _is_str, "a compute dtype ('float32', 'bfloat16', 'float16')")
+        try:
+            dtype = compute_dtype(QUANT_RULES[quant], declared)
+        except ValueError as exc:
+            raise r.fail(str(exc), *where, "dtype" if declared else "quant") from None
+        layouts[name] = Layout(name, quant, root / ref if ref else None, dtype)
 
     families: dict[str, Family] = {}
     for name, raw in r.table(data.get("family", {}), ("family",), set(data.get("family", {}))).items():

@@ -8,6 +8,7 @@ store, never from an earlier plan; the last plan is kept to say what moved since
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -46,6 +47,8 @@ REASON_CODES = (
     "literal-hidden",
     "worker-crashed",
     "layout-below-sm-floor",
+    "layout-toolchain-unsupported",
+    "layout-topology-mismatch",
 )
 
 
@@ -76,7 +79,8 @@ class TraceUnit:
 
 def trace_job(ws: Workspace, t: Target) -> dict[str, Any]:
     """The trace job for a target (the entry protocol's spec, DESIGN §3a); the mint reuses it."""
-    quant = layout.QUANT_RULES[ws.cg.layouts[t.id.layout].quant]
+    lay = ws.cg.layouts[t.id.layout]
+    quant = layout.QUANT_RULES[lay.quant]
     gc = t.graph_class
     spec = {
         "family": t.id.family,
@@ -86,7 +90,7 @@ def trace_job(ws: Workspace, t: Target) -> dict[str, Any]:
         "width": gc.width,
         "text_len": gc.text_len,
         "batch": gc.batch,
-        "dtype": quant.dtype,
+        "dtype": lay.dtype,
         "device": t.device,
     }
     return {
@@ -167,7 +171,9 @@ def make_plan(
 
     units: dict[str, TraceUnit] = {}
     unit_of: dict[str, str] = {}
+    jobs: dict[str, dict[str, Any]] = {}
     by_unit: dict[tuple[str, ...], str] = {}  # targets of one trace unit differ only in sm
+    floors: dict[str, dict[str, Any]] = {}
     for t in targets:
         tc_torch = _torch_of(_platform_toolchain(toolchains, t, tc_source)) or "absent"
         unit_id = (t.id.family, t.id.module, t.id.graph_class, t.id.layout, t.device, tc_torch)
@@ -183,9 +189,13 @@ def make_plan(
                 environment=env_digest,
             )
             by_unit[unit_id] = inputs
-            units.setdefault(inputs, TraceUnit(inputs, {**job, "id": inputs}))
-        units[inputs].targets.append(t)
+            jobs[inputs] = job
         unit_of[t.label] = inputs
+        floor = _floor(cg.layouts[t.id.layout].quant, t.id.sm, None if tc_torch == "absent" else tc_torch)
+        if floor is not None:
+            floors[t.label] = dict(floor)  # never minted, so never traced for its sake
+            continue
+        units.setdefault(inputs, TraceUnit(inputs, {**jobs[inputs], "id": inputs})).targets.append(t)
 
     cache = TraceCache(ws.state / "traces.sqlite")
     facts = cache.get_many(list(units))
@@ -241,6 +251,7 @@ def make_plan(
             facts.get(inputs),
             blocked.get(inputs),
             graph_unknown.get(inputs),
+            floors.get(t.label),
             toolchains,
             tc_source,
             last_targets.get(t.label),
@@ -312,6 +323,13 @@ def _run_traces(
     )
 
 
+@functools.cache
+def _floor(quant: str, sm: str, torch: str | None) -> dict[str, Any] | None:
+    """The floor reason of a quant rule on an sm under a toolchain torch (DESIGN §3b), or None."""
+    refusal = layout.floor_refusal(layout.QUANT_RULES[quant], sm, torch)
+    return None if refusal is None else reason(refusal[0], refusal[1], root=True)
+
+
 def _plan_target(
     ws: Workspace,
     t: Target,
@@ -319,6 +337,7 @@ def _plan_target(
     fact: dict[str, Any] | None,
     blocked: dict[str, Any] | None,
     unknown: dict[str, Any] | None,
+    floor: dict[str, Any] | None,
     toolchains: dict[str, Any],
     tc_source: str,
     last: dict[str, Any] | None,
@@ -338,6 +357,7 @@ def _plan_target(
         "toolchain": toolchain_axis(platform, tc["fold"], tc_source),
         "layout": None,
     }
+    mismatch: str | None = None
     if lay.reference is not None:
         topo = layout.topology_from_reference(lay.reference, t.module.component)
         axes["layout"] = Axis(
@@ -345,6 +365,8 @@ def _plan_target(
                 t.id.family, t.module.component, quant, layout.topology_digest(topo), "reference"
             )
         )
+        if fact is not None:
+            mismatch = layout.topology_mismatch(topo, layout.from_trace(fact["topology"]))
     if fact is not None:
         axes["graph"] = graph_axis(fact["graph_digest"], torch=fact["torch"], nodes=fact.get("nodes"))
         if axes["layout"] is None:
@@ -362,9 +384,21 @@ def _plan_target(
 
     reasons: list[dict[str, Any]] = []
     key: str | None = None
-    if blocked is not None:
+    if floor is not None:
+        status = "blocked"
+        reasons.append(floor)
+    elif blocked is not None:
         status = "blocked"
         reasons.append(blocked)
+    elif mismatch is not None:
+        status = "blocked"
+        reasons.append(
+            reason(
+                "layout-topology-mismatch",
+                f"reference checkpoint of '{t.module.component}' and the traced module disagree: {mismatch}",
+                root=True,
+            )
+        )
     elif fact is None:
         status = "trace"
         reasons.append(unknown or reason("graph-unknown", "graph not traced", root=True))

@@ -42,11 +42,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from cgbuild_rules import quant as quant_rules
 from cgbuild_rules.digest import TraceError, graph_facts, is_hidden
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
 from torch.utils._pytree import tree_map
+
+from cgbuild.layout import QUANT_RULES
 
 REQUEST_SCHEMA = "cgbuild.trace-request/1"
 CODES = ("no-cuda-torch", "entry-error", "trace-failed", "literal-hidden")
@@ -73,31 +76,34 @@ class NoCudaTorch(TraceError):
 
 
 # -- quant layouts ---------------------------------------------------------------------------------
-QUANT_RULES: dict[str, torch.dtype] = {
-    "plain.fp32": torch.float32,
-    "plain.bf16": torch.bfloat16,
-    "plain.fp16": torch.float16,
-}
-"""Known quant rules. `plain.*` are identities: the element dtype comes from the spec's default
-dtype at construction; the rule only checks the module agrees with it."""
-
-
-def apply_quant(module: nn.Module, quant: str) -> nn.Module:
+def apply_quant(module: nn.Module, quant: str, dtype: str | None = None) -> nn.Module:
     """Apply the layout's quant rule to a freshly built module; the single place rules plug in.
 
+    `dtype` is the layout's compute dtype (the spec's; a plain rule's own when omitted). The
+    module must have been built in it: a parameter of another floating dtype means the spec and
+    the layout disagree. Quantized rules then replace their eligible modules
+    (`cgbuild_rules.quant.convert`) BEFORE export, so the digest is the quantized program's.
     Unknown rules are refused: silently tracing an unquantized graph under a quant layout would
     key an artifact for tensors it cannot bind.
     """
-    if quant not in QUANT_RULES:
+    record = QUANT_RULES.get(quant)
+    if record is None:
         known = ", ".join(sorted(QUANT_RULES))
         raise TraceError(f"unknown quant rule {quant!r} (known: {known})")
-    want = QUANT_RULES[quant]
+    name = dtype or record.dtype
+    if name is None or name not in DTYPES:
+        raise TraceError(f"quant rule {quant!r} needs a compute dtype ({' or '.join(record.compute)})")
+    want = DTYPES[name]
     for fqn, p in module.named_parameters():
         if p.is_floating_point() and p.dtype != want:
             raise TraceError(
                 f"quant rule {quant!r} expects {want} parameters but {fqn} is {p.dtype} "
                 "(the spec dtype and the layout disagree)"
             )
+    try:
+        module, _ = quant_rules.convert(module, quant, want)
+    except quant_rules.QuantError as e:
+        raise TraceError(str(e)) from None
     return module
 
 
@@ -289,7 +295,7 @@ def _call_entry(fn: Callable[[dict[str, Any]], Any], spec: dict[str, Any], quant
         raise
     except Exception as e:
         raise EntryError(f"build() raised {type(e).__name__}: {e}") from None
-    built.module = apply_quant(built.module, quant)
+    built.module = apply_quant(built.module, quant, spec.get("dtype"))
     return built
 
 
