@@ -128,6 +128,20 @@ def _device_refusal(mk: MintKey) -> dict[str, Any] | None:
     }
 
 
+def _layout_request(ws: Workspace, t: Target, readable: dict[str, Any]) -> dict[str, Any]:
+    """What the worker needs to re-derive the layout axis (and refuse drift): the rule, the
+    component, the reference it was read from (a path for this machine only: never sealed)."""
+    lay = ws.cg.layouts[t.id.layout]
+    return {
+        "quant": lay.quant,
+        "dtype": lay.dtype,
+        "component": t.module.component,
+        "reference": str(lay.reference) if lay.reference else None,
+        "topology": readable["topology"],
+        "quant_digest": readable["quant"],
+    }
+
+
 def request_for(ws: Workspace, mk: MintKey, out: Path, **extra: Any) -> dict[str, Any]:
     first = mk.entries[0]
     return {
@@ -146,6 +160,7 @@ def request_for(ws: Workspace, mk: MintKey, out: Path, **extra: Any) -> dict[str
         },
         "facets": [e["envelope"] for e in mk.entries],
         "stamp": first["stamp"],
+        "layout": _layout_request(ws, mk.target, first["axes"]["layout"]),
         "cxx": ws.cg.cxx,
         "out": str(out),
         **extra,

@@ -35,7 +35,9 @@ not. Phase timings go in the result line, never in the sealed bytes.
 
 Request (`schema: "cgbuild.mint-request/1"`): `id`, `key`, `job` (a trace job), `sm`,
 `graph_digest`, `toolchain` {`platform`, `fold`, `components`}; optional `axes` (readable blocks),
-`facets`, `stamp`, `labels`, `cxx` (compiler override), `out` (folder for `<key>.tar.gz`),
+`facets`, `stamp`, `layout` {`quant`, `dtype`, `component`, `reference`, `topology`,
+`quant_digest`} (re-derived here: `layout-drift` when it moved; sealed as the tensor table adopt
+checks), `labels`, `cxx` (compiler override), `out` (folder for `<key>.tar.gz`),
 `sandbox` (default `DEFAULT_SANDBOX`), `fresh` (empty the sandbox first, under an exclusive lock),
 `compare_with` (an earlier artifact of the key: the result says `reproducible` and names the
 `differing` members), `timeout_s` (per stage).
@@ -43,7 +45,9 @@ Result: `{"id", "ok": true, "key", "artifact", "sha256", "size", "members": {nam
 "verify": [{"output", "rel_rms", "max_abs"}], "phases": {"export", "compile", "verify", "seal",
 "total"}}` or `{"id", "ok": false, "code", "retryable", "phase", "detail", ...}` with `old`/`new`
 (drift), `changes` (toolchain components), `needed`/`found` (device) or `signal`. Codes:
-`bad-request`, `wrong-device`, `wrong-host`, `toolchain-drift`, `graph-drift`, `entry-error`,
+`bad-request`, `wrong-device`, `wrong-host`, `toolchain-drift`, `graph-drift`, `layout-drift`,
+`layout-topology-mismatch`, `layout-below-sm-floor`, `layout-toolchain-unsupported` (the rule's
+floor, this torch on this sm, or the kernel's probe on the device), `entry-error`,
 `trace-failed`, `literal-hidden`, `compile-failed`, `clamp-not-applied`,
 `constant-table-mismatch`, `verify-mismatch`, `verify-failed`, `seal-failed`, `stage-error`,
 `mint-error`; retryable: `oom`, `worker-killed`, `worker-signal`, `timeout`. A failed mint leaves
@@ -204,6 +208,7 @@ def _metadata(req: Mapping[str, Any], built: Mapping[str, Any]) -> dict[str, Any
         "torch": built["torch"],
         "cgbuild": cgbuild.__version__,
         "constants": built["constants"],
+        "layout": built.get("layout"),
         "verify": {"metric": "rel-rms", "tolerance": TOLERANCE},
         "forensics": built["forensics"],
     }
@@ -416,6 +421,69 @@ def _constants_table(ep: Any) -> dict[str, list[dict[str, Any]]]:
     return {g: sorted(rows, key=lambda r: r["fqn"]) for g, rows in table.items()}
 
 
+def _quant_floor(quant: str, device: str, sm: str) -> None:
+    """Refuse a key whose quant rule cannot run here: the rule's floor and the capability of THIS
+    torch on this sm (the same pure function the plan used), then, on a GPU, the kernel itself."""
+    import torch
+    from cgbuild_rules import quant as quant_rules
+
+    from cgbuild import layout
+
+    rule = layout.QUANT_RULES.get(quant)
+    if rule is None:
+        raise MintFailure("layout-drift", f"this worker has no quant rule {quant!r}")
+    floor = layout.floor_refusal(rule, sm, torch.__version__)
+    if floor is not None:
+        raise MintFailure(floor[0], floor[1])
+    if device == "cuda":
+        ok, why = quant_rules.probe(quant, torch.device("cuda"))
+        if not ok:
+            raise MintFailure("layout-toolchain-unsupported", why)
+
+
+def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] | None:
+    """Re-derive the layout axis here and return the sealed `layout` block (its tensor table is
+    what adopt checks a live module against); refuse `layout-drift` when it differs from the key.
+
+    Requests without a `layout` block (hand-made ones) seal none; adopt then checks weights only.
+    """
+    want = req.get("layout")
+    if not want:
+        return None
+    from cgbuild import layout
+    from cgbuild.errors import UserError
+
+    rule = layout.QUANT_RULES.get(want["quant"])
+    if rule is None:
+        raise MintFailure("layout-drift", f"this worker has no quant rule {want['quant']!r}")
+    rows = layout.from_trace(traced)
+    if want.get("reference"):
+        try:
+            rows = layout.topology_from_reference(Path(want["reference"]), want["component"])
+        except UserError as e:
+            raise MintFailure("layout-drift", f"reference checkpoint: {e}") from None
+        mismatch = layout.topology_mismatch(rows, layout.from_trace(traced))
+        if mismatch:
+            raise MintFailure("layout-topology-mismatch", mismatch)
+    here = {"topology": layout.topology_digest(rows), "quant": rule.digest}
+    asked = {"topology": want.get("topology"), "quant": want.get("quant_digest")}
+    if here != asked:
+        moved = [k for k in ("topology", "quant") if here[k] != asked[k]]
+        raise MintFailure(
+            "layout-drift",
+            f"layout {', '.join(moved)} moved: {str(asked[moved[0]])[:12]} → {here[moved[0]][:12]}",
+            old=asked,
+            new=here,
+        )
+    return {
+        **here,
+        "stamp": req.get("stamp"),
+        "rule": {"name": rule.name, "version": rule.version, "facts": rule.facts},
+        "dtype": want.get("dtype"),
+        "tensors": sorted(rows),
+    }
+
+
 def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     _fault("compile")
     import importlib.metadata as md
@@ -425,6 +493,7 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
 
     job = trace.parse_job(req["job"])
     _device_refusal(job.device, req["sm"])
+    _quant_floor(job.quant, job.device, req["sm"])
     tc = _toolchain(req)
     t = time.perf_counter()
     ep, facts = trace.export_job(job, "empty")
@@ -437,6 +506,7 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
             old=req["graph_digest"],
             new=facts["graph_digest"],
         )
+    layout_block = _layout(req, facts["topology"])
     arch = compiler.normalize_arch(platform.machine())
     configs: dict[str, Any] = policy.inductor_configs(arch)
     applied = dict(configs)
@@ -471,6 +541,7 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
         "toolchain": tc,
         "policy": applied,
         "constants": table,
+        "layout": layout_block,
         "aoti": aoti,
         "torch": torch.__version__,
         "forensics": forensics,
