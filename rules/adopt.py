@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from cgbuild import compiler
+from cgbuild.layout import safetensors_dtype
 from cgbuild.seal import LITERALS, PACKAGE, SealError, read_metadata, unseal
 from cgbuild.store import Store, StoreError
 
@@ -252,6 +253,38 @@ def _weights(
     return out, None
 
 
+def layout_refusal(meta: Mapping[str, Any], module: nn.Module) -> Refusal | None:
+    """The first tensor (by name) of the artifact's layout that the live module lacks or holds
+    with another dtype or shape, checked before anything is loaded or bound.
+
+    The table is the layout's topology sealed at mint (reference headers or the traced state
+    dict, quantized tensors included), so a plain module offered to an int8 artifact is refused
+    as `layout-mismatch` naming its first float weight, not as an opaque bind failure.
+    Artifacts sealed without a layout table are checked by their constant table alone.
+    """
+    block = meta.get("layout") or {}
+    rows = block.get("tensors") or []
+    if not rows:
+        return None
+    live = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    stamp = block.get("stamp") or "the artifact's layout"
+    rule = (block.get("rule") or {}).get("name")
+    hint = ""
+    if rule and not str(rule).startswith("plain."):
+        hint = f" (quantize it first: cgbuild_rules.quant.convert(module, {rule!r}, dtype))"
+    for name, dtype, shape in sorted(rows):
+        t = live.get(name)
+        if t is None:
+            return Refusal("layout-mismatch", f"{stamp}: the module has no tensor {name!r}{hint}")
+        have = safetensors_dtype(str(t.dtype).removeprefix("torch."))
+        if have != dtype or list(t.shape) != list(shape):
+            here, there = f"{have}{list(t.shape)}", f"{dtype}{list(shape)}"
+            return Refusal(
+                "layout-mismatch", f"{stamp}: {name} is {here} in the module, {there} in the layout{hint}"
+            )
+    return None
+
+
 def _arm(art: Artifact, files: Mapping[str, Path], module: nn.Module, device: torch.device) -> None:
     weights, refusal = _weights(module, art.metadata, device)
     if refusal:
@@ -308,7 +341,7 @@ def load_artifact(
             "key-mismatch", f"store key {key[:12]} holds an artifact that says {art.key[:12]}"
         )
     else:
-        art.refusal = host_refusal(meta, device)
+        art.refusal = host_refusal(meta, device) or layout_refusal(meta, module)
     if art.refusal is None:
         scratch = Path(tempfile.mkdtemp(prefix="cgbuild-adopt-"))
         try:
@@ -380,7 +413,8 @@ class Adopted:
         """Re-bind after the module's tensors were REPLACED (in-place updates need nothing)."""
         device = module_device(self.module)
         for art in self.armed:
-            weights, refusal = _weights(self.module, art.metadata, device)
+            refusal = layout_refusal(art.metadata, self.module)
+            weights, refusal = ({}, refusal) if refusal else _weights(self.module, art.metadata, device)
             if refusal:
                 art.refusal, art.package = refusal, None
             else:
