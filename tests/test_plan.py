@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import copy_toy
 
 from cgbuild import cgfile
 from cgbuild.diff import diff_plans, render
@@ -28,6 +29,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
 MLP16 = "//toy/mlp/16x64-b1@fp32:cpu"
 CONV = "//toy/conv/32x32-b2@fp32:cpu"
+MLP8_INT8 = "//toy/mlp/8x64-b1@int8:cpu"
+CONV_INT8 = "//toy/conv/32x32-b2@int8:cpu"
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +39,8 @@ def shared_traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def toy(tmp_path: Path, shared_traces: Path) -> Path:
-    ws = tmp_path / "toy"
-    shutil.copytree(EXAMPLES / "toy", ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+def toy(tmp_path: Path, shared_traces: Path, toy_reference: Path) -> Path:
+    ws = copy_toy(tmp_path / "toy", toy_reference)
     state = ws / ".cgbuild"
     state.mkdir()
     if shared_traces.exists():
@@ -97,7 +99,10 @@ def test_plan_json_shape_and_first_reasons(toy: Path) -> None:
     assert t["stamp"] == "toy.mlp@1+plain.fp32@1"
     assert set(t["axes"]) == {"graph", "sm", "toolchain", "layout"}
     assert {r["code"] for r in t["reasons"]} == {"missing-from-store", "new-target"}
-    assert len(set(keys(p).values())) == 3
+    assert len(set(keys(p).values())) == 6
+    q = by_label(p)[MLP8_INT8]
+    assert q["stamp"] == "toy.mlp@1+int8-rowwise@1" and q["axes"]["layout"]["topology_source"] == "reference"
+    assert q["axes"]["graph"]["digest"] != t["axes"]["graph"]["digest"]  # fc1 is quantized in the graph
 
 
 def test_fresh_only_from_a_verified_ref(toy: Path, tmp_path: Path) -> None:
@@ -120,7 +125,7 @@ def test_adding_a_resolution_adds_targets_and_rekeys_none(toy: Path) -> None:
     edit(toy / "Cgfile", 'shapes = ["8x64", "16x64"]', 'shapes = ["8x64", "16x64", "32x64"]')
     after = plan(toy)
     new = keys(after)
-    assert set(new) - set(before) == {"//toy/mlp/32x64-b1@fp32:cpu"}
+    assert set(new) - set(before) == {"//toy/mlp/32x64-b1@fp32:cpu", "//toy/mlp/32x64-b1@int8:cpu"}
     assert all(new[label] == key for label, key in before.items())
     assert [r["code"] for r in by_label(after)["//toy/mlp/32x64-b1@fp32:cpu"]["reasons"]] == [
         "missing-from-store",
@@ -145,27 +150,111 @@ def test_non_members_move_no_key(toy: Path) -> None:
     assert conv["stamp"] == "toyish.conv@1+plain.fp32@1"
 
 
+def _header_only(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    """A safetensors file with its header and NO data region: the header alone must suffice."""
+    header = {n: {"dtype": d, "shape": s, "data_offsets": [0, 0]} for n, (d, s) in tensors.items()}
+    raw = json.dumps(header).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+
+
+def _topology(p: dict[str, Any], label: str) -> dict[str, tuple[str, list[int]]]:
+    """A target's traced state as header rows, from the trace cache the plan filled."""
+    import sqlite3
+
+    db = sqlite3.connect(Path(p["workspace"]["cgfile"]).parent / ".cgbuild" / "traces.sqlite")
+    inputs = by_label(p)[label]["trace_inputs"]
+    (facts,) = db.execute("SELECT facts FROM traces WHERE inputs=?", (inputs,)).fetchone()
+    db.close()
+    from cgbuild.layout import from_trace
+
+    return {n: (d, s) for n, d, s in from_trace(json.loads(facts)["topology"])}
+
+
 def test_topology_change_of_one_module_leaves_others(toy: Path) -> None:
-    ref = toy / "ref"
-    ref.mkdir()
-
-    def write(component: str, tensors: dict[str, tuple[str, list[int]]], data_short: bool = False) -> None:
-        header = {n: {"dtype": d, "shape": s, "data_offsets": [0, 0]} for n, (d, s) in tensors.items()}
-        raw = json.dumps(header).encode()
-        payload = b"" if data_short else b"\0" * 16
-        (ref / f"{component}.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + payload)
-
-    write("mlp", {"fc1.weight": ("F32", [128, 64])})
-    write("conv", {"conv1.weight": ("F32", [16, 3, 3, 3])}, data_short=True)  # header alone suffices
-    edit(toy / "Cgfile", 'quant = "plain.fp32"', 'quant = "plain.fp32"\nreference = "ref"')
     before = by_label(plan(toy))
-    assert before[CONV]["axes"]["layout"]["topology_source"] == "reference"
-    write("conv", {"conv1.weight": ("F32", [32, 3, 3, 3])})
+    assert before[CONV_INT8]["axes"]["layout"]["topology_source"] == "reference"
+    # The written reference agrees with the trace: the same digest a trace-sourced topology gives.
+    assert before[CONV_INT8]["axes"]["layout"]["topology"] == before[CONV]["axes"]["layout"]["topology"]
+    edit(
+        toy / "Cgfile",
+        "config = { hidden = 128, out = 10 }",
+        "config = { hidden = 128, out = 10, channels = 32 }",
+    )
+    mid = by_label(plan(toy))  # the conv's reference still has 16 channels: refused, never minted
+    assert mid[CONV_INT8]["status"] == "blocked" and mid[CONV_INT8]["key"] is None
+    (why,) = mid[CONV_INT8]["reasons"][:1]
+    assert why["code"] == "layout-topology-mismatch" and why["root"]
+    assert "bn.bias: layout has F32[16], the traced module F32[32]" in why["detail"]
+    # Header-only stubs (no data region at all) of the new conv topology fix it.
+    _header_only(toy / "reference" / "int8" / "conv.safetensors", _topology(plan(toy, CONV), CONV))
     after = by_label(plan(toy))
-    assert after[MLP8]["key"] == before[MLP8]["key"]
-    assert after[CONV]["key"] != before[CONV]["key"]
-    moved = [r for r in after[CONV]["reasons"] if r["code"] == "axis-moved"]
-    assert [r["axis"] for r in moved] == ["layout"]
+    assert after[MLP8_INT8]["key"] == before[MLP8_INT8]["key"]  # the mlp's component did not move
+    assert after[CONV_INT8]["status"] == "mint"
+    assert after[CONV_INT8]["key"] != before[CONV_INT8]["key"]
+    moved = {r["axis"] for r in after[CONV_INT8]["reasons"] if r["code"] == "axis-moved"}
+    assert "layout" in moved
+
+
+def test_sharded_reference_gives_the_same_topology(toy: Path) -> None:
+    one = by_label(plan(toy))[MLP8_INT8]["axes"]["layout"]["topology"]
+    from cgbuild_rules.reference import write_references
+
+    shutil.rmtree(toy / "reference")
+    written = write_references(toy, ["int8"], shard_bytes=4096)  # mlp.fc1.weight alone is 8 KiB
+    mlp = next(w for w in written if w["module"] == "mlp")
+    assert (
+        len(mlp["files"]) >= 3
+        and (toy / "reference" / "int8" / "mlp" / "model.safetensors.index.json").exists()
+    )
+    assert by_label(plan(toy))[MLP8_INT8]["axes"]["layout"]["topology"] == one
+    # shards without their index are read all the same
+    (toy / "reference" / "int8" / "mlp" / "model.safetensors.index.json").unlink()
+    assert by_label(plan(toy))[MLP8_INT8]["axes"]["layout"]["topology"] == one
+
+
+def _with_fp8_layout(ws: Path, sku: str, sm: str) -> None:
+    edit(ws / "Cgfile", 'skus = ["cpu"]', f'skus = ["cpu", "{sku}"]')
+    edit(ws / "Cgfile", 'layouts = ["fp32", "int8"]', 'layouts = ["fp32", "int8", "fp8"]')
+    edit(
+        ws / "Cgfile",
+        "[layout.fp32]",
+        f'[sku.{sku}]\nsm = "{sm}"\nmemory_gib = 80\n\n[layout.fp8]\nquant = "fp8-rowwise"\n\n[layout.fp32]',
+    )
+
+
+def test_layout_below_its_sm_floor_is_blocked_and_never_traced(toy: Path) -> None:
+    _with_fp8_layout(toy, "a100", "sm_80")
+    p = plan(toy, "@fp8")
+    targets = by_label(p)
+    assert {t["status"] for t in targets.values()} == {"blocked"}
+    for label in ("//toy/mlp/8x64-b1@fp8:sm_80", "//toy/mlp/8x64-b1@fp8:cpu"):
+        (why,) = targets[label]["reasons"][:1]
+        assert why["code"] == "layout-below-sm-floor" and why["root"], why
+        assert targets[label]["key"] is None
+    assert "needs sm_89" in targets["//toy/mlp/8x64-b1@fp8:sm_80"]["reasons"][0]["detail"]
+    assert "runs only on cuda" in targets["//toy/mlp/8x64-b1@fp8:cpu"]["reasons"][0]["detail"]
+    # Blocked by the floor means not traced for it: a CPU fp8 trace would have run here.
+    assert not any(t["axes"]["graph"] for t in targets.values())
+    # the same layout's other targets are unaffected
+    assert by_label(plan(toy, "@int8:sm_80"))["//toy/mlp/8x64-b1@int8:sm_80"]["reasons"][0]["code"] == (
+        "no-cuda-torch"
+    )
+
+
+def test_fp8_on_an_sm_its_toolchain_torch_cannot_run_is_blocked(toy: Path, tmp_path: Path) -> None:
+    _with_fp8_layout(toy, "l40s", "sm_89")
+
+    def old_torch(platforms: dict[str, Any]) -> None:
+        torch = platforms["cuda"]["components"]["torch"]
+        platforms["cuda"]["components"]["torch"] = {**torch, "version": "2.11.0+cu130", "digest": "2" * 64}
+
+    t = by_label(plan(toy, "@fp8:sm_89", lock=_lock(toy, tmp_path, old_torch)))["//toy/mlp/8x64-b1@fp8:sm_89"]
+    assert t["status"] == "blocked"
+    assert t["reasons"][0]["code"] == "layout-toolchain-unsupported"
+    assert "2.11.0" in t["reasons"][0]["detail"] and "2.12" in t["reasons"][0]["detail"]
+    t = by_label(plan(toy, "@fp8:sm_89", lock=_lock(toy, tmp_path)))["//toy/mlp/8x64-b1@fp8:sm_89"]
+    assert t["reasons"][0]["code"] != "layout-toolchain-unsupported"  # torch 2.13 runs it on sm_89
 
 
 def test_entry_source_change_moves_only_that_graph(toy: Path) -> None:
@@ -191,7 +280,7 @@ def test_installed_library_bump_retraces_and_moves_no_key(toy: Path, tmp_path: P
     assert second.returncode == 0, second.stderr
     a, b = json.loads(first.stdout), json.loads(second.stdout)
     assert keys(a) == keys(b)
-    assert "[1/3]" in second.stderr  # it did re-trace
+    assert "[1/6]" in second.stderr  # it did re-trace
     codes = {r["code"] for r in by_label(b)[MLP8]["reasons"]}
     assert {"trace-input-moved", "early-cutoff"} <= codes
     moved = next(r for r in by_label(b)[MLP8]["reasons"] if r["code"] == "trace-input-moved")
@@ -364,4 +453,11 @@ def test_query_outputs(toy: Path) -> None:
     assert dot.returncode == 0 and dot.stdout.startswith("digraph cgbuild")
     assert '"sources://toy" -> "trace://toy/mlp/8x64-b1@fp32:cpu"' in dot.stdout
     data = json.loads(cli(toy, "query", "//...", "--output", "json").stdout)
-    assert [t["label"] for t in data["targets"]] == [MLP8, MLP16, CONV]
+    assert [t["label"] for t in data["targets"]] == [
+        MLP8,
+        MLP8_INT8,
+        MLP16,
+        "//toy/mlp/16x64-b1@int8:cpu",
+        CONV,
+        CONV_INT8,
+    ]
