@@ -91,8 +91,11 @@ def apply_quant(module: nn.Module, quant: str, dtype: str | None = None) -> nn.M
         known = ", ".join(sorted(QUANT_RULES))
         raise TraceError(f"unknown quant rule {quant!r} (known: {known})")
     name = dtype or record.dtype
-    if name is None or name not in DTYPES:
-        raise TraceError(f"quant rule {quant!r} needs a compute dtype ({' or '.join(record.compute)})")
+    allowed = " or ".join(record.compute)
+    if name is None:
+        raise TraceError(f"quant rule {quant!r} needs a compute dtype ({allowed})")
+    if name not in record.compute or name not in DTYPES:
+        raise TraceError(f"quant rule {quant!r} computes in {allowed}, not {name}")
     want = DTYPES[name]
     for fqn, p in module.named_parameters():
         if p.is_floating_point() and p.dtype != want:
@@ -142,7 +145,14 @@ def parse_job(raw: Mapping[str, Any]) -> Job:
         config = raw.get("config") or {}
         if not isinstance(config, dict):
             raise TraceError("bad job: config must be an object")
-        spec = {k: spec_in[k] for k in SPEC_KEYS} | {"config": config}
+        lanes = spec_in.get("lanes") or {}
+        if not isinstance(lanes, dict) or not all(
+            isinstance(v, list) and v and all(isinstance(x, str) for x in v) for v in lanes.values()
+        ):
+            raise TraceError("bad job: spec.lanes must map each axis to a non-empty list of values")
+        # `lanes`: the values of each declared axis compiled into this program (docs/lanes.md);
+        # always present for the entry, {} when the family declares none.
+        spec = {k: spec_in[k] for k in SPEC_KEYS} | {"config": config, "lanes": lanes}
         if spec["dtype"] not in DTYPES:
             raise TraceError(f"bad job: dtype {spec['dtype']!r} not in {sorted(DTYPES)}")
         if spec["device"] not in DEVICES:

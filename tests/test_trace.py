@@ -138,10 +138,28 @@ def test_cuda_on_cpu_torch_is_refused_without_attempting() -> None:
 def test_apply_quant() -> None:
     module = nn.Linear(2, 2)
     assert apply_quant(module, "plain.fp32") is module
-    with pytest.raises(TraceError, match="unknown quant rule 'fp8-rowwise'"):
-        apply_quant(module, "fp8-rowwise")
+    with pytest.raises(TraceError, match="unknown quant rule 'fp4-magic'"):
+        apply_quant(module, "fp4-magic")
     with pytest.raises(TraceError, match="disagree"):
         apply_quant(module, "plain.bf16")
+    with pytest.raises(TraceError, match="disagree"):
+        apply_quant(module, "fp8-rowwise")  # computes in bf16: an fp32 build is the wrong spec
+    with pytest.raises(TraceError, match="computes in float32 or bfloat16 or float16, not float64"):
+        apply_quant(nn.Linear(2, 2, dtype=torch.float64), "int8-rowwise", "float64")
+    # Eligible Linears (2-D, both dims multiples of 16) are replaced IN PLACE: same FQNs.
+    model = nn.Sequential(nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 10))
+    out = apply_quant(model, "int8-rowwise", "float32")
+    state = {k: (str(v.dtype), list(v.shape)) for k, v in out.state_dict().items()}
+    assert state == {
+        "0.weight": ("torch.int8", [16, 32]),
+        "0.weight_scale": ("torch.float32", [16]),
+        "0.bias": ("torch.float32", [16]),
+        "2.weight": ("torch.float32", [10, 16]),  # 10 rows: not a multiple of 16, left alone
+        "2.bias": ("torch.float32", [10]),
+    }
+    # a root that is itself eligible is replaced (so the module is returned, not only mutated)
+    root = apply_quant(nn.Linear(16, 16), "int8-rowwise", "float32")
+    assert sorted(root.state_dict()) == ["bias", "weight", "weight_scale"]
 
 
 def test_load_entry(tmp_path: Path) -> None:
