@@ -1,8 +1,8 @@
 """The Cgfile: what a workspace declares, validated with file:line:field errors.
 
 A declaration either takes effect or is refused: unknown keys, wrong types, bad names, dangling
-SKU/layout references, empty envelopes and features that are not built yet (lanes) all stop the
-run with exit code 2 and one line that says where.
+SKU/layout references, empty envelopes and lane values the family's entry does not provide all
+stop the run with exit code 2 and one line that says where.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .lanes import LaneTableError, Needs, read_lane_table
 from .layout import QUANT_RULES, compute_dtype
 from .tomlpos import KeyLines
 
@@ -67,6 +68,10 @@ class Family:
     skus: tuple[str, ...]
     layouts: tuple[str, ...]
     modules: dict[str, Module]
+    lanes: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Declared lane axes in declaration order: (axis, values). Not a key axis (docs/lanes.md)."""
+    lane_table: dict[str, dict[str, Needs]] = field(default_factory=dict)
+    """The entry's implementations of the declared axes, in the entry's order, with their needs."""
 
 
 @dataclass
@@ -164,7 +169,7 @@ def _is_num_list(v: Any) -> bool:
 
 
 TOP_KEYS = {"workspace", "toolchain", "sku", "layout", "family"}
-LANE_KEYS = {"lanes", "lane"}
+MODULE_LANE_KEYS = {"lanes", "lane"}
 
 
 def load(path: str | Path) -> Cgfile:
@@ -251,20 +256,12 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
     )
 
 
-FAMILY_KEYS = {"entry", "config", "sources", "skus", "layouts", "module"}
+FAMILY_KEYS = {"entry", "config", "sources", "skus", "layouts", "module", "lanes"}
 
 
 def _family(r: _Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict[str, Layout]) -> Family:
     where = ("family", name)
     r.name(name, *where)
-    if isinstance(raw, dict):
-        for lane_key in LANE_KEYS & set(raw):
-            raise r.fail(
-                "kernel lanes are not supported yet: lanes are declared once mints measure them; "
-                "remove this table",
-                *where,
-                lane_key,
-            )
     t = r.table(raw, where, FAMILY_KEYS)
     entry = r.get(t, where, "entry", _is_str, "'module:function'", required=True)
     if not ENTRY.match(entry):
@@ -289,7 +286,69 @@ def _family(r: _Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict
     if not modules_raw:
         raise r.fail("no [family.<name>.module.*] declared", *where, "module")
     modules = {m: _module(r, (*where, "module", m), m, spec) for m, spec in modules_raw.items()}
-    return Family(name, entry, config, tuple(sources), tuple(fam_skus), tuple(fam_layouts), modules)
+    lanes, table = _lanes(r, where, t["lanes"], entry) if "lanes" in t else ((), {})
+    return Family(
+        name, entry, config, tuple(sources), tuple(fam_skus), tuple(fam_layouts), modules, lanes, table
+    )
+
+
+def _lanes(
+    r: _Reader, where: tuple[str, ...], raw: Any, entry: str
+) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], dict[str, dict[str, Needs]]]:
+    """`[family.<name>.lanes]`: axis = [values], each value a real implementation of the entry.
+
+    The entry's `LANES` literal is read from its source (never imported) to check every value
+    exists and to learn what each needs; every axis must keep one value with no needs, so every
+    target of the family can build at least one implementation of it.
+    """
+    here = (*where, "lanes")
+    declared = r.table(raw, here, set(raw) if isinstance(raw, dict) else set())
+    if not declared:
+        raise r.fail('empty lanes table: declare at least one axis, e.g. linear = ["baseline", ...]', *here)
+    root = r.path.resolve().parent
+    try:
+        table = read_lane_table(root, entry)
+    except LaneTableError as e:
+        raise UserError(e.message, file=e.file, line=e.line, field=e.field) from None
+    if table is None:
+        raise r.fail(
+            f"entry '{entry}' declares no LANES table in its source under {root.name or root}/ "
+            "(axis -> value -> needs, a literal): lanes must name implementations the entry provides",
+            *here,
+        )
+    axes: list[tuple[str, tuple[str, ...]]] = []
+    needs: dict[str, dict[str, Needs]] = {}
+    for axis, values in declared.items():
+        at = (*here, axis)
+        r.name(axis, *at)
+        if not _is_str_list(values):
+            raise r.fail(f"expected an array of lane values, got {_kind(values)} {values!r}", *at)
+        if not values:
+            raise r.fail(f"empty lane axis '{axis}': declare at least one value", *at)
+        if len(set(values)) != len(values):
+            dup = next(v for v in values if values.count(v) > 1)
+            raise r.fail(f"duplicate lane value '{dup}'", *at)
+        provided = table.axes.get(axis)
+        if provided is None:
+            raise r.fail(
+                f"unknown lane axis '{axis}' for entry '{entry}' (it provides: {', '.join(table.axes)})", *at
+            )
+        for v in values:
+            if v not in provided:
+                raise r.fail(
+                    f"unknown lane value '{v}' for axis '{axis}' (entry '{entry}' provides: "
+                    f"{', '.join(provided)})",
+                    *at,
+                )
+        if all(provided[v].to_json() for v in values):
+            raise r.fail(
+                f"lane axis '{axis}' declares no value that builds everywhere (each of "
+                f"{', '.join(values)} needs something): add one with no needs, e.g. the reference",
+                *at,
+            )
+        axes.append((axis, tuple(values)))
+        needs[axis] = {v: n for v, n in provided.items() if v in values}
+    return tuple(axes), needs
 
 
 MODULE_KEYS = {"component", "shapes", "text_lengths", "batch_sizes", "guidance"}
@@ -298,12 +357,9 @@ MODULE_KEYS = {"component", "shapes", "text_lengths", "batch_sizes", "guidance"}
 def _module(r: _Reader, where: tuple[str, ...], name: str, raw: Any) -> Module:
     r.name(name, *where)
     if isinstance(raw, dict):
-        for lane_key in LANE_KEYS & set(raw):
+        for lane_key in MODULE_LANE_KEYS & set(raw):
             raise r.fail(
-                "kernel lanes are not supported yet: lanes are declared once mints measure them; "
-                "remove this key",
-                *where,
-                lane_key,
+                "lanes are declared per family ([family.<name>.lanes]), not per module", *where, lane_key
             )
     t = r.table(raw, where, MODULE_KEYS)
     component = r.get(

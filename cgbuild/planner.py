@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import environment, layout, toolchain
+from . import environment, lanes, layout, toolchain
 from .canon import digest
 from .cgfile import Cgfile
 from .errors import UserError
@@ -77,8 +77,24 @@ class TraceUnit:
     targets: list[Target] = field(default_factory=list)
 
 
-def trace_job(ws: Workspace, t: Target) -> dict[str, Any]:
-    """The trace job for a target (the entry protocol's spec, DESIGN §3a); the mint reuses it."""
+def target_lanes(t: Target, components: dict[str, Any] | None) -> dict[str, list[str]] | None:
+    """The lane values compiled into a target's program (None: the family declares no lanes).
+
+    Plan-time facts only (the sm and whether the platform's toolchain carries triton), so the
+    graph digest, and with it the key, stays computable before any mint (docs/lanes.md).
+    """
+    if not t.family.lanes:
+        return None
+    triton = lanes.has_triton(components or {})
+    return lanes.program_lanes(t.family.lanes, t.family.lane_table, t.id.sm, triton)
+
+
+def trace_job(ws: Workspace, t: Target, components: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The trace job for a target (the entry protocol's spec, DESIGN §3a); the mint reuses it.
+
+    `components` (the target platform's toolchain) decide which lane values are buildable; the
+    spec carries `lanes` only when the family declares some, so other jobs keep their inputs.
+    """
     lay = ws.cg.layouts[t.id.layout]
     quant = layout.QUANT_RULES[lay.quant]
     gc = t.graph_class
@@ -93,6 +109,9 @@ def trace_job(ws: Workspace, t: Target) -> dict[str, Any]:
         "dtype": lay.dtype,
         "device": t.device,
     }
+    program = target_lanes(t, components)
+    if program is not None:
+        spec["lanes"] = program
     return {
         "entry": t.family.entry,
         "root": str(ws.cg.root),
@@ -175,11 +194,14 @@ def make_plan(
     by_unit: dict[tuple[str, ...], str] = {}  # targets of one trace unit differ only in sm
     floors: dict[str, dict[str, Any]] = {}
     for t in targets:
-        tc_torch = _torch_of(_platform_toolchain(toolchains, t, tc_source)) or "absent"
-        unit_id = (t.id.family, t.id.module, t.id.graph_class, t.id.layout, t.device, tc_torch)
+        tc_block = _platform_toolchain(toolchains, t, tc_source)
+        tc_torch = _torch_of(tc_block) or "absent"
+        # lanes buildable on one sm may not be on another of the same device type (min_sm)
+        lane_id = json.dumps(target_lanes(t, tc_block.get("components")), sort_keys=True)
+        unit_id = (t.id.family, t.id.module, t.id.graph_class, t.id.layout, t.device, tc_torch, lane_id)
         inputs = by_unit.get(unit_id, "")
         if not inputs:
-            job = trace_job(ws, t)
+            job = trace_job(ws, t, tc_block.get("components"))
             inputs = trace_inputs(
                 family_inputs=fam_inputs[t.id.family][0],
                 module=t.id.module,

@@ -107,16 +107,60 @@ def test_errors_name_file_line_field(
     assert f"Cgfile:{line}" in str(err)
 
 
-def test_lanes_are_refused_not_ignored(tmp_path: Path) -> None:
-    err = error_of(tmp_path, GOOD + '\n[family.toy.lanes]\nlinear = ["baseline", "fused"]\n')
-    assert "not supported yet" in err.message
-    assert err.field == "family.toy.lanes"
-    assert err.line == 27
+TOY_LANES = """\
+LANES = {
+    "linear": {"baseline": {}, "chunked": {}, "triton": {"device": "cuda", "triton": True}},
+    "norm": {"fused": {"min_sm": 100}, "plain": {}},
+}
+"""
+
+
+def test_lanes_load_in_declaration_order_with_the_entrys_needs(tmp_path: Path) -> None:
+    (tmp_path / "toy_models.py").write_text(TOY_LANES)
+    text = GOOD + '\n[family.toy.lanes]\nnorm = ["plain", "fused"]\nlinear = ["triton", "baseline"]\n'
+    fam = cgfile.load(write(tmp_path, text)).families["toy"]
+    assert fam.lanes == (("norm", ("plain", "fused")), ("linear", ("triton", "baseline")))
+    assert list(fam.lane_table["linear"]) == ["baseline", "triton"]  # the entry's order, declared only
+    assert fam.lane_table["linear"]["triton"].to_json() == {"device": "cuda", "triton": True}
+    assert fam.lane_table["norm"]["fused"].min_sm == 100
+
+
+@pytest.mark.parametrize(
+    ("lanes", "line", "field", "message"),
+    [
+        ('linear = ["baseline", "fused"]', 28, "family.toy.lanes.linear", "unknown lane value 'fused'"),
+        ('linear = ["baseline", "baseline"]', 28, "family.toy.lanes.linear", "duplicate lane value"),
+        ("linear = []", 28, "family.toy.lanes.linear", "empty lane axis"),
+        ('attn = ["flash"]', 28, "family.toy.lanes.attn", "unknown lane axis 'attn'"),
+        ('linear = "baseline"', 28, "family.toy.lanes.linear", "expected an array"),
+        ('linear = ["triton"]', 28, "family.toy.lanes.linear", "no value that builds everywhere"),
+        ("", 27, "family.toy.lanes", "empty lanes table"),
+    ],
+)
+def test_lane_errors_name_file_line_field(
+    tmp_path: Path, lanes: str, line: int, field: str, message: str
+) -> None:
+    (tmp_path / "toy_models.py").write_text(TOY_LANES)
+    err = error_of(tmp_path, GOOD + f"\n[family.toy.lanes]\n{lanes}\n")
+    assert (err.line, err.field) == (line, field), str(err)
+    assert message in err.message
+    assert err.file == str(tmp_path / "Cgfile")
+
+
+def test_lanes_need_a_literal_table_in_the_entry(tmp_path: Path) -> None:
+    text = GOOD + '\n[family.toy.lanes]\nlinear = ["baseline"]\n'
+    err = error_of(tmp_path, text)  # no toy_models.py at all
+    assert "declares no LANES table" in err.message and err.field == "family.toy.lanes"
+    (tmp_path / "toy_models.py").write_text("import torch\n\nLANES = make_lanes()\n")
+    err = error_of(tmp_path, text)
+    assert err.file == str(tmp_path / "toy_models.py") and err.line == 3 and "literal" in err.message
+    (tmp_path / "toy_models.py").write_text('LANES = {"linear": {"baseline": {"gpu": True}}}\n')
+    assert "unknown need 'gpu'" in error_of(tmp_path, text).message
 
 
 def test_module_lane_key_refused(tmp_path: Path) -> None:
     err = error_of(tmp_path, GOOD.replace("batch_sizes = [1, 2]", 'batch_sizes = [1, 2]\nlanes = "x"'))
-    assert "not supported yet" in err.message
+    assert "declared per family" in err.message
 
 
 def test_syntax_error_has_line(tmp_path: Path) -> None:
