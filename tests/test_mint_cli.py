@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import copy_toy
 
 from cgbuild.seal import read_metadata
 from cgbuild.store import Store
@@ -49,17 +50,17 @@ def edit(path: Path, old: str, new: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def minted_toy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    ws = copy_ws(EXAMPLES / "toy", tmp_path_factory.mktemp("minted") / "toy")
-    shutil.rmtree(ws / ".cgbuild", ignore_errors=True)
-    rc, summary = mint_json(ws, "//toy:cpu")
+def minted_toy(tmp_path_factory: pytest.TempPathFactory, toy_reference: Path) -> Path:
+    """The toy's plain layout minted (three compiles); its int8 targets stay to mint."""
+    ws = copy_toy(tmp_path_factory.mktemp("minted") / "toy", toy_reference)
+    rc, summary = mint_json(ws, "//toy@fp32:cpu")
     assert rc == 0, summary
     assert len(summary["minted"]) == 3 and not summary["failed"] and not summary["refused"]
     return ws
 
 
 def test_mint_records_and_artifacts(minted_toy: Path) -> None:
-    plan = json.loads(cli(minted_toy, "plan", "--json").stdout)
+    plan = json.loads(cli(minted_toy, "plan", "@fp32", "--json").stdout)
     assert {t["status"] for t in plan["targets"]} == {"fresh"}
     store = Store(minted_toy / ".cgbuild" / "store")
     for t in plan["targets"]:
@@ -75,7 +76,7 @@ def test_mint_records_and_artifacts(minted_toy: Path) -> None:
 
 
 def test_second_mint_is_a_noop(minted_toy: Path) -> None:
-    rc, summary = mint_json(minted_toy, "//toy:cpu")
+    rc, summary = mint_json(minted_toy, "//toy@fp32:cpu")
     assert rc == 0
     assert summary["minted"] == [] and summary["fresh"] == 3
 
@@ -106,7 +107,7 @@ def test_mint_plan_mints_exactly_the_approved_keys(minted_toy: Path, tmp_path: P
     cg = ws / "Cgfile"
     edit(cg, 'shapes = ["8x64", "16x64"]', 'shapes = ["8x64", "16x64", "32x64"]')
     approved = tmp_path / "approved.json"
-    assert cli(ws, "plan", "-o", str(approved)).returncode == 0
+    assert cli(ws, "plan", "@fp32", "-o", str(approved)).returncode == 0
     edit(cg, '"32x64"]', '"32x64", "4x64"]')  # declared after approval: not minted
     rc, summary = mint_json(ws, "--plan", str(approved))
     assert rc == 0, summary
@@ -147,7 +148,7 @@ def test_mint_check_is_byte_identical(minted_toy: Path) -> None:
 def test_flux2_tiny_shares_one_key_for_transposed_shapes(tmp_path: Path) -> None:
     ws = copy_ws(EXAMPLES / "flux2_klein", tmp_path / "klein")
     shutil.rmtree(ws / ".cgbuild", ignore_errors=True)
-    rc, summary = mint_json(ws, "//flux2-klein-tiny:cpu")
+    rc, summary = mint_json(ws, "//flux2-klein-tiny@fp32:cpu")
     assert rc == 0, summary
     labels = sorted(sorted(m["labels"]) for m in summary["minted"])
     assert labels == [
@@ -160,7 +161,7 @@ def test_flux2_tiny_shares_one_key_for_transposed_shapes(tmp_path: Path) -> None
     shared = next(m for m in summary["minted"] if len(m["labels"]) == 2)
     meta = read_metadata(Store(ws / ".cgbuild" / "store").resolve(shared["key"]).path)
     assert sorted(f["shape"] for f in meta["facets"]) == ["48x64", "64x48"]
-    rc, summary = mint_json(ws, "//flux2-klein-tiny")  # adds the sm_90 targets: CPU torch can't
+    rc, summary = mint_json(ws, "//flux2-klein-tiny@fp32")  # adds the sm_90 targets: CPU torch can't
     assert rc == 1
     assert {r["code"] for r in summary["refused"]} == {"no-cuda-torch"}
     assert summary["fresh"] == 3
