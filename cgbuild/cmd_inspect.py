@@ -1,4 +1,6 @@
-"""`cgbuild inspect ARTIFACT|LABEL`: an artifact's sealed metadata, members and its mint record."""
+"""`cgbuild inspect ARTIFACT|LABEL`: an artifact's sealed metadata, members, its mint record and the
+lane evidence recorded beside it (raw timings per host and mint; the sealed verdict is only the
+discrete outcome)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from .seal import member_digests, read_metadata
 
     record: dict[str, Any] | None = None
+    evidence: dict[str, Any] | None = None
     path = Path(args.what)
     if not path.is_file():
         from .labels import parse_label, parse_selector
@@ -42,10 +45,39 @@ def run(args: argparse.Namespace) -> int:
         path = store.resolve(key, verify=True).path
         rec = ws.state / "mint" / f"{key}.json"
         record = json.loads(rec.read_text()) if rec.exists() else None
+        evidence = store.read_evidence(key)
     meta = read_metadata(path)
-    doc = {"artifact": str(path), "metadata": meta, "members": member_digests(path), "mint_record": record}
+    doc = {
+        "artifact": str(path),
+        "metadata": meta,
+        "members": member_digests(path),
+        "mint_record": record,
+        "lane_evidence": evidence,
+    }
     if args.json:
         print_json(doc)
         return 0
     print(json.dumps(doc, indent=2, sort_keys=True))
+    for line in _lane_summary(meta, evidence):
+        print(line)
     return 0
+
+
+def _lane_summary(meta: dict[str, Any], evidence: dict[str, Any] | None) -> list[str]:
+    """People's view of the lanes: the sealed verdict, then each recorded run's medians."""
+    lanes = meta.get("lanes")
+    if not lanes:
+        return []
+    v = lanes["verdict"]
+    out = [
+        f"lanes: winner {v['winner']} ({v['binding']}); fallback {' > '.join(v.get('fallback') or [])}; "
+        + ", ".join(f"{lane} peak {p / (1 << 30):.2f} GiB" for lane, p in (v.get("peaks") or {}).items())
+    ]
+    for host, doc in sorted((evidence or {}).items()):
+        for run in doc.get("runs", []):
+            medians = ", ".join(
+                f"{lane} {m['median_ns'] / 1e6:.3f} ms / {m['peak_bytes'] / 2**20:.0f} MiB"
+                for lane, m in (run.get("measured") or {}).items()
+            )
+            out.append(f"  evidence {host} ({run.get('how')}): {medians or 'nothing measured'}")
+    return out

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -100,6 +102,23 @@ def recorded_plan_keys(path: str) -> dict[str, str]:
     return {t["label"]: t["key"] for t in plan["targets"] if t.get("status") == "mint" and t.get("key")}
 
 
+def evidence_host() -> str:
+    """The name lane evidence is filed under: this host's name, safe as a file name."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()).lstrip(".")
+    return name or "host"
+
+
+def _evidence_run(result: dict[str, Any], how: str) -> dict[str, Any]:
+    """One measured run for `<store>/evidence/<key>/<host>.json`: raw timings never sealed."""
+    return {
+        "how": how,
+        "recorded": int(time.time()),
+        "artifact_sha256": result.get("sha256"),
+        "reproducible": result.get("reproducible"),
+        **result["lane_evidence"],
+    }
+
+
 def _write_record(path: Path, record: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
@@ -142,14 +161,35 @@ def _layout_request(ws: Workspace, t: Target, readable: dict[str, Any]) -> dict[
     }
 
 
+def _lanes_request(ws: Workspace, mk: MintKey) -> dict[str, Any] | None:
+    """The family's declared lanes and their needs, and the SKU the mint's verdict is fitted to.
+
+    That SKU is the largest-memory card the key's targets declare for this sm: the verdict is
+    then the best lane for the roomiest card, and every smaller card of the same sm re-fits at
+    adopt down the recorded fallback order (docs/lanes.md).
+    """
+    fam = mk.target.family
+    if not fam.lanes:
+        return None
+    skus = [ws.cg.skus[name] for name in sorted({s for e in mk.entries for s in e["skus"]})]
+    fit = max(skus, key=lambda s: s.memory_bytes)  # the first by name among equals
+    return {
+        "axes": [[axis, list(values)] for axis, values in fam.lanes],
+        "needs": {a: {v: n.to_json() for v, n in vals.items()} for a, vals in fam.lane_table.items()},
+        "sku": {"name": fit.name, "memory_bytes": fit.memory_bytes},
+    }
+
+
 def request_for(ws: Workspace, mk: MintKey, out: Path, **extra: Any) -> dict[str, Any]:
     first = mk.entries[0]
+    lanes = _lanes_request(ws, mk)
     return {
         "schema": "cgbuild.mint-request/1",
         "id": mk.key,
         "key": mk.key,
         "labels": mk.labels,
-        "job": {**trace_job(ws, mk.target), "id": mk.key},
+        "job": {**trace_job(ws, mk.target, mk.toolchain.get("components")), "id": mk.key},
+        **({"lanes": lanes} if lanes else {}),
         "sm": mk.target.id.sm,
         "graph_digest": first["axes"]["graph"]["digest"],
         "toolchain": mk.toolchain,
@@ -246,6 +286,8 @@ def mint_keys(
                 on_event(mk, "admitting")
             admission = store.admit(mk.key, result["artifact"], metadata={"labels": mk.labels})
             result["admission"] = admission.status
+            if admission.ok and result.get("lane_evidence"):
+                store.add_evidence(mk.key, evidence_host(), _evidence_run(result, "mint"))
             if admission.status == "conflict":
                 result.update(
                     ok=False,
@@ -262,7 +304,7 @@ def mint_keys(
         record.update(
             state="ok" if result.get("ok") else "failed",
             finished=time.time(),
-            result={k: v for k, v in result.items() if k not in ("members",)},
+            result={k: v for k, v in result.items() if k not in ("members", "lane_evidence")},
         )
         _write_record(record_path, record)
         if on_event:
@@ -280,5 +322,7 @@ def check_key(ws: Workspace, mk: MintKey) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="cgbuild-check-") as tmp:
         req = request_for(ws, mk, Path(tmp), fresh=True, compare_with=str(resolved.path))
         result = run_worker(req, ws.state / "mint" / f"{mk.key}.check.log")
+        if result.get("ok") and result.get("lane_evidence"):
+            store.add_evidence(mk.key, evidence_host(), _evidence_run(result, "check"))
         shutil.rmtree(tmp, ignore_errors=True)
     return result

@@ -7,6 +7,7 @@ Layout under the store root::
     quarantine/<key>.json             why a key's artifact was pulled, plus the ref it had
     quarantine/objects/<sha256>       the pulled object, kept for forensics
     tmp/                              writers' temporaries (swept by gc)
+    evidence/<key>/<host>.json        lane evidence: raw timings per mint, beside the artifact
     lock                              flock: shared for admission, exclusive for gc and quarantine
 
 Why it is built this way:
@@ -49,6 +50,8 @@ REF_SCHEMA = "cgbuild.ref/1"
 QUARANTINE_SCHEMA = "cgbuild.quarantine/1"
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,199}$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+_HOST_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
+EVIDENCE_SCHEMA = "cgbuild.lane-evidence/1"
 _CHUNK = 1 << 20
 
 RefState = Literal["fresh", "missing", "quarantined"]
@@ -455,6 +458,50 @@ class Store:
                     with contextlib.suppress(OSError):
                         d.rmdir()  # only empty fan-out dirs go
         return report
+
+    # ---- lane evidence (beside the artifact, never inside it) ------------------------------------
+    def evidence_path(self, key: str, host: str) -> Path:
+        if not _HOST_RE.match(host):
+            raise StoreError(key, f"not a valid evidence host name: {host!r}")
+        return self.root / "evidence" / check_key(key) / f"{host}.json"
+
+    def add_evidence(self, key: str, host: str, run: dict[str, Any]) -> Path:
+        """Append one measured run to `evidence/<key>/<host>.json` (accumulating, atomic).
+
+        Lane evidence is raw measurement (timings, samples, the device): it explains a sealed
+        verdict but is not part of the sealed bytes, so two mints still agree byte for byte.
+        Writers of one file serialize on its lock; a reader sees the old file or the new one.
+        """
+        path = self.evidence_path(key, host)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            doc: dict[str, Any] = {"schema": EVIDENCE_SCHEMA, "key": key, "host": host, "runs": []}
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                old = json.loads(path.read_text())
+                if old.get("schema") == EVIDENCE_SCHEMA:
+                    doc = old
+            doc["runs"].append(run)
+            tmp = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(4)}.tmp")
+            with open(tmp, "w") as out:
+                json.dump(doc, out, sort_keys=True, indent=1)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        finally:
+            os.close(fd)
+        return path
+
+    def read_evidence(self, key: str) -> dict[str, dict[str, Any]]:
+        """host → that host's evidence document for `key` (empty when none was recorded)."""
+        folder = self.root / "evidence" / check_key(key)
+        out: dict[str, dict[str, Any]] = {}
+        for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            with contextlib.suppress(ValueError, OSError):
+                out[p.stem] = json.loads(p.read_text())
+        return out
 
     def purge_quarantine(self) -> int:
         """Delete quarantined objects and records (after forensics); returns how many files went."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -263,3 +264,67 @@ def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[1])
     return host_memory_bytes()
+
+
+# ---- mint: the sealed switch table and the per-lane checks ---------------------------------------
+def lane_rows(
+    module: nn.Module, declared: Sequence[str], spec_lanes: Mapping[str, Sequence[str]]
+) -> list[dict[str, Any]]:
+    """The sealed switch table of a built module: {"axis", "values", "fqn"} per declared axis it
+    uses, in declaration order. Refuses a switch that does not carry what the spec asked (the
+    program would not be the one the key was computed for) and a switch of an undeclared axis."""
+    found = switches(module)
+    rows: list[dict[str, Any]] = []
+    for axis in declared:
+        if axis not in found:
+            continue  # this module does not use the axis
+        want = list(spec_lanes.get(axis) or [])
+        if found[axis]["values"] != want:
+            raise ValueError(f"LaneSwitch({axis!r}) carries {found[axis]['values']}, the spec asked {want}")
+        rows.append({"axis": axis, "values": found[axis]["values"], "fqn": found[axis]["fqn"]})
+    stray = sorted(a for a, s in found.items() if a not in declared and s["fqn"])
+    if stray:
+        raise ValueError(f"switches for undeclared lane axes {stray}: declare them in the Cgfile")
+    return rows
+
+
+def verify_lanes(
+    rows: Sequence[Mapping[str, Any]],
+    eager: Callable[[Mapping[str, str]], Any],
+    compiled: Callable[[Mapping[str, str]], Any],
+    compare: Callable[[Any, Any], list[dict[str, Any]]],
+) -> dict[str, Any]:
+    """Run every lane combination compiled and eager, and check each value against the reference.
+
+    `compare(got, want)` raises on a mismatch (the artifact is wrong: the mint fails, naming the
+    lane); the numerics self-check catches it instead (the value is then no candidate). Returns
+    {"checked": {lane: errors}, "numerics": {axis: {value: {"ok", "rel_rms"|"detail"}}}}.
+    """
+    axes = [r["axis"] for r in rows]
+    reference = {r["axis"]: r["values"][0] for r in rows}
+    want_ref = eager(reference)
+    checked: dict[str, Any] = {}
+    numerics: dict[str, dict[str, Any]] = {r["axis"]: {} for r in rows}
+    for combo in itertools.product(*(r["values"] for r in rows)):
+        choice = dict(zip(axes, combo, strict=True))
+        lane = "+".join(combo)
+        got = compiled(choice)
+        try:
+            checked[lane] = compare(got, eager(choice))
+        except Exception as e:  # name the lane in the mint's failure detail
+            if isinstance(getattr(e, "detail", None), str):
+                e.detail = f"lane {lane}: {e.detail}"  # type: ignore[attr-defined]
+            raise
+        moved = [a for a in axes if choice[a] != reference[a]]
+        if len(moved) == 1:
+            try:
+                errs = compare(got, want_ref)
+                numerics[moved[0]][choice[moved[0]]] = {
+                    "ok": True,
+                    "rel_rms": max(x["rel_rms"] for x in errs),
+                }
+            except Exception as e:
+                numerics[moved[0]][choice[moved[0]]] = {"ok": False, "detail": str(getattr(e, "detail", e))}
+    for r in rows:
+        numerics[r["axis"]][r["values"][0]] = {"ok": True, "rel_rms": 0.0}
+    return {"checked": checked, "numerics": numerics}

@@ -66,7 +66,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,13 +147,15 @@ def _signal_name(code: int) -> str:
         return f"signal {code}"
 
 
-def run_stage(stage: str, work: Path, env: Mapping[str, str], timeout_s: float) -> dict[str, Any]:
+def run_stage(
+    stage: str, work: Path, env: Mapping[str, str], timeout_s: float, args: Sequence[str] = ()
+) -> dict[str, Any]:
     """Run one stage child; return its result, or raise a typed failure for how it died."""
     result_path = work / f"{stage}.json"
     result_path.unlink(missing_ok=True)
     with open(work / f"{stage}.log", "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cgbuild_rules.mint", "--stage", stage, str(work)],
+            [sys.executable, "-m", "cgbuild_rules.mint", "--stage", stage, str(work), *args],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -184,10 +186,14 @@ def run_stage(stage: str, work: Path, env: Mapping[str, str], timeout_s: float) 
     raise MintFailure("stage-error", f"{stage} stage exited with status {code} and no result: {tail}")
 
 
-def _metadata(req: Mapping[str, Any], built: Mapping[str, Any]) -> dict[str, Any]:
+def _metadata(
+    req: Mapping[str, Any], built: Mapping[str, Any], lanes_block: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The sealed metadata: discrete facts only (no clocks, no paths, no measured errors)."""
     components = built["toolchain"]["components"]
+    extra = {} if lanes_block is None else {"lanes": lanes_block}
     return {
+        **extra,
         "schema": ARTIFACT_SCHEMA,
         "kind": ARTIFACT_KIND,
         "key": req["key"],
@@ -254,6 +260,12 @@ def mint(req: dict[str, Any], progress: Callable[[str], None] | None = None) -> 
         t = time.perf_counter()
         checked = run_stage("verify", work, {**env, "TMPDIR": str(work / "tmp")}, timeout)
         verify_s = time.perf_counter() - t  # the whole fresh process: start, import, load, compare
+        phase = "lanes"
+        t = time.perf_counter()
+        lanes_block, evidence = _lane_verdict(
+            req, built, checked, work, {**env, "TMPDIR": str(work / "tmp")}, timeout, progress
+        )
+        lanes_s = time.perf_counter() - t
         phase = "seal"
         if progress:
             progress(phase)
@@ -262,7 +274,7 @@ def mint(req: dict[str, Any], progress: Callable[[str], None] | None = None) -> 
         if (work / LITERALS).exists():
             members[LITERALS] = work / LITERALS
         artifact = out / f"{key}.tar.gz"
-        sha = seal(artifact, _metadata(req, built), members)
+        sha = seal(artifact, _metadata(req, built, lanes_block), members)
         if read_metadata(artifact)["key"] != key:
             raise MintFailure("seal-failed", "sealed metadata does not read back with its key")
         seal_s = time.perf_counter() - t
@@ -278,10 +290,13 @@ def mint(req: dict[str, Any], progress: Callable[[str], None] | None = None) -> 
             "phases": {
                 **built["seconds"],
                 "verify": round(verify_s, 3),
+                **({"lanes": round(lanes_s, 3)} if lanes_block else {}),
                 "seal": round(seal_s, 3),
                 "total": round(time.perf_counter() - start, 3),
             },
         }
+        if evidence is not None:
+            result["lane_evidence"] = evidence
         if req.get("compare_with"):
             differing = diff_artifacts(req["compare_with"], artifact)
             result["reproducible"] = not differing
@@ -612,17 +627,156 @@ def stage_verify(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
         raise MintFailure(
             "constant-table-mismatch", f"the package needs constants the module lacks: {missing[:5]}"
         )
-    package.bind({fqn: live[fqn] for fqn in package.constant_fqns})
+    bound = {fqn: live[fqn] for fqn in package.constant_fqns}
+    package.bind(bound)
     with torch.no_grad():
         got = package(*built.args, **built.kwargs)
-    return {"ok": True, "errors": compare_outputs(got, want)}
+    result: dict[str, Any] = {"ok": True, "errors": compare_outputs(got, want)}
+    if req.get("lanes"):
+        result["lanes"] = _verify_lanes(req, job, built, package, bound)
+    return result
 
 
-def _stage_main(stage: str, work: Path) -> int:
-    req = json.loads((work / "request.json").read_text())
-    fn = {"compile": stage_compile, "verify": stage_verify}[stage]
+def _lane_rows(req: Mapping[str, Any], job: Any, module: Any) -> list[dict[str, Any]]:
+    from cgbuild_rules import lanes as lane_rt
+
+    declared = [axis for axis, _ in req["lanes"]["axes"]]
     try:
-        result = fn(req, work)
+        return lane_rt.lane_rows(module, declared, job.spec.get("lanes") or {})
+    except ValueError as e:
+        raise MintFailure("entry-error", str(e)) from None
+
+
+def _verify_lanes(
+    req: Mapping[str, Any], job: Any, built: Any, package: Any, bound: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Every lane of the ONE compiled artifact against eager with the same lane, and each value
+    against its axis's reference (the numerics self-check that makes it a candidate)."""
+    import torch
+    from cgbuild_rules import lanes as lane_rt
+
+    rows = _lane_rows(req, job, built.module)
+
+    def eager(choice: Mapping[str, str]) -> Any:
+        lane_rt.set_lanes(built.module, choice)
+        with torch.no_grad():
+            return built.module(*built.args, **built.kwargs)
+
+    def compiled(choice: Mapping[str, str]) -> Any:
+        package.bind({**bound, **lane_rt.bindings(rows, choice, job.device)})
+        with torch.no_grad():
+            return package(*built.args, **built.kwargs)
+
+    checks = lane_rt.verify_lanes(rows, eager, compiled, compare_outputs)
+    return {"rows": rows, **checks}
+
+
+def stage_measure(req: Mapping[str, Any], work: Path, lane: str) -> dict[str, Any]:
+    """One candidate lane's benchmark, alone in this fresh process (cgbuild_rules.lanes.measure)."""
+    _fault("measure")
+    import torch
+    from cgbuild_rules import lanes as lane_rt
+    from cgbuild_rules import trace
+    from cgbuild_rules.loader import Package
+
+    from cgbuild import lanes
+
+    job = trace.parse_job(req["job"])
+    built = trace.build(job, "real")
+    literals: dict[str, torch.Tensor] = {}
+    if (work / LITERALS).exists():
+        from safetensors.torch import load_file
+
+        literals = {k: v.to(job.device) for k, v in load_file(str(work / LITERALS)).items()}
+    live = {**dict(built.module.named_parameters()), **dict(built.module.named_buffers()), **literals}
+    rows = _lane_rows(req, job, built.module)
+    choice = lanes.split(lane, [r["axis"] for r in rows])
+    package = Package(work / PACKAGE)
+    package.bind(
+        {**{f: live[f] for f in package.constant_fqns}, **lane_rt.bindings(rows, choice, job.device)}
+    )
+    device = torch.device(job.device)
+
+    def call() -> Any:
+        return package(*built.args, **built.kwargs)
+
+    return {"ok": True, "lane": lane, **lane_rt.measure(call, device), "device": lane_rt.device_facts(device)}
+
+
+def _lane_verdict(
+    req: Mapping[str, Any],
+    built: Mapping[str, Any],
+    checked: Mapping[str, Any],
+    work: Path,
+    env: Mapping[str, str],
+    timeout: float,
+    progress: Callable[[str], None] | None,
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Candidates from capability, one fresh `measure` stage per candidate, the rule's verdict.
+
+    Returns (the sealed `lanes` block: discrete facts only; the evidence: raw timings, samples,
+    the device, never sealed), or (None, None) when the request declares no lanes.
+    """
+    from cgbuild import lanes
+
+    want = req.get("lanes")
+    if not want:
+        return None, None
+    rows = checked["lanes"]["rows"]
+    used = {r["axis"] for r in rows}
+    declared = [(axis, values) for axis, values in want["axes"] if axis in used]
+    needs = {a: {v: lanes.Needs.from_json(n) for v, n in want["needs"][a].items()} for a, _ in want["axes"]}
+    triton = lanes.has_triton(built["toolchain"]["components"])
+    numerics = {
+        a: {v: bool(r["ok"]) for v, r in vals.items()} for a, vals in checked["lanes"]["numerics"].items()
+    }
+    excluded = lanes.exclusions(want["axes"], needs, req["sm"], triton)
+    excluded.update(
+        {f"{a}.{v}": "numerics" for a, vals in numerics.items() for v, ok in vals.items() if not ok}
+    )
+    candidates = lanes.candidates(declared, needs, req["sm"], triton, numerics)
+    runs: dict[str, Any] = {}
+    for lane in candidates:
+        if progress:
+            progress(f"lanes: measuring {lane}")
+        runs[lane] = {k: v for k, v in run_stage("measure", work, env, timeout, [lane]).items() if k != "ok"}
+    if candidates:
+        sku = want["sku"]
+        measured = [
+            lanes.Measured(lane, runs[lane]["median_ns"], runs[lane]["peak_bytes"]) for lane in candidates
+        ]
+        verdict = lanes.decide(measured, sku["name"], sku["memory_bytes"])
+    else:
+        surviving = [
+            (a, [v for v in r["values"] if numerics.get(a, {}).get(v, True)])
+            for a, r in ((r["axis"], r) for r in rows)
+        ]
+        only = lanes.combinations(surviving)
+        verdict = lanes.unmeasured(only[0] if only else "", "one-candidate")
+    block = {
+        "schema": lanes.LANES_SCHEMA,
+        "axes": [{"axis": r["axis"], "values": r["values"], "fqn": r["fqn"]} for r in rows],
+        "excluded": excluded,
+        "verdict": verdict,
+    }
+    evidence = {
+        "schema": "cgbuild.lane-evidence-run/1",
+        "sm": req["sm"],
+        "sku": want["sku"],
+        "candidates": candidates,
+        "measured": runs,
+        "numerics": checked["lanes"]["numerics"],
+        "excluded": excluded,
+        "verdict": verdict,
+    }
+    return block, evidence
+
+
+def _stage_main(stage: str, work: Path, args: Sequence[str] = ()) -> int:
+    req = json.loads((work / "request.json").read_text())
+    fn = {"compile": stage_compile, "verify": stage_verify, "measure": stage_measure}[stage]
+    try:
+        result = fn(req, work, *args)
     except MintFailure as e:
         result = {"ok": False, "code": e.code, "detail": e.detail, **e.extra}
     except MemoryError as e:
@@ -646,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
     """Worker: one request on stdin, one result line on stdout. `--stage NAME DIR` runs a stage."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--stage"]:
-        return _stage_main(args[1], Path(args[2]))
+        return _stage_main(args[1], Path(args[2]), args[3:])
     proto = os.fdopen(os.dup(1), "w", encoding="ascii")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
