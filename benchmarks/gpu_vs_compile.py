@@ -1,0 +1,260 @@
+"""cgbuild on a GPU, side by side with the paths people use today, on one model and one input.
+
+    python benchmarks/gpu_vs_compile.py all WORK OUT_JSON [--label L] [--phases a,b,...]
+
+Phases, each in its own process so every cold start is honest:
+  eager         build the module with seed-0 random weights, first output, steady step
+  compile_cold  torch.compile with an empty inductor cache: first output, steady step
+  compile_warm  torch.compile in a new process over the warm cache
+  bare_aoti     torch.export + aoti_compile_and_package under cgbuild's compile policy
+  mint          `cgbuild mint LABEL` into a copy of the example workspace (wall time, phases)
+  adopt         new process: adopt the minted artifact for the live module, first output, steady
+The module, weights and inputs all come from the example entry (`build(spec)`) in "real" mode
+(seed 0), so every path runs the same computation. Steady steps: 3 warm-up calls, then the
+median of 15 timed with device events on CUDA (perf_counter on the CPU). Prints and writes one
+JSON document with the machine, versions and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "flux2_klein"
+DEFAULT_LABEL = "//flux2-klein/transformer/1024x1024-t512-b1@bf16:sm_90"
+PHASES = ("eager", "compile_cold", "compile_warm", "bare_aoti", "mint", "adopt")
+
+
+def _plan_entry(ws: Path, label: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), "plan", label, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return dict(json.loads(out.stdout)["targets"][0])
+
+
+def _job(ws: Path, label: str) -> dict[str, Any]:
+    from cgbuild import cgfile
+    from cgbuild.planner import Workspace, trace_job
+    from cgbuild.targets import expand
+
+    w = Workspace(cgfile.load(ws / "Cgfile"))
+    target = next(t for t in expand(w.cg) if t.label == label)
+    return {**trace_job(w, target), "id": "bench"}
+
+
+def _built(ws: Path, label: str) -> Any:
+    from cgbuild_rules import trace
+
+    return trace.build(trace.parse_job(_job(ws, label)), "real")
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _first(fn: Any, b: Any, device: str) -> tuple[float, Any]:
+    import torch
+
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = fn(*b.args, **b.kwargs)
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+def _steady(fn: Any, b: Any, device: str, warm: int = 3, reps: int = 15) -> float:
+    import torch
+
+    times = []
+    with torch.inference_mode():
+        for _ in range(warm):
+            fn(*b.args, **b.kwargs)
+        _sync(device)
+        for _ in range(reps):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn(*b.args, **b.kwargs)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn(*b.args, **b.kwargs)
+                times.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(times), 3)
+
+
+def _rel_err(out: Any, ref_path: Path) -> float | None:
+    import torch
+
+    if not ref_path.exists():
+        return None
+    ref = torch.load(ref_path)
+    got = (out[0] if isinstance(out, list | tuple) else out).float().cpu()
+    return float((got - ref).norm() / ref.norm())
+
+
+def phase(name: str, work: Path, label: str) -> dict[str, Any]:
+    """Run one phase in this process (called in a fresh child per phase)."""
+    t_import = time.perf_counter()
+    import torch
+
+    rec: dict[str, Any] = {"phase": name, "import_torch_s": round(time.perf_counter() - t_import, 2)}
+    ws = work / "ws"
+    device = "cpu" if label.endswith(":cpu") else "cuda"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(work / "triton")
+    if name == "mint":
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), "mint", label, "--json"],
+            capture_output=True,
+            text=True,
+        )
+        rec["wall_s"] = round(time.perf_counter() - t0, 2)
+        rec["rc"] = proc.returncode
+        lines = proc.stdout.strip().splitlines()
+        rec["summary"] = json.loads(lines[-1]) if lines else None
+        if proc.returncode:
+            rec["stderr_tail"] = proc.stderr[-2000:]
+        return rec
+    t0 = time.perf_counter()
+    b = _built(ws, label)
+    rec["build_s"] = round(time.perf_counter() - t0, 2)
+    rec["params"] = sum(p.numel() for p in b.module.parameters())
+    if device == "cuda":
+        rec["gpu"] = torch.cuda.get_device_name()
+    if name == "eager":
+        rec["first_s"], out = _first(b.module, b, device)
+        rec["steady_ms"] = _steady(b.module, b, device)
+        torch.save((out[0] if isinstance(out, list | tuple) else out).float().cpu(), work / "eager_out.pt")
+    elif name in ("compile_cold", "compile_warm"):
+        compiled = torch.compile(b.module)
+        rec["first_s"], out = _first(compiled, b, device)
+        rec["steady_ms"] = _steady(compiled, b, device)
+        rec["rel_err_vs_eager"] = _rel_err(out, work / "eager_out.pt")
+    elif name == "bare_aoti":
+        from cgbuild import policy
+
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            ep = torch.export.export(b.module, b.args, b.kwargs, strict=False)
+        rec["export_s"] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
+        pkg = torch._inductor.aoti_compile_and_package(
+            ep, package_path=str(work / "bare.pt2"), inductor_configs=dict(policy.inductor_configs())
+        )
+        rec["compile_s"] = round(time.perf_counter() - t0, 2)
+        rec["package_mb"] = round(os.path.getsize(pkg) / 2**20, 2)
+    elif name == "adopt":
+        from cgbuild_rules.adopt import adopt
+
+        from cgbuild.store import Store
+
+        key = _plan_entry(ws, label)["key"]
+        _sync(device)
+        t0 = time.perf_counter()
+        served = adopt(key, b.module, store=Store(ws / ".cgbuild" / "store"))
+        rec["adopt_s"] = round(time.perf_counter() - t0, 3)
+        first, out = _first(served, b, device)
+        rec["first_s"] = round(rec["adopt_s"] + first, 3)
+        rec["steady_ms"] = _steady(served, b, device)
+        rec["served"] = dict(served.counters)
+        rec["rel_err_vs_eager"] = _rel_err(out, work / "eager_out.pt")
+    for k in ("first_s",):
+        if isinstance(rec.get(k), float):
+            rec[k] = round(rec[k], 3)
+    return rec
+
+
+def run_all(work: Path, out_json: Path, label: str, phases: list[str]) -> dict[str, Any]:
+    work.mkdir(parents=True, exist_ok=True)
+    ws = work / "ws"
+    if not ws.exists():
+        shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+    results: dict[str, Any] = {}
+    for name in phases:
+        if name == "compile_cold":
+            shutil.rmtree(work / "inductor", ignore_errors=True)
+            shutil.rmtree(work / "triton", ignore_errors=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, __file__, "phase", name, str(work), "--label", label],
+            capture_output=True,
+            text=True,
+        )
+        wall = round(time.perf_counter() - t0, 2)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        rec = json.loads(lines[-1]) if lines else {"phase": name, "error": proc.stderr[-2000:]}
+        rec["process_wall_s"] = wall
+        results[name] = rec
+        print(json.dumps(rec), flush=True)
+    import torch
+
+    doc = {
+        "benchmark": "gpu_vs_compile",
+        "label": label,
+        "date": datetime.date.today().isoformat(),
+        "machine": {
+            "node_gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "triton": _version("triton"),
+            "diffusers": _version("diffusers"),
+        },
+        "protocol": "one process per phase; steady = median of 15 timed calls after 3 warm-up",
+        "phases": results,
+    }
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return doc
+
+
+def _version(name: str) -> str | None:
+    import importlib.metadata as md
+
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=("all", "phase"))
+    ap.add_argument("arg1")
+    ap.add_argument("arg2")
+    ap.add_argument("--label", default=DEFAULT_LABEL)
+    ap.add_argument("--phases", default=",".join(PHASES))
+    args = ap.parse_args()
+    if args.what == "phase":
+        print(json.dumps(phase(args.arg1, Path(args.arg2), args.label)), flush=True)
+    else:
+        run_all(Path(args.arg1), Path(args.arg2), args.label, args.phases.split(","))
+
+
+if __name__ == "__main__":
+    main()
