@@ -30,11 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cgbuild_rules.lanes import bindings, device_memory_bytes
 from cgbuild_rules.loader import Package, host_runtime
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from cgbuild import compiler
+from cgbuild import compiler, lanes
+from cgbuild.lanes import Refit
 from cgbuild.layout import safetensors_dtype
 from cgbuild.seal import LITERALS, PACKAGE, SealError, read_metadata, unseal
 from cgbuild.store import Store, StoreError
@@ -212,6 +214,8 @@ class Artifact:
     refusal: Refusal | None = None
     literals: dict[str, torch.Tensor] = field(default_factory=dict)
     seconds: float = 0.0
+    lane: Refit | None = None
+    """The kernel lane bound before the first call and why (None: the artifact has no lanes)."""
 
     @property
     def contract(self) -> dict[str, Any]:
@@ -285,7 +289,40 @@ def layout_refusal(meta: Mapping[str, Any], module: nn.Module) -> Refusal | None
     return None
 
 
-def _arm(art: Artifact, files: Mapping[str, Path], module: nn.Module, device: torch.device) -> None:
+def choose_lane(
+    meta: Mapping[str, Any], device: torch.device, *, memory_bytes: int | None = None, pin: str | None = None
+) -> tuple[Refit | None, dict[str, torch.Tensor]]:
+    """The lane this device serves and the switch values that bind it (docs/lanes.md).
+
+    Re-applies the fit rule to THIS device's memory (`memory_bytes` overrides it: a smaller card,
+    a share of a larger one) on the peaks the mint recorded, rounded up: `lane-adopted`,
+    `lane-refit`, `lane-refit-no-fit` or `lane-unverified`. `pin` names a lane to serve instead
+    (`lane-pinned`); it must be one the artifact carries. Never re-benchmarks.
+    """
+    block = meta.get("lanes")
+    if not block or not block.get("axes"):
+        return None, {}
+    rows = block["axes"]
+    axes = [r["axis"] for r in rows]
+    carried = lanes.combinations([(r["axis"], r["values"]) for r in rows])
+    if pin is not None:
+        if pin not in carried:
+            raise ValueError(f"lane {pin!r} is not in this artifact (it carries {', '.join(carried)})")
+        choice = Refit(pin, "lane-pinned", f"{pin}: pinned by the caller")
+    else:
+        memory = memory_bytes if memory_bytes is not None else device_memory_bytes(device)
+        choice = lanes.refit(block["verdict"], memory)
+    return choice, bindings(rows, lanes.split(choice.lane, axes), device)
+
+
+def _arm(
+    art: Artifact,
+    files: Mapping[str, Path],
+    module: nn.Module,
+    device: torch.device,
+    memory_bytes: int | None = None,
+    pin: str | None = None,
+) -> None:
     weights, refusal = _weights(module, art.metadata, device)
     if refusal:
         art.refusal = refusal
@@ -294,6 +331,10 @@ def _arm(art: Artifact, files: Mapping[str, Path], module: nn.Module, device: to
         from safetensors.torch import load_file
 
         art.literals = {k: v.to(device) for k, v in load_file(str(files[LITERALS])).items()}
+    art.lane, switch = choose_lane(art.metadata, device, memory_bytes=memory_bytes, pin=pin)
+    art.literals.update(switch)  # bound with the rest below: before the first call, kept by rebind
+    if art.lane is not None:
+        log.info("%s: lane %s (%s: %s)", art.label, art.lane.lane, art.lane.code, art.lane.detail)
     try:
         package = Package(files[PACKAGE], device_index=device.index if device.index is not None else -1)
     except Exception as e:
@@ -319,9 +360,19 @@ def _arm(art: Artifact, files: Mapping[str, Path], module: nn.Module, device: to
 
 
 def load_artifact(
-    source: str | os.PathLike[str], module: nn.Module, *, store: Store | None = None, label: str | None = None
+    source: str | os.PathLike[str],
+    module: nn.Module,
+    *,
+    store: Store | None = None,
+    label: str | None = None,
+    memory_bytes: int | None = None,
+    lane: str | None = None,
 ) -> Artifact:
-    """Resolve, check and arm one artifact for `module`; a refusal is recorded, never raised."""
+    """Resolve, check and arm one artifact for `module`; a refusal is recorded, never raised.
+
+    `memory_bytes` / `lane`: the lane re-fit's device memory override and a pinned lane
+    (`choose_lane`); a pinned lane the artifact does not carry raises ValueError.
+    """
     t = time.perf_counter()
     device = module_device(module)
     key = str(source)
@@ -345,7 +396,7 @@ def load_artifact(
     if art.refusal is None:
         scratch = Path(tempfile.mkdtemp(prefix="cgbuild-adopt-"))
         try:
-            _arm(art, unseal(path, scratch), module, device)
+            _arm(art, unseal(path, scratch), module, device, memory_bytes, lane)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)  # the loader has its own copy by now
     art.seconds = time.perf_counter() - t
@@ -372,6 +423,11 @@ class Adopted:
     @property
     def refusals(self) -> dict[str, Refusal]:
         return {a.label: a.refusal for a in self.artifacts if a.refusal is not None}
+
+    @property
+    def lanes(self) -> dict[str, Refit]:
+        """label → the lane each armed artifact serves and why (`lane-adopted`, `lane-refit`, …)."""
+        return {a.label: a.lane for a in self.armed if a.lane is not None}
 
     def route(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -431,20 +487,32 @@ class Adopted:
 
 
 def adopt(
-    artifact: str | os.PathLike[str], module: nn.Module, *, store: Store | None = None, strict: bool = False
+    artifact: str | os.PathLike[str],
+    module: nn.Module,
+    *,
+    store: Store | None = None,
+    strict: bool = False,
+    memory_bytes: int | None = None,
+    lane: str | None = None,
 ) -> Adopted:
     """Adopt one sealed artifact (a path, or a key when `store` is given) for `module`.
 
     With `strict`, a refused artifact raises `AdoptRefused`; otherwise it serves eager, named.
+    The kernel lane is re-fitted to this device (`memory_bytes` overrides its memory) or pinned
+    (`lane`) and bound before the first call; `Adopted.lanes` says which and why.
     """
-    art = load_artifact(artifact, module, store=store)
+    art = load_artifact(artifact, module, store=store, memory_bytes=memory_bytes, lane=lane)
     if strict and art.refusal is not None:
         raise AdoptRefused(art.refusal)
     return Adopted(module, [art])
 
 
 def adopt_manifest(
-    manifest: Mapping[str, Any], modules: Mapping[str, nn.Module], *, store: Store | None = None
+    manifest: Mapping[str, Any],
+    modules: Mapping[str, nn.Module],
+    *,
+    store: Store | None = None,
+    memory_bytes: int | None = None,
 ) -> dict[str, Adopted]:
     """Adopt every graph class of every module a serving manifest names, in one call.
 
@@ -460,7 +528,8 @@ def adopt_manifest(
         if name not in modules:
             continue
         arts = [
-            load_artifact(src, modules[name], store=store, label=cls) for cls, src in sorted(classes.items())
+            load_artifact(src, modules[name], store=store, label=cls, memory_bytes=memory_bytes)
+            for cls, src in sorted(classes.items())
         ]
         served[name] = Adopted(modules[name], arts)
     return served

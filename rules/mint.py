@@ -681,6 +681,7 @@ def stage_measure(req: Mapping[str, Any], work: Path, lane: str) -> dict[str, An
 
     from cgbuild import lanes
 
+    base = lane_rt.process_bytes()  # the bare process, before the module or package exist
     job = trace.parse_job(req["job"])
     built = trace.build(job, "real")
     literals: dict[str, torch.Tensor] = {}
@@ -700,7 +701,8 @@ def stage_measure(req: Mapping[str, Any], work: Path, lane: str) -> dict[str, An
     def call() -> Any:
         return package(*built.args, **built.kwargs)
 
-    return {"ok": True, "lane": lane, **lane_rt.measure(call, device), "device": lane_rt.device_facts(device)}
+    measured = lane_rt.measure(call, device, base if device.type == "cpu" else 0)
+    return {"ok": True, "lane": lane, **measured, "device": lane_rt.device_facts(device)}
 
 
 def _lane_verdict(
