@@ -101,6 +101,8 @@ def _events(total: int):  # -> Callable[[MintKey, str], None]
     """Per-key phase rows and an overall bar with ETA on a terminal; one line per event otherwise."""
     import sys
 
+    if total == 0:
+        return lambda mk, phase: None
     if not sys.stderr.isatty():
 
         def plain(mk: Any, phase: str) -> None:
