@@ -1,0 +1,214 @@
+"""Lanes through a real compile: one artifact, every lane selectable at run time; lanes move no key.
+
+The toy's lanes (`baseline`, `chunked`) compute the same function, so they cannot show that a
+bound lane really runs. This module mints ONE tiny entry whose three lanes compute different
+functions (`act = gelu | relu | tanh`): the same sealed artifact, bound to each lane, must give
+that lane's eager result. The numerics self-check then excludes the two that differ from the
+reference, so nothing is benchmarked and adopt reports `lane-unverified`. The toy's measured
+verdict, evidence and re-fit reasons are checked on the shared toy mint in test_mint_cli.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import copy_toy
+from test_mint import request_for, session_dirs
+
+from cgbuild.seal import read_metadata, unseal
+
+ENTRY = textwrap.dedent(
+    '''
+    """Three activation lanes that compute DIFFERENT functions, to prove the switch."""
+    import torch
+    import torch.nn.functional as F
+    from cgbuild_rules.lanes import LaneSwitch
+    from torch import nn
+
+    LANES = {"act": {"gelu": {}, "relu": {}, "tanh": {}}}
+
+
+    class Net(nn.Module):
+        def __init__(self, features, lanes):
+            super().__init__()
+            self.fc1 = nn.Linear(features, 32)
+            self.fc2 = nn.Linear(32, 4)
+            self.act = LaneSwitch("act", lanes.get("act") or ["gelu"])
+
+        def forward(self, x):
+            impls = {"gelu": F.gelu, "relu": torch.relu, "tanh": torch.tanh}
+            return self.fc2(self.act.select(impls, self.fc1(x)))
+
+
+    def build(spec):
+        x = torch.randn(spec["batch"], spec["height"], spec["width"])
+        return Net(spec["width"], spec["lanes"]), (x,), {}
+    '''
+)
+AXIS = ["tanh", "gelu", "relu"]  # declared in another order than the entry's: the program follows the entry
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def act_mint(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any], Path]:
+    """(request, result, entry root) of the one real mint of the three-lane entry."""
+    _, sandbox = session_dirs(tmp_path_factory)
+    root = tmp_path_factory.mktemp("act-entry")
+    (root / "act_entry.py").write_text(ENTRY)
+    job = {
+        "id": "act",
+        "entry": "act_entry:build",
+        "root": str(root),
+        "config": {},
+        "quant": "plain.fp32",
+        "spec": {
+            "family": "act",
+            "module": "net",
+            "graph_class": "8x64-b1",
+            "height": 8,
+            "width": 64,
+            "text_len": None,
+            "batch": 1,
+            "dtype": "float32",
+            "device": "cpu",
+            "lanes": {"act": ["gelu", "relu", "tanh"]},
+        },
+    }
+    lanes = {
+        "axes": [["act", AXIS]],
+        "needs": {"act": {"gelu": {}, "relu": {}, "tanh": {}}},
+        "sku": {"name": "cpu", "memory_bytes": 24 << 30},
+    }
+    req = request_for(job, tmp_path_factory.mktemp("act-out"), sandbox, lanes=lanes)
+    result = run_worker(req)
+    assert result["ok"], result
+    return req, result, root
+
+
+def run_worker(request: dict[str, Any]) -> dict[str, Any]:
+    """The worker's result line (the last line; progress lines come before it)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "cgbuild_rules.mint"],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    results = [ln for ln in lines if "progress" not in ln]
+    assert len(results) == 1, f"stdout={proc.stdout!r} stderr={proc.stderr[-2000:]}"
+    return results[0]
+
+
+def _net(root: Path, seed: int = 5) -> torch.nn.Module:
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import act_entry
+
+    torch.manual_seed(seed)
+    return act_entry.Net(64, {"act": ["gelu", "relu", "tanh"]}).eval()
+
+
+def test_one_artifact_runs_each_lane_it_is_bound_to(
+    act_mint: tuple[dict[str, Any], dict[str, Any], Path],
+) -> None:
+    from cgbuild_rules.adopt import adopt
+    from cgbuild_rules.lanes import set_lanes
+
+    _, result, root = act_mint
+    m = _net(root)
+    x = torch.randn(1, 8, 64)
+    outs = {}
+    for lane in ("gelu", "relu", "tanh"):
+        served = adopt(result["artifact"], m, lane=lane)
+        assert served.lanes[next(iter(served.lanes))].code == "lane-pinned"
+        set_lanes(m, {"act": lane})
+        with torch.no_grad():
+            outs[lane] = served(x)
+            torch.testing.assert_close(outs[lane], m(x), rtol=1e-5, atol=1e-6)
+        assert served.counters == {"compiled": 1}
+    assert not torch.allclose(outs["gelu"], outs["relu"]) and not torch.allclose(outs["relu"], outs["tanh"])
+    with pytest.raises(ValueError, match="not in this artifact"):
+        adopt(result["artifact"], m, lane="swish")
+
+
+def test_numerics_exclude_lanes_that_differ_and_nothing_is_benchmarked(
+    act_mint: tuple[dict[str, Any], dict[str, Any], Path], tmp_path: Path
+) -> None:
+    from cgbuild_rules.adopt import adopt
+
+    _, result, root = act_mint
+    lanes = read_metadata(result["artifact"])["lanes"]
+    assert lanes["axes"] == [{"axis": "act", "values": ["gelu", "relu", "tanh"], "fqn": "act.onehot"}]
+    assert lanes["excluded"] == {"act.relu": "numerics", "act.tanh": "numerics"}
+    verdict = lanes["verdict"]
+    assert verdict["winner"] == "gelu" and verdict["candidates"] == [] and verdict["peaks"] == {}
+    assert result["lane_evidence"]["measured"] == {}  # no candidates → no benchmark
+    assert "lanes" in result["phases"]
+    numerics = result["lane_evidence"]["numerics"]["act"]
+    assert numerics["gelu"]["ok"] and not numerics["relu"]["ok"] and not numerics["tanh"]["ok"]
+    # the switch is a literal: its default (the reference selected) is sealed beside the package
+    from safetensors.torch import load_file
+
+    literal = load_file(str(unseal(result["artifact"], tmp_path / "u")["constants.safetensors"]))[
+        "act.onehot"
+    ]
+    assert literal.tolist() == [1, 0, 0]
+    served = adopt(result["artifact"], _net(root))
+    (choice,) = served.lanes.values()
+    assert (choice.lane, choice.code) == ("gelu", "lane-unverified")
+
+
+def test_the_mint_refuses_a_switch_that_does_not_carry_the_spec(
+    act_mint: tuple[dict[str, Any], dict[str, Any], Path], tmp_path: Path
+) -> None:
+    from cgbuild_rules.lanes import lane_rows
+
+    _, _, root = act_mint
+    rows = lane_rows(_net(root), ["act"], {"act": ["gelu", "relu", "tanh"]})
+    assert rows == [{"axis": "act", "values": ["gelu", "relu", "tanh"], "fqn": "act.onehot"}]
+    with pytest.raises(ValueError, match="the spec asked"):
+        lane_rows(_net(root), ["act"], {"act": ["gelu", "relu"]})
+    with pytest.raises(ValueError, match="undeclared lane axes"):
+        lane_rows(_net(root), [], {})
+
+
+# ---- lanes are not a key axis ----------------------------------------------------------------------
+def _plan(ws: Path) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), "plan", "//toy/mlp/8x64-b1@fp32:cpu", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["targets"][0]
+
+
+def test_reordering_lanes_moves_no_key_and_a_buildable_value_is_a_graph_change(
+    tmp_path: Path, toy_reference: Path
+) -> None:
+    ws = copy_toy(tmp_path / "toy", toy_reference)
+    cg = ws / "Cgfile"
+    declared = 'linear = ["baseline", "chunked", "triton"]'
+    base = _plan(ws)
+    text = cg.read_text()
+    assert declared in text
+    cg.write_text(text.replace(declared, 'linear = ["triton", "chunked", "baseline"]'))
+    assert _plan(ws)["key"] == base["key"]  # reordered: same program, same key
+    cg.write_text(text.replace(declared, 'linear = ["chunked", "baseline"]'))
+    assert _plan(ws)["key"] == base["key"]  # triton was never buildable on a CPU target
+    cg.write_text(text.replace(declared, 'linear = ["baseline"]'))
+    one = _plan(ws)
+    assert one["key"] != base["key"]  # one branch fewer in the program: the graph moved
+    assert any(r.get("axis") == "graph" for r in one["reasons"]), one["reasons"]
+    shutil.rmtree(ws / ".cgbuild")
+    cg.write_text(text.replace(declared + "\n", "").replace("[family.toy.lanes]\n", ""))
+    assert _plan(ws)["key"] == one["key"]  # one buildable value: the plain program, no switch
