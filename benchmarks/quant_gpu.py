@@ -1,0 +1,178 @@
+"""Quant rules on a real GPU: the capability probe, numerics and speed of int8-rowwise and
+fp8-rowwise against plain bf16, eager and through AOTInductor.
+
+Run on a machine with a CUDA device, from a checkout (no install needed):
+
+    python benchmarks/quant_gpu.py --out benchmarks/results/quant_gpu.json
+
+What it answers:
+- does the plan's pure capability function (`cgbuild.layout.scaled_mm_rowwise`, torch version × sm)
+  agree with the real probe the mint runs (`cgbuild_rules.quant.probe`) on this device;
+- how far each rule's output is from plain bf16 on a klein-shaped MLP block (3072 → 9216 → 3072,
+  4608 tokens = 1024x1024 image + 512 text), and from an fp32 reference;
+- eager and AOTInductor-compiled step times (3 warm-ups, median of 9 timed calls, CUDA events)
+  and the weight bytes each layout holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+try:
+    import cgbuild_rules  # noqa: F401
+except ImportError:  # a bare checkout: the rules folder is the package
+    spec = importlib.util.spec_from_file_location(
+        "cgbuild_rules", ROOT / "rules" / "__init__.py", submodule_search_locations=[str(ROOT / "rules")]
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["cgbuild_rules"] = module
+    spec.loader.exec_module(module)
+
+import torch  # noqa: E402
+from cgbuild_rules.quant import convert, probe  # noqa: E402
+from torch import nn  # noqa: E402
+
+from cgbuild import compiler, policy  # noqa: E402
+from cgbuild.layout import QUANT_RULES, floor_refusal, scaled_mm_rowwise  # noqa: E402
+
+HIDDEN, MLP, TOKENS = 3072, 9216, 4608
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    d = (got.double() - want.double()).pow(2).mean().sqrt()
+    return float(d / want.double().pow(2).mean().sqrt())
+
+
+def timed(fn: Any, x: torch.Tensor) -> float:
+    """Median milliseconds of 9 calls after 3 warm-ups, timed with CUDA events."""
+    with torch.no_grad():
+        for _ in range(3):
+            fn(x)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(9):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(x)
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+    return round(statistics.median(times), 4)
+
+
+def weight_bytes(m: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in m.state_dict().values())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--no-compile", action="store_true")
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    major, minor = torch.cuda.get_device_capability(dev)
+    sm = f"sm_{major}{minor}"
+    result: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "machine": {
+            "device": torch.cuda.get_device_name(dev),
+            "sm": sm,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+        },
+        "shape": {"tokens": TOKENS, "hidden": HIDDEN, "mlp": MLP, "dtype": "bfloat16"},
+    }
+    ok, why = scaled_mm_rowwise(torch.__version__, sm)
+    result["plan_capability"] = {"supported": ok, "why": why}
+    result["plan_floor"] = {
+        name: floor_refusal(QUANT_RULES[name], sm, torch.__version__)
+        for name in ("int8-rowwise", "fp8-rowwise")
+    }
+    result["mint_probe"] = {}
+    for name in ("int8-rowwise", "fp8-rowwise"):
+        t = time.perf_counter()
+        p_ok, p_why = probe(name, dev)
+        result["mint_probe"][name] = {
+            "ok": p_ok,
+            "detail": p_why,
+            "seconds": round(time.perf_counter() - t, 3),
+        }
+    print(json.dumps(result, indent=1), flush=True)
+
+    torch.manual_seed(0)
+    ref32 = nn.Sequential(nn.Linear(HIDDEN, MLP), nn.GELU(approximate="tanh"), nn.Linear(MLP, HIDDEN)).to(dev)
+    x = torch.randn(1, TOKENS, HIDDEN, device=dev)
+    plain = copy.deepcopy(ref32).to(torch.bfloat16).eval()
+    models = {"plain.bf16": plain}
+    for name in ("int8-rowwise", "fp8-rowwise"):
+        models[name] = convert(copy.deepcopy(plain), name, torch.bfloat16)[0].eval()
+    xb = x.to(torch.bfloat16)
+    with torch.no_grad():
+        want32 = ref32(x)
+        outs = {name: m(xb) for name, m in models.items()}
+    rows: dict[str, Any] = {}
+    for name, m in models.items():
+        rows[name] = {
+            "weight_bytes": weight_bytes(m),
+            "rel_rms_vs_plain_bf16": rel_rms(outs[name], outs["plain.bf16"]),
+            "rel_rms_vs_fp32": rel_rms(outs[name], want32),
+            "eager_ms": timed(m, xb),
+        }
+        print(name, rows[name], flush=True)
+    if not args.no_compile:
+        # The mint's compile policy and host compiler (never $CXX: on this image a foreign
+        # compiler's wrapper .so segfaults at load), loaded through the C++ loader and bound to
+        # the module's own tensors, as adopt does.
+        from cgbuild_rules.loader import Package
+
+        configs: dict[str, Any] = {}
+        for knob, value in policy.inductor_configs(compiler.normalize_arch(platform.machine())).items():
+            try:
+                torch._inductor.config.__getattr__(knob)
+                configs[knob] = value
+            except AttributeError:  # an older torch lacks a knob (e.g. cpp.march): say so
+                result.setdefault("policy_knobs_missing", []).append(knob)
+        configs["cpp.cxx"] = (None, compiler.choose_cxx())
+        for name, m in models.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                t = time.perf_counter()
+                ep = torch.export.export(m, (xb,))
+                pt2 = torch._inductor.aoti_compile_and_package(
+                    ep, package_path=str(Path(tmp) / "model.pt2"), inductor_configs=configs
+                )
+                compile_s = time.perf_counter() - t
+                loaded = Package(pt2, device_index=0)
+                live = {**dict(m.named_parameters()), **dict(m.named_buffers())}
+                loaded.bind({fqn: live[fqn] for fqn in loaded.constant_fqns})
+                with torch.no_grad():
+                    got = loaded(xb)
+                rows[name] |= {
+                    "export_and_compile_s": round(compile_s, 1),
+                    "compiled_rel_rms_vs_eager": rel_rms(got, outs[name]),
+                    "compiled_ms": timed(loaded, xb),
+                    "scaled_mm_in_graph": "_scaled_mm" in str(ep.graph),
+                }
+            print(name, rows[name], flush=True)
+    result["layouts"] = rows
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
