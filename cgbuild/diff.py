@@ -12,14 +12,7 @@ from typing import Any
 
 from . import toolchain
 from .errors import UserError
-from .keys import AXES
-
-IDENTITY_FIELDS = {
-    "graph": ("digest",),
-    "sm": ("sm",),
-    "toolchain": ("platform", "fold"),
-    "layout": ("topology", "quant"),
-}
+from .keys import AXES, IDENTITY_FIELDS
 
 
 def check_plan(plan: Any, name: str) -> dict[str, Any]:

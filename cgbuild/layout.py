@@ -20,6 +20,7 @@ produces the emitted tensors) lives in `cgbuild_rules.quant`, keyed by the same 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -48,7 +49,7 @@ class QuantRule:
     def display(self) -> str:
         return f"{self.name}@{self.version}"
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
         return digest({"scheme": QUANT_SCHEME, "facts": self.facts})
 

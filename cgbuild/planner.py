@@ -21,7 +21,7 @@ from . import environment, lanes, layout, toolchain
 from .canon import digest
 from .cgfile import Cgfile
 from .errors import UserError
-from .keys import AXES, Axis, graph_axis, key_of, sm_axis, toolchain_axis
+from .keys import AXES, IDENTITY_FIELDS, Axis, graph_axis, key_of, sm_axis, toolchain_axis
 from .labels import Selector
 from .sources import SourceHasher
 from .store import Store
@@ -264,6 +264,7 @@ def make_plan(
     store = ws.store()
     out_targets = []
     ref_states: dict[str, str] = {}
+    memo: dict[tuple[str, ...], Any] = {}
     for t in targets:
         inputs = unit_of[t.label]
         entry = _plan_target(
@@ -281,6 +282,7 @@ def make_plan(
             dists,
             store,
             ref_states,
+            memo,
         )
         out_targets.append(entry)
 
@@ -367,37 +369,31 @@ def _plan_target(
     dists: dict[str, str],
     store: Store,
     ref_states: dict[str, str],
+    memo: dict[tuple[str, ...], Any],
 ) -> dict[str, Any]:
     cg = ws.cg
     lay = cg.layouts[t.id.layout]
     quant = layout.QUANT_RULES[lay.quant]
     platform = t.device
     tc = toolchains[platform]
+    # Axis objects are shared through `memo` so each renders its canonical block once per plan.
+    sm_key, tc_key = ("sm", t.id.sm), ("toolchain", platform)
+    if sm_key not in memo:
+        memo[sm_key] = sm_axis(t.id.sm)
+    if tc_key not in memo:
+        memo[tc_key] = toolchain_axis(platform, tc["fold"], tc_source)
     axes: dict[str, Axis | None] = {
         "graph": None,
-        "sm": sm_axis(t.id.sm),
-        "toolchain": toolchain_axis(platform, tc["fold"], tc_source),
+        "sm": memo[sm_key],
+        "toolchain": memo[tc_key],
         "layout": None,
     }
-    mismatch: str | None = None
-    if lay.reference is not None:
-        topo = layout.topology_from_reference(lay.reference, t.module.component)
-        axes["layout"] = Axis(
-            *layout.layout_axis(
-                t.id.family, t.module.component, quant, layout.topology_digest(topo), "reference"
-            )
-        )
-        if fact is not None:
-            mismatch = layout.topology_mismatch(topo, layout.from_trace(fact["topology"]))
+    axes["layout"], mismatch = _layout_of(ws, t, inputs, fact, memo)
     if fact is not None:
-        axes["graph"] = graph_axis(fact["graph_digest"], torch=fact["torch"], nodes=fact.get("nodes"))
-        if axes["layout"] is None:
-            topo = layout.from_trace(fact["topology"])
-            axes["layout"] = Axis(
-                *layout.layout_axis(
-                    t.id.family, t.module.component, quant, layout.topology_digest(topo), "trace"
-                )
-            )
+        graph_key = ("graph", inputs)
+        if graph_key not in memo:
+            memo[graph_key] = graph_axis(fact["graph_digest"], torch=fact["torch"], nodes=fact.get("nodes"))
+        axes["graph"] = memo[graph_key]
     stamp = (
         axes["layout"].readable["stamp"]
         if axes["layout"]
@@ -469,6 +465,35 @@ def _plan_target(
     }
 
 
+def _layout_of(
+    ws: Workspace, t: Target, inputs: str, fact: dict[str, Any] | None, memo: dict[tuple[str, ...], Any]
+) -> tuple[Axis | None, str | None]:
+    """The layout axis and any reference-vs-trace mismatch, once per (layout, component, trace unit):
+    targets of one unit differ only in sm, and topologies of real models have hundreds of rows."""
+    lay = ws.cg.layouts[t.id.layout]
+    component = t.module.component
+    memo_key = ("layout", lay.name, t.id.family, component, inputs if fact is not None else "")
+    if memo_key in memo:
+        return memo[memo_key]  # type: ignore[no-any-return]
+    quant = layout.QUANT_RULES[lay.quant]
+    axis: Axis | None = None
+    mismatch: str | None = None
+    if lay.reference is not None:
+        ref_key = ("reference", lay.name, component)
+        if ref_key not in memo:
+            topo = layout.topology_from_reference(lay.reference, component)
+            memo[ref_key] = (topo, layout.topology_digest(topo))
+        topo, topo_digest = memo[ref_key]
+        axis = Axis(*layout.layout_axis(t.id.family, component, quant, topo_digest, "reference"))
+        if fact is not None:
+            mismatch = layout.topology_mismatch(topo, layout.from_trace(fact["topology"]))
+    elif fact is not None:
+        topo_digest = layout.topology_digest(layout.from_trace(fact["topology"]))
+        axis = Axis(*layout.layout_axis(t.id.family, component, quant, topo_digest, "trace"))
+    memo[memo_key] = (axis, mismatch)
+    return axis, mismatch
+
+
 def _moved(
     t: Target,
     key: str | None,
@@ -482,8 +507,10 @@ def _moved(
     """What moved since the last recorded plan, as reasons (root causes first)."""
     if last is None:
         return [reason("new-target", "not in the last recorded plan of this workspace", root=True)]
-    out: list[dict[str, Any]] = []
     trace_moved = last.get("trace_inputs") != inputs
+    if not trace_moved and key is not None and last.get("key") == key:
+        return []  # the warm path: nothing this target depends on moved
+    out: list[dict[str, Any]] = []
     if trace_moved:
         changes = _dist_changes(last_plan.get("environment", {}), dists)
         detail = "trace inputs moved" + (
@@ -535,13 +562,7 @@ def _moved(
 
 
 def _identity_of(name: str, readable: dict[str, Any]) -> dict[str, Any]:
-    fields = {
-        "graph": ("digest",),
-        "sm": ("sm",),
-        "toolchain": ("platform", "fold"),
-        "layout": ("topology", "quant"),
-    }[name]
-    return {f: readable.get(f) for f in fields}
+    return {f: readable.get(f) for f in IDENTITY_FIELDS[name]}
 
 
 def _short(name: str, readable: dict[str, Any]) -> str:

@@ -51,3 +51,12 @@ def test_key_needs_exactly_the_four_axes() -> None:
         key_of({**axes, "lane": Axis({"v": "x"}, {})})
     with pytest.raises(ValueError):
         key_of({k: v for k, v in axes.items() if k != "layout"})
+
+
+def test_key_is_the_digest_of_the_canonical_axes_block() -> None:
+    from cgbuild.keys import AXES, KEY_SCHEME
+
+    axes = {name: Axis({"v": name, "n": 1}, {}) for name in AXES}
+    assert key_of(axes) == digest({"scheme": KEY_SCHEME, **{n: axes[n].identity for n in AXES}})
+    with pytest.raises(NotCanonical):
+        key_of({**axes, "graph": Axis({"digest": 1.5}, {})})
