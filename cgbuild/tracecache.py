@@ -4,7 +4,8 @@ A trace costs seconds and an import of torch; its facts (graph digest, call cont
 cost a row. SQLite gives atomic, crash-safe writes and fast lookups for 10,000 targets without a
 file per trace. A missed trace input would cost a wrong key, so the inputs are generous: family
 sources, entry, config, module, graph class, device, dtype, quant rule, Python major.minor, every
-installed distribution with its version, the tracing torch and the rule version.
+installed distribution with its version, the tracing torch and the rule version. The quant rule
+enters with its facts' digest: changing a rule's facts changes its transform, so the graph too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .canon import digest_unguarded
+from .layout import QUANT_RULES
 
 TRACE_RULE_VERSION = 1
 
@@ -31,7 +33,8 @@ def trace_inputs(
             "family": family_inputs,
             "module": module,
             "spec": spec,
-            "quant": quant,
+            # the rule's facts too: the torch transform implements them, so new facts re-trace
+            "quant": [quant, QUANT_RULES[quant].digest if quant in QUANT_RULES else None],
             "torch": torch,
             "python": f"{sys.version_info.major}.{sys.version_info.minor}",
             "environment": environment,
