@@ -460,7 +460,11 @@ def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] |
     """Re-derive the layout axis here and return the sealed `layout` block (its tensor table is
     what adopt checks a live module against); refuse `layout-drift` when it differs from the key.
 
-    Requests without a `layout` block (hand-made ones) seal none; adopt then checks weights only.
+    The topology is derived from the state this worker traced: a plan only keys a reference
+    whose headers equal the traced tensors (else `layout-topology-mismatch`), so both give one
+    digest and a mint needs no access to the reference. When they differ here and the reference
+    is readable, the refusal names the first tensor. Requests without a `layout` block
+    (hand-made ones) seal none; adopt then checks weights only.
     """
     want = req.get("layout")
     if not want:
@@ -472,17 +476,17 @@ def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] |
     if rule is None:
         raise MintFailure("layout-drift", f"this worker has no quant rule {want['quant']!r}")
     rows = layout.from_trace(traced)
-    if want.get("reference"):
-        try:
-            rows = layout.topology_from_reference(Path(want["reference"]), want["component"])
-        except UserError as e:
-            raise MintFailure("layout-drift", f"reference checkpoint: {e}") from None
-        mismatch = layout.topology_mismatch(rows, layout.from_trace(traced))
-        if mismatch:
-            raise MintFailure("layout-topology-mismatch", mismatch)
     here = {"topology": layout.topology_digest(rows), "quant": rule.digest}
     asked = {"topology": want.get("topology"), "quant": want.get("quant_digest")}
     if here != asked:
+        if want.get("reference") and here["topology"] != asked["topology"]:
+            try:
+                ref_rows = layout.topology_from_reference(Path(want["reference"]), want["component"])
+                mismatch = layout.topology_mismatch(ref_rows, rows)
+            except UserError:
+                mismatch = None
+            if mismatch:
+                raise MintFailure("layout-topology-mismatch", mismatch)
         moved = [k for k in ("topology", "quant") if here[k] != asked[k]]
         raise MintFailure(
             "layout-drift",
@@ -681,8 +685,14 @@ def stage_measure(req: Mapping[str, Any], work: Path, lane: str) -> dict[str, An
 
     from cgbuild import lanes
 
-    base = lane_rt.process_bytes()  # the bare process, before the module or package exist
     job = trace.parse_job(req["job"])
+    if job.device == "cpu":
+        # One intra-op thread: on a shared host a parallel region waits for every thread it
+        # started, and another process on a core stalls each call by a scheduler slice (24 ms
+        # per call measured here at 2 threads, against 0.1 ms alone), which would rank lanes by
+        # the neighbours' load. The thread count is in the evidence.
+        torch.set_num_threads(1)
+    base = lane_rt.process_bytes()  # the bare process, before the module or package exist
     built = trace.build(job, "real")
     literals: dict[str, torch.Tensor] = {}
     if (work / LITERALS).exists():
