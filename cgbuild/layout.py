@@ -229,8 +229,7 @@ def floor_refusal(rule: QuantRule, sm: str, torch_version: str | None) -> tuple[
     device = "cpu" if sm == "cpu" else "cuda"
     if device not in rule.devices:
         return "layout-below-sm-floor", (
-            f"{rule.display} runs only on {', '.join(rule.devices)} ({rule.facts['matmul']}); "
-            f"{sm} targets are never minted"
+            f"{rule.display} runs only on {' and '.join(rule.devices)}; {sm} targets are never minted"
         )
     floor = rule.min_sm
     number, need = sm_number(sm), sm_number(floor) if floor else None
