@@ -208,6 +208,11 @@ def run_all(work: Path, out_json: Path, label: str, phases: list[str]) -> dict[s
         rec["process_wall_s"] = wall
         results[name] = rec
         print(json.dumps(rec), flush=True)
+        _write(out_json, label, results)  # after every phase: a cut-short run keeps what it measured
+    return _write(out_json, label, results)
+
+
+def _write(out_json: Path, label: str, results: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     doc = {

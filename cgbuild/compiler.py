@@ -22,6 +22,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Iterable
+from pathlib import Path
 
 from cgbuild import policy
 
@@ -148,12 +149,36 @@ def host_isa(machine: str | None = None, cpuinfo: str = "/proc/cpuinfo") -> str:
     return x86_level(host_flags(cpuinfo)) if arch == "x86_64" else arch
 
 
-def isa_component(machine: str | None = None) -> dict:
+def torch_clamps_march(paths: list[str] | None = None) -> bool:
+    """Whether the installed torch's Inductor has a `cpp.march` setting (torch 2.13 does; 2.11,
+    read on an H200 image, hard-codes `-march=native`). Read from its config file, never imported."""
+    from importlib import metadata
+
+    try:
+        dist = next(
+            iter(
+                metadata.distributions(name="torch", path=paths)
+                if paths is not None
+                else metadata.distributions(name="torch")
+            )
+        )
+        text = Path(str(dist.locate_file("torch/_inductor/config.py"))).read_text()
+    except (StopIteration, OSError):
+        return False
+    return re.search(r"^\s+march\s*:", text, re.M) is not None
+
+
+def isa_component(machine: str | None = None, *, clamps: bool = True, host_level: str | None = None) -> dict:
     """{"arch", "level"}: the CLAMPED level host code is built for, independent of this host.
 
-    An architecture without a declared clamp records level "unclamped" (and cannot mint).
+    A torch that cannot clamp (`clamps=False`) builds `-march=native`: then the level is KEYED
+    instead — this host's own level, marked `"keyed": "host"` so such artifacts never share a key
+    with clamped ones, and only hosts of that level mint them. An architecture without a declared
+    clamp records level "unclamped" (and cannot mint).
     """
     arch = normalize_arch(machine or platform.machine())
+    if not clamps:
+        return {"arch": arch, "level": host_level or host_isa(arch), "keyed": "host"}
     clamp = policy.isa_clamp(arch)
     return {"arch": arch, "level": str(clamp["level"]) if clamp else "unclamped"}
 
@@ -178,6 +203,8 @@ def isa_refusal(component: dict, host_level: str | None = None, machine: str | N
     if here != arch:
         return f"host is {here}, the toolchain builds {arch} code"
     host = host_level if host_level is not None else host_isa(here)
+    if component.get("keyed") == "host" and host != level:
+        return f"host ISA {host} differs from the keyed level {level} (this torch builds -march=native)"
     if _rank(host) < _rank(level):
         return f"host ISA {host} is below the clamp {level}"
     return None

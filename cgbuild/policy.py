@@ -127,7 +127,7 @@ def isa_clamp(arch: str) -> Mapping[str, str | int] | None:
     return ISA_CLAMP.get("x86_64" if arch in ("x86_64", "AMD64", "amd64") else arch)
 
 
-def inductor_configs(arch: str = "x86_64") -> dict[str, bool | int | str]:
+def inductor_configs(arch: str = "x86_64", *, clamps: bool = True) -> dict[str, bool | int | str]:
     """The `inductor_configs` a mint passes to the packaging API on `arch` (the clamp included).
 
     Refuses an architecture with no declared clamp: unclamped host code would be `-march=native`,
@@ -135,17 +135,20 @@ def inductor_configs(arch: str = "x86_64") -> dict[str, bool | int | str]:
     """
     if isa_clamp(arch) is None:
         raise PolicyError(f"no host ISA clamp is declared for {arch!r}")
-    return _inductor(arch)
+    return _inductor(arch, clamps)
 
 
-def _inductor(arch: str) -> dict[str, bool | int | str]:
+def _inductor(arch: str, clamps: bool = True) -> dict[str, bool | int | str]:
+    """The knobs; without `cpp.march` in this torch (`clamps=False`) the level is keyed instead."""
     clamp = isa_clamp(arch)
     if clamp is None:
         return dict(_INDUCTOR)
+    if not clamps:
+        return {**_INDUCTOR, "cpp.simdlen": clamp["simdlen"]}
     return {**_INDUCTOR, "cpp.march": clamp["march"], "cpp.simdlen": clamp["simdlen"]}
 
 
-def settings_block(arch: str = "x86_64") -> dict:
+def settings_block(arch: str = "x86_64", *, clamps: bool = True) -> dict:
     """The `settings` toolchain component: every declared knob and the mint environment.
 
     On an architecture with no declared clamp the block simply lacks the clamp knobs; such a host
@@ -153,7 +156,7 @@ def settings_block(arch: str = "x86_64") -> dict:
     """
     return {
         "scheme": SCHEME,
-        "inductor": _inductor(arch),
+        "inductor": _inductor(arch, clamps),
         "env": {
             "scrub_prefixes": list(SCRUB_PREFIXES),
             "scrub": list(SCRUB_NAMES),

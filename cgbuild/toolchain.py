@@ -361,9 +361,10 @@ def probe(
             entries[key] = {"stats": {**stats, **code, cxx_path: cxx_stat}, "result": cached}
             _save_cache(cache_path, entries)
 
-    isa_c = compiler.isa_component()
+    clamps = compiler.torch_clamps_march(None if paths is None else search)
+    isa_c = compiler.isa_component(clamps=clamps, host_level=compiler.host_isa(cpuinfo=cpuinfo))
     cpu = {"torch": cached["torch"], "cxx": cached["cxx"], "isa": isa_c}
-    cpu["settings"] = policy.settings_block(isa_c["arch"])
+    cpu["settings"] = policy.settings_block(isa_c["arch"], clamps=clamps)
     cuda = {**cpu, "triton": cached["triton"], "ptxas": cached["ptxas"], **cached["closure"]}
     forensics = {
         **cached["forensics"],

@@ -527,7 +527,9 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
         )
     layout_block = _layout(req, facts["topology"])
     arch = compiler.normalize_arch(platform.machine())
-    configs: dict[str, Any] = policy.inductor_configs(arch)
+    # A torch without `cpp.march` builds -march=native; the toolchain then keys this host's level.
+    clamps = tc["components"]["isa"].get("keyed") != "host"
+    configs: dict[str, Any] = policy.inductor_configs(arch, clamps=clamps)
     applied = dict(configs)
     configs["cpp.cxx"] = (None, req["cxx_path"])
     t = time.perf_counter()
@@ -540,7 +542,8 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     except Exception as e:
         raise MintFailure("compile-failed", f"{type(e).__name__}: {trace._one_line(str(e))}") from None
     clamp = policy.isa_clamp(arch)
-    aoti = normalize_package(raw, work / PACKAGE, req["sandbox"], str(clamp["march"]) if clamp else None)
+    march = str(clamp["march"]) if clamp and clamps else None
+    aoti = normalize_package(raw, work / PACKAGE, req["sandbox"], march)
     compile_s = time.perf_counter() - t
     table = _constants_table(ep)
     if table["literal"]:
