@@ -165,3 +165,98 @@ def test_flux2_tiny_shares_one_key_for_transposed_shapes(tmp_path: Path) -> None
     assert rc == 1
     assert {r["code"] for r in summary["refused"]} == {"no-cuda-torch"}
     assert summary["fresh"] == 3
+
+
+# ---- kernel lanes on the toy (measured on this CPU, re-fitted at adopt) ---------------------------
+def _toy_mlp() -> Any:
+    sys.path.insert(0, str(EXAMPLES / "toy"))
+    try:
+        import toy_models
+    finally:
+        sys.path.remove(str(EXAMPLES / "toy"))
+    import torch
+
+    torch.manual_seed(11)
+    return toy_models.MLP(64, 128, 10, {"linear": ["baseline", "chunked"]}).eval()
+
+
+def test_toy_lanes_verdict_evidence_and_inspect(minted_toy: Path) -> None:
+    from cgbuild import lanes
+    from cgbuild.mint import evidence_host
+
+    store = Store(minted_toy / ".cgbuild" / "store")
+    plan = json.loads(cli(minted_toy, "plan", "@fp32", "--json").stdout)
+    for t in plan["targets"]:
+        block = read_metadata(store.resolve(t["key"]).path)["lanes"]
+        assert block["axes"] == [
+            {"axis": "linear", "values": ["baseline", "chunked"], "fqn": "lanes.linear.onehot"}
+        ]
+        assert block["excluded"] == {"linear.triton": "not-buildable: needs a cuda device"}
+        verdict = block["verdict"]
+        assert verdict["candidates"] == ["baseline", "chunked"] and verdict["rule"] == lanes.RULE
+        assert verdict["winner"] == verdict["fallback"][0] and sorted(verdict["fallback"]) == [
+            "baseline",
+            "chunked",
+        ]
+        assert verdict["binding"] in ("speed", "tie-peak")
+        assert all(p % lanes.QUANTUM == 0 and p > 0 for p in verdict["peaks"].values())
+        assert verdict["sku"] == {"name": "cpu", "memory_bytes": 24 << 30}
+        # raw timings live BESIDE the artifact, never in it
+        path = store.root / "evidence" / t["key"] / f"{evidence_host()}.json"
+        run = json.loads(path.read_text())["runs"][0]
+        assert run["how"] == "mint" and run["verdict"] == verdict
+        for lane in ("baseline", "chunked"):
+            m = run["measured"][lane]
+            assert len(m["samples_ns"]) == 9 and m["median_ns"] > 0 and m["peak_bytes"] > 0
+            assert m["peak_method"].startswith("VmHWM") and m["device"]["type"] == "cpu"
+        assert "samples_ns" not in json.dumps(block)
+    proc = cli(minted_toy, "inspect", MLP8)
+    assert proc.returncode == 0, proc.stderr
+    assert "lanes: winner" in proc.stdout and f"evidence {evidence_host()} (mint)" in proc.stdout
+    doc = json.loads(cli(minted_toy, "inspect", MLP8, "--json").stdout)
+    assert doc["lane_evidence"][evidence_host()]["runs"][0]["measured"].keys() == {"baseline", "chunked"}
+
+
+def test_toy_lanes_each_match_eager_and_refit_reasons(minted_toy: Path, tmp_path: Path) -> None:
+    import torch
+    from cgbuild_rules.adopt import adopt
+    from cgbuild_rules.lanes import set_lanes
+
+    from cgbuild.seal import seal, unseal
+
+    store = Store(minted_toy / ".cgbuild" / "store")
+    key = json.loads(cli(minted_toy, "plan", MLP8, "--json").stdout)["targets"][0]["key"]
+    m = _toy_mlp()
+    x = torch.randn(1, 8, 64)
+    for lane in ("baseline", "chunked"):  # one artifact, each lane bound, each equal to its eager
+        served = adopt(key, m, store=store, lane=lane)
+        set_lanes(m, {"linear": lane})
+        with torch.no_grad():
+            torch.testing.assert_close(served(x), m(x), rtol=1e-5, atol=1e-6)
+        assert served.counters == {"compiled": 1}
+    set_lanes(m, {"linear": "baseline"})
+
+    def reason(source: Any, **kw: Any) -> tuple[str, str]:
+        (choice,) = adopt(source, m, **kw).lanes.values()
+        return choice.lane, choice.code
+
+    winner = read_metadata(store.resolve(key).path)["lanes"]["verdict"]["winner"]
+    assert reason(key, store=store) == (winner, "lane-adopted")  # this host's RAM fits it
+    assert reason(key, store=store, memory_bytes=1 << 30) == (winner, "lane-refit-no-fit")  # a 1 GiB card
+    # Recorded peaks that differ (a copy re-sealed): the winner needs 10.6 GiB, the other 1.3 GiB.
+    src = store.resolve(key).path
+    files = unseal(src, tmp_path / "u")
+    meta = read_metadata(src)
+    other = next(v for v in ("baseline", "chunked") if v != winner)
+    meta["lanes"]["verdict"]["peaks"] = {winner: 8 << 30, other: 256 << 20}
+    edited = tmp_path / "edited.tar.gz"
+    seal(edited, meta, {k: v for k, v in files.items() if k != "metadata.json"})
+    assert reason(edited, memory_bytes=16 << 30) == (winner, "lane-adopted")
+    assert reason(edited, memory_bytes=4 << 30) == (other, "lane-refit")  # a small card: next that fits
+    assert reason(edited, memory_bytes=1 << 30) == (other, "lane-refit-no-fit")
+    meta["lanes"]["verdict"]["peaks"] = {}
+    seal(edited, meta, {k: v for k, v in files.items() if k != "metadata.json"})
+    assert reason(edited) == (winner, "lane-unverified")
+    served = adopt(edited, m, memory_bytes=4 << 30)
+    with torch.no_grad():
+        torch.testing.assert_close(served(x), m(x), rtol=1e-5, atol=1e-6)

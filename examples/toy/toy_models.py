@@ -5,12 +5,12 @@ Entry: `toy_models:build`. Config (all optional):
     out = 10              # output features of both modules
     channels = 16         # conv channels
     dynamic_batch = [2, 16]   # mlp only: export the batch dimension as a symbol in [min, max]
-    chunks = 4            # the `chunked` lane's number of output-feature blocks
+    chunks = 16           # the `chunked` lane's number of output-feature blocks (at most)
 
 Lanes (`LANES`, read by cgbuild without importing this file): one axis, `linear`, applied to every
 plain `nn.Linear` of both modules (a layer a quant rule replaced runs its own forward):
 - `baseline`: one `F.linear` (the reference);
-- `chunked`: the weight's rows (output features) in `chunks` blocks, one matmul each, then a
+- `chunked`: the weight's rows (output features) in up to `chunks` equal blocks, one matmul each, then a
   concatenation: more kernel launches and a second copy of the output, so slower and a little
   larger at these sizes; both run on the CPU, so CI measures a real verdict;
 - `triton`: a Triton kernel registered with `torch.library.triton_op`; needs a CUDA device and
@@ -21,6 +21,7 @@ plain `nn.Linear` of both modules (a layer a quant rule replaced runs its own fo
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from cgbuild_rules.lanes import LaneSwitch
 from torch import nn
 
-DEFAULTS: dict[str, Any] = {"hidden": 128, "out": 10, "channels": 16, "dynamic_batch": None, "chunks": 4}
+DEFAULTS: dict[str, Any] = {"hidden": 128, "out": 10, "channels": 16, "dynamic_batch": None, "chunks": 16}
 
 LANES = {
     "linear": {
@@ -44,9 +45,13 @@ def baseline_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -
     return F.linear(x, weight, bias)
 
 
-def chunked_linear(chunks: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def chunked_linear(blocks: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The weight's rows in `blocks` EQUAL blocks (the caller picks a divisor): uneven blocks
+    beside a Triton branch of the same torch.cond failed to export on torch 2.11 (a data-dependent
+    guard), equal ones export."""
+
     def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        parts = zip(weight.chunk(chunks, dim=0), bias.chunk(chunks, dim=0), strict=True)
+        parts = zip(weight.chunk(blocks, dim=0), bias.chunk(blocks, dim=0), strict=True)
         return torch.cat([F.linear(x, w, b) for w, b in parts], dim=-1)
 
     return run
@@ -80,21 +85,25 @@ def triton_linear() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torc
         )
 
     @torch.library.triton_op("toy::triton_linear", mutates_args=())
-    def op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
+    def op(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """rows [M, K] (contiguous) @ weight [N, K]^T + bias [N]."""
         m, k = rows.shape
         n = weight.shape[0]
-        out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+        out = torch.empty((m, n), device=rows.device, dtype=rows.dtype)
 
         def grid(meta: dict[str, Any]) -> tuple[int, int]:
             return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
 
         torch.library.wrap_triton(kernel)[grid](
-            rows, weight.contiguous(), bias.contiguous(), out, m, n, k, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32
+            rows, weight, bias, out, m, n, k, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32
         )
-        return out.reshape(*x.shape[:-1], n)
+        return out
 
-    return op
+    def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        return op(rows, weight.contiguous(), bias.contiguous()).reshape(*x.shape[:-1], weight.shape[0])
+
+    return run
 
 
 class Lanes(nn.Module):
@@ -103,17 +112,17 @@ class Lanes(nn.Module):
     def __init__(self, lanes: dict[str, list[str]] | None, chunks: int) -> None:
         super().__init__()
         self.linear = LaneSwitch("linear", (lanes or {}).get("linear") or ["baseline"])
-        self._impls: dict[str, Callable[..., torch.Tensor]] = {
-            "baseline": baseline_linear,
-            "chunked": chunked_linear(chunks),
-        }
+        self.chunks = chunks
+        self._impls: dict[str, Callable[..., torch.Tensor]] = {"baseline": baseline_linear}
         if "triton" in self.linear.values:
             self._impls["triton"] = triton_linear()
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """`layer(x)` through the linear lane when it is a plain Linear with a bias."""
         if type(layer) is nn.Linear and layer.bias is not None:
-            return self.linear.select(self._impls, x, layer.weight, layer.bias)
+            blocks = math.gcd(layer.out_features, self.chunks)  # 128 → 16 blocks, 10 → 2
+            impls = {**self._impls, "chunked": chunked_linear(blocks)}
+            return self.linear.select(impls, x, layer.weight, layer.bias)
         return layer(x)
 
 
@@ -121,7 +130,12 @@ class MLP(nn.Module):
     """Linear → GELU → Linear over the last (feature) dimension."""
 
     def __init__(
-        self, features: int, hidden: int, out: int, lanes: dict[str, list[str]] | None = None, chunks: int = 4
+        self,
+        features: int,
+        hidden: int,
+        out: int,
+        lanes: dict[str, list[str]] | None = None,
+        chunks: int = 16,
     ) -> None:
         super().__init__()
         self.fc1 = nn.Linear(features, hidden)
@@ -137,7 +151,7 @@ class ConvNet(nn.Module):
     """conv → batchnorm → relu → strided conv → relu → global mean → linear."""
 
     def __init__(
-        self, channels: int, out: int, lanes: dict[str, list[str]] | None = None, chunks: int = 4
+        self, channels: int, out: int, lanes: dict[str, list[str]] | None = None, chunks: int = 16
     ) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, channels, 3, padding=1)
