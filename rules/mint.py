@@ -15,7 +15,15 @@ typed failure of a stage, never a lost result.
 2. `verify` stage, in a fresh process: loads the normalized package through the real loader,
    binds the entry's seed-0 random weights by FQN (user-managed, never calling before binding:
    that segfaults), runs the entry's inputs and compares with eager under a per-dtype tolerance.
-3. Only then the worker writes the metadata and seals (`cgbuild.seal`).
+   With lanes (docs/lanes.md) it runs EVERY lane combination of the one package against eager
+   with the same lane (`verify-mismatch` names the lane) and checks each value against its
+   axis's reference (the numerics self-check).
+3. `measure` stages, one fresh process per candidate lane (`cgbuild.lanes.candidates`: buildable
+   and numerically sound; none when fewer than two): 3 warm-ups, reset peak, 9 timed calls,
+   median and peak (`cgbuild_rules.lanes.measure`); the worker applies the fit rule
+   (`cgbuild.lanes.decide`) for the request's SKU.
+4. Only then the worker writes the metadata (with the discrete lane verdict) and seals
+   (`cgbuild.seal`).
 
 Normalization, measured on torch 2.13 CPU with two compiles of one graph: the package's
 top-level folder is its file's basename (fixed: `model`); each generated `.cpp` gets `// Compile
@@ -37,13 +45,17 @@ Request (`schema: "cgbuild.mint-request/1"`): `id`, `key`, `job` (a trace job), 
 `graph_digest`, `toolchain` {`platform`, `fold`, `components`}; optional `axes` (readable blocks),
 `facets`, `stamp`, `layout` {`quant`, `dtype`, `component`, `reference`, `topology`,
 `quant_digest`} (re-derived here: `layout-drift` when it moved; sealed as the tensor table adopt
-checks), `labels`, `cxx` (compiler override), `out` (folder for `<key>.tar.gz`),
+checks), `lanes` {`axes`: [[axis, declared values]] in declaration order, `needs`: {axis: {value:
+needs}}, `sku`: {`name`, `memory_bytes`} the verdict is fitted to}, `labels`, `cxx` (compiler
+override), `out` (folder for `<key>.tar.gz`),
 `sandbox` (default `DEFAULT_SANDBOX`), `fresh` (empty the sandbox first, under an exclusive lock),
 `compare_with` (an earlier artifact of the key: the result says `reproducible` and names the
 `differing` members), `timeout_s` (per stage).
 Result: `{"id", "ok": true, "key", "artifact", "sha256", "size", "members": {name: sha256},
-"verify": [{"output", "rel_rms", "max_abs"}], "phases": {"export", "compile", "verify", "seal",
-"total"}}` or `{"id", "ok": false, "code", "retryable", "phase", "detail", ...}` with `old`/`new`
+"verify": [{"output", "rel_rms", "max_abs"}], "phases": {"export", "compile", "verify", "lanes"?,
+"seal", "total"}, "lane_evidence"?: {raw timings, samples, peaks, device, numerics, verdict}}` (the
+engine files the evidence beside the artifact, never in it) or `{"id", "ok": false, "code",
+"retryable", "phase", "detail", ...}` with `old`/`new`
 (drift), `changes` (toolchain components), `needed`/`found` (device) or `signal`. Codes:
 `bad-request`, `wrong-device`, `wrong-host`, `toolchain-drift`, `graph-drift`, `layout-drift`,
 `layout-topology-mismatch`, `layout-below-sm-floor`, `layout-toolchain-unsupported` (the rule's

@@ -6,7 +6,9 @@ An entry is `"module:function"`, imported with the job's `root` (the Cgfile's fo
 runs under FakeTensorMode (or the meta device), `torch.device(device)`, the spec's default dtype
 (constructing under `set_default_dtype` works where `.to(dtype)` fails on fake parameters) and
 `torch.no_grad()`; the module is put in eval mode. So one entry serves digests, mints and CPU
-and CUDA targets without ever moving a tensor.
+and CUDA targets without ever moving a tensor. `spec["lanes"]` names, per lane axis, the values
+to compile into the program (`{}` without lanes): the entry builds one
+`cgbuild_rules.lanes.LaneSwitch` per axis carrying all of them (docs/lanes.md).
 
 Build modes of `export_job`:
 - `fake`: FakeTensorMode; no weight memory at all (a 4B transformer traces in < 0.5 GB). Digests.
