@@ -338,7 +338,7 @@ def verify_lanes(
                 errs = compare(got, want_ref)
                 numerics[moved[0]][choice[moved[0]]] = {
                     "ok": True,
-                    "rel_rms": max(x["rel_rms"] for x in errs),
+                    "rel_rms": max((x["rel_rms"] for x in errs), default=0.0),
                 }
             except Exception as e:
                 numerics[moved[0]][choice[moved[0]]] = {"ok": False, "detail": str(getattr(e, "detail", e))}

@@ -773,13 +773,11 @@ def _lane_verdict(
             lanes.Measured(lane, runs[lane]["median_ns"], runs[lane]["peak_bytes"]) for lane in candidates
         ]
         verdict = lanes.decide(measured, sku["name"], sku["memory_bytes"])
-    else:
-        surviving = [
-            (a, [v for v in r["values"] if numerics.get(a, {}).get(v, True)])
-            for a, r in ((r["axis"], r) for r in rows)
-        ]
-        only = lanes.combinations(surviving)
-        verdict = lanes.unmeasured(only[0] if only else "", "one-candidate")
+    elif rows:  # one combination survives capability: nothing to choose, nothing measured
+        surviving = [(r["axis"], [v for v in r["values"] if numerics[r["axis"]][v]]) for r in rows]
+        verdict = lanes.unmeasured(lanes.combinations(surviving)[0], "one-candidate")
+    else:  # this module uses none of the declared axes
+        verdict = None
     block = {
         "schema": lanes.LANES_SCHEMA,
         "axes": [{"axis": r["axis"], "values": r["values"], "fqn": r["fqn"]} for r in rows],
