@@ -127,7 +127,8 @@ def run_worker(request: dict[str, Any], env: dict[str, str] | None = None) -> di
         env=env,
         timeout=900,
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    # progress lines ({"id", "progress"}) come first; exactly one result line ends the output
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{") and '"progress"' not in ln]
     assert len(lines) == 1, (
         f"exactly one result line expected; stdout={proc.stdout!r} stderr={proc.stderr[-2000:]}"
     )
