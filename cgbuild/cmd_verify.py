@@ -27,17 +27,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def run_artifact(ws: Any, key: str, path: Path, label: str) -> dict[str, Any]:
-    """The mint's verification stage on a stored artifact: loader + random weights vs eager."""
+def run_artifact(
+    ws: Any,
+    key: str,
+    path: Path,
+    label: str,
+    components: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The mint's verification stage on a stored artifact: loader + random weights vs eager.
+
+    With the platform's toolchain `components` and the sealed metadata, an artifact with lanes
+    is checked on EVERY lane it carries, each against eager with the same lane.
+    """
     from .planner import trace_job
     from .seal import unseal
     from .targets import expand
 
     target = next(t for t in expand(ws.cg) if t.label == label)
+    request: dict[str, Any] = {"job": {**trace_job(ws, target, components), "id": key}}
+    rows = ((meta or {}).get("lanes") or {}).get("axes") or []
+    if rows:
+        request["lanes"] = {"axes": [[r["axis"], r["values"]] for r in rows]}
     with tempfile.TemporaryDirectory(prefix="cgbuild-verify-") as tmp:
         work = Path(tmp)
         unseal(path, work)
-        (work / "request.json").write_text(json.dumps({"job": {**trace_job(ws, target), "id": key}}))
+        (work / "request.json").write_text(json.dumps(request))
         proc = subprocess.run(
             [sys.executable, "-m", "cgbuild_rules.mint", "--stage", "verify", str(work)],
             capture_output=True,
@@ -63,9 +78,11 @@ def run(args: argparse.Namespace) -> int:
     store = Store(ws.cg.store_dir)
     plan = make_plan(ws, parse_selector(args.label), run_traces=False)
     labels: dict[str, list[str]] = {}
+    platform: dict[str, str] = {}
     for t in plan["targets"]:
         if t["key"] and store.read_ref(t["key"]) is not None:
             labels.setdefault(t["key"], []).append(t["label"])
+            platform[t["key"]] = t["axes"]["toolchain"]["platform"]
     reports = []
     for key, names in labels.items():
         verdict = store.verify(key)
@@ -81,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
             if meta.get("key") != key:
                 report.update(status="corrupt", detail=f"metadata names key {meta.get('key')}")
             elif args.run:
-                ran = run_artifact(ws, key, path, names[0])
+                components = plan["toolchains"][platform[key]]["components"]
+                ran = run_artifact(ws, key, path, names[0], components, meta)
                 report["run"] = ran
                 if not ran.get("ok"):
                     report.update(status="run-failed", detail=f"{ran.get('code')}: {ran.get('detail')}")

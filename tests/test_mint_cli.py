@@ -210,6 +210,8 @@ def test_toy_lanes_verdict_evidence_and_inspect(minted_toy: Path) -> None:
             assert len(m["samples_ns"]) == 9 and m["median_ns"] > 0 and m["peak_bytes"] > 0
             assert m["peak_method"].startswith("VmHWM") and m["device"]["type"] == "cpu"
         assert "samples_ns" not in json.dumps(block)
+    ran = json.loads(cli(minted_toy, "verify", MLP8, "--run", "--json").stdout)["artifacts"][0]
+    assert ran["status"] == "ok" and set(ran["run"]["lanes"]["checked"]) == {"baseline", "chunked"}
     proc = cli(minted_toy, "inspect", MLP8)
     assert proc.returncode == 0, proc.stderr
     assert "lanes: winner" in proc.stdout and f"evidence {evidence_host()} (mint)" in proc.stdout
