@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
         "bytes_freed": report.bytes_freed,
         "temps_removed": report.temps_removed,
         "objects_kept": report.objects_kept,
+        "evidence_removed": report.evidence_removed,
     }
     if args.json:
         print_json(doc)

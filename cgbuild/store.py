@@ -39,6 +39,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,6 +149,8 @@ class GCReport:
     bytes_freed: int = 0
     temps_removed: int = 0
     objects_kept: int = 0
+    evidence_removed: list[str] = field(default_factory=list)
+    """Keys whose lane evidence went: no ref and no quarantine record names them any more."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -432,6 +435,7 @@ class Store:
         report = GCReport(dry_run=dry_run)
         with self._locked(exclusive=True):
             live: set[str] = set()
+            live_keys: set[str] = set()
             for ref in list(self.iter_refs()):
                 if keep is not None and ref.key not in keep:
                     report.refs_dropped.append(ref.key)
@@ -439,6 +443,15 @@ class Store:
                         os.unlink(self.ref_path(ref.key))
                 else:
                     live.add(ref.object)
+                    live_keys.add(ref.key)
+            evidence = self.root / "evidence"
+            for folder in sorted(evidence.iterdir()) if evidence.is_dir() else []:
+                # raw lane timings explain an artifact; kept while a ref or a quarantine names it
+                if folder.name in live_keys or self.quarantine_path(folder.name).exists():
+                    continue
+                report.evidence_removed.append(folder.name)
+                if not dry_run:
+                    shutil.rmtree(folder, ignore_errors=True)
             for obj in sorted((self.root / "objects" / "sha256").glob("*/*")):
                 sha = obj.parent.name + obj.name
                 if sha in live:

@@ -7,6 +7,7 @@ in bytes and nanoseconds (integers only).
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -192,3 +193,28 @@ def test_has_triton_reads_the_toolchain_component() -> None:
     assert lanes.has_triton({"triton": {"dist": "triton", "version": "3.6.0"}})
     assert not lanes.has_triton({"triton": {"absent": True}})
     assert not lanes.has_triton({"torch": {}})
+
+
+# ---- lane evidence in the store ------------------------------------------------------------------
+def test_evidence_accumulates_beside_the_artifact_and_gc_follows_the_refs(tmp_path: Path) -> None:
+    from cgbuild.store import EVIDENCE_SCHEMA, Store, StoreError
+
+    store = Store(tmp_path / "s")
+    blob = tmp_path / "a.bin"
+    blob.write_bytes(b"artifact")
+    store.admit("k1", blob)
+    path = store.add_evidence("k1", "host-a", {"how": "mint", "n": 1})
+    store.add_evidence("k1", "host-a", {"how": "check", "n": 2})
+    store.add_evidence("k1", "host-b", {"how": "mint", "n": 3})
+    assert path == store.root / "evidence" / "k1" / "host-a.json"
+    docs = store.read_evidence("k1")
+    assert docs["host-a"]["schema"] == EVIDENCE_SCHEMA
+    assert [r["n"] for r in docs["host-a"]["runs"]] == [1, 2] and len(docs["host-b"]["runs"]) == 1
+    assert store.read_evidence("k2") == {}
+    assert not list((store.root / "evidence" / "k1").glob("*.tmp"))
+    with pytest.raises(StoreError):
+        store.add_evidence("k1", "../escape", {})
+    store.add_evidence("gone", "host-a", {"how": "mint"})  # a key no ref names
+    assert store.gc(dry_run=True).evidence_removed == ["gone"]
+    assert store.gc().evidence_removed == ["gone"] and set(store.read_evidence("k1")) == {"host-a", "host-b"}
+    assert store.gc(keep=set()).evidence_removed == ["k1"]
