@@ -35,16 +35,18 @@ def test_graph_class_names(klein: cgfile.Cgfile) -> None:
 @pytest.mark.parametrize(
     ("selector", "count"),
     [
-        ("//...", 10),
-        ("//flux2-klein", 4),
-        ("//flux2-klein/transformer", 4),
-        ("//flux2-klein:sm_120", 2),
-        (":rtx5090", 2),
-        (":sm_90", 5),
-        (":cpu", 3),
+        ("//...", 24),
+        ("//flux2-klein", 12),
+        ("//flux2-klein/transformer", 12),
+        ("//flux2-klein:sm_120", 6),
+        (":rtx5090", 6),
+        (":sm_90", 12),
+        (":cpu", 6),
         ("@bf16", 4),
+        ("@int8", 10),
+        ("@fp8", 4),
         ("//flux2-klein-tiny@fp32:cpu", 3),
-        ("//flux2-klein-tiny/transformer/64x48-t8-b1", 2),
+        ("//flux2-klein-tiny/transformer/64x48-t8-b1", 4),
     ],
 )
 def test_selectors_compose(klein: cgfile.Cgfile, selector: str, count: int) -> None:
@@ -61,7 +63,7 @@ def test_bad_selectors(bad: str) -> None:
         parse_selector(bad)
 
 
-@pytest.mark.parametrize("unknown", ["//nope", "@int8", ":sm_75", ":a100"])
+@pytest.mark.parametrize("unknown", ["//nope", "@fp4", ":sm_75", ":a100"])
 def test_unknown_parts_are_errors_not_empty_sets(klein: cgfile.Cgfile, unknown: str) -> None:
     with pytest.raises(UserError):
         labels(klein, unknown)
