@@ -350,16 +350,27 @@ def _cuda_facts_from_cpu(toy: Path) -> None:
 
 
 def test_triton_bump_moves_only_cuda_targets(toy: Path, tmp_path: Path) -> None:
+    # Without lanes: triton's presence decides which lanes a CUDA program carries (a graph change,
+    # tests/test_lanes.py); a version bump of a present triton must move only the toolchain axis.
+    edit(toy / "Cgfile", 'linear = ["baseline", "chunked", "triton"]', "")
+    edit(toy / "Cgfile", "[family.toy.lanes]", "")
     edit(toy / "Cgfile", 'skus = ["cpu"]', 'skus = ["cpu", "h200"]')
     edit(toy / "Cgfile", "[layout.fp32]", '[sku.h200]\nsm = "sm_90"\nmemory_gib = 141\n\n[layout.fp32]')
     plan(toy)
     _cuda_facts_from_cpu(toy)
 
-    def bump_triton(platforms: dict[str, Any]) -> None:
-        platforms["cuda"]["components"]["triton"] = {"dist": "triton", "version": "3.7.0", "digest": "0" * 64}
+    def triton(version: str) -> Any:
+        def put(platforms: dict[str, Any]) -> None:
+            platforms["cuda"]["components"]["triton"] = {
+                "dist": "triton",
+                "version": version,
+                "digest": version.replace(".", "") * 16,
+            }
 
-    base = plan(toy, lock=_lock(toy, tmp_path))
-    head = plan(toy, lock=_lock(toy, tmp_path, bump_triton))
+        return put
+
+    base = plan(toy, lock=_lock(toy, tmp_path, triton("3.6.0")))
+    head = plan(toy, lock=_lock(toy, tmp_path, triton("3.7.0")))
     bk, hk = keys(base), keys(head)
     cuda = [label for label in bk if label.endswith(":sm_90")]
     assert cuda and all(bk[label] and hk[label] != bk[label] for label in cuda)
@@ -368,7 +379,7 @@ def test_triton_bump_moves_only_cuda_targets(toy: Path, tmp_path: Path) -> None:
     moved = {e["label"]: e for e in d["entries"]}
     assert set(moved) == set(cuda)
     assert all(e["axes"] == ["toolchain"] for e in moved.values())
-    assert "toolchain: triton" in moved[cuda[0]]["detail"] and "3.7.0" in moved[cuda[0]]["detail"]
+    assert "toolchain: triton 3.6.0 → 3.7.0" in moved[cuda[0]]["detail"]
     assert "re-mint" in render(d, "markdown")
 
 
