@@ -301,49 +301,49 @@ def _lock(toy: Path, tmp_path: Path, mutate: Any = None) -> str:
 
 
 def _cuda_facts_from_cpu(toy: Path) -> None:
-    """Share the CPU trace facts under the CUDA trace inputs, as a CUDA-build box would."""
+    """Share the CPU trace facts under the CUDA trace inputs, as a CUDA-build box would.
+
+    Each platform's job is derived as the planner derives it (with that platform's toolchain
+    components, which decide the lane values a program carries).
+    """
     import sqlite3
 
     from cgbuild import environment
     from cgbuild.canon import digest
-    from cgbuild.planner import trace_job
+    from cgbuild.planner import resolve_toolchains, trace_job
     from cgbuild.sources import SourceHasher
     from cgbuild.targets import expand
     from cgbuild.tracecache import trace_inputs
 
     cg = cgfile.load(toy / "Cgfile")
     ws = Workspace(cg)
+    toolchains, _ = resolve_toolchains(ws, ws.state / "cache")
     env = digest(sorted(environment.installed().items()))
     fam = SourceHasher(toy / ".cgbuild" / "cache" / "sources.json").family_inputs(cg, cg.families["toy"])[0]
     torch = environment.torch_build()["version"]  # type: ignore[index]
-    db = sqlite3.connect(toy / ".cgbuild" / "traces.sqlite")
-    for t in expand(cg):
-        job = trace_job(ws, t)
-        if t.device != "cpu":
-            continue
-        facts = db.execute(
-            "SELECT facts FROM traces WHERE inputs=?",
-            (
-                trace_inputs(
-                    family_inputs=fam,
-                    module=t.id.module,
-                    spec=job["spec"],
-                    quant=job["quant"],
-                    torch=torch,
-                    environment=env,
-                ),
-            ),
-        ).fetchone()
-        cuda_spec = {**job["spec"], "device": "cuda"}
-        cuda_inputs = trace_inputs(
+
+    def inputs(t: Any) -> str:
+        job = trace_job(ws, t, toolchains[t.device]["components"])
+        return trace_inputs(
             family_inputs=fam,
             module=t.id.module,
-            spec=cuda_spec,
+            spec=job["spec"],
             quant=job["quant"],
             torch=torch,
             environment=env,
         )
-        db.execute("INSERT OR REPLACE INTO traces VALUES (?, ?)", (cuda_inputs, facts[0]))
+
+    targets = expand(cg)
+    cpu = {(t.id.module, t.id.graph_class, t.id.layout): t for t in targets if t.device == "cpu"}
+    db = sqlite3.connect(toy / ".cgbuild" / "traces.sqlite")
+    for t in targets:
+        if t.device != "cuda":
+            continue
+        row = db.execute(
+            "SELECT facts FROM traces WHERE inputs=?",
+            (inputs(cpu[(t.id.module, t.id.graph_class, t.id.layout)]),),
+        ).fetchone()
+        db.execute("INSERT OR REPLACE INTO traces VALUES (?, ?)", (inputs(t), row[0]))
     db.commit()
     db.close()
     (toy / ".cgbuild" / "private-facts").touch()  # keep these facts out of the shared cache
