@@ -442,7 +442,7 @@ def _plan_target(
                     root=last is not None and last.get("key") == key,
                 )
             )
-    reasons.extend(_moved(t, key, axes, inputs, last, last_plan, toolchains, dists))
+    reasons.extend(_moved(t, key, axes, inputs, last, last_plan, toolchains, dists, memo))
     if status == "fresh":
         for r in reasons:
             r["root"] = False
@@ -503,6 +503,7 @@ def _moved(
     last_plan: dict[str, Any],
     toolchains: dict[str, Any],
     dists: dict[str, str],
+    memo: dict[tuple[str, ...], Any],
 ) -> list[dict[str, Any]]:
     """What moved since the last recorded plan, as reasons (root causes first)."""
     if last is None:
@@ -512,7 +513,7 @@ def _moved(
         return []  # the warm path: nothing this target depends on moved
     out: list[dict[str, Any]] = []
     if trace_moved:
-        changes = _dist_changes(last_plan.get("environment", {}), dists)
+        changes = _dist_changes(last_plan.get("environment", {}), dists, memo)
         detail = "trace inputs moved" + (
             f" ({'; '.join(changes[:4])})" if changes else " (family sources, entry config or rule version)"
         )
@@ -573,7 +574,15 @@ def _short(name: str, readable: dict[str, Any]) -> str:
     return str(readable.get("digest") or readable.get("fold"))[:16]
 
 
-def _dist_changes(old: dict[str, str], new: dict[str, str]) -> list[str]:
+def _dist_changes(old: dict[str, str], new: dict[str, str], memo: dict[tuple[str, ...], Any]) -> list[str]:
+    """Installed distributions that changed since the last plan (once per plan, not per target)."""
+    if ("dists",) in memo:
+        return memo[("dists",)]  # type: ignore[no-any-return]
+    memo[("dists",)] = _changed_dists(old, new)
+    return memo[("dists",)]  # type: ignore[no-any-return]
+
+
+def _changed_dists(old: dict[str, str], new: dict[str, str]) -> list[str]:
     out = []
     for name in sorted(set(old) | set(new)):
         a, b = old.get(name), new.get(name)
@@ -586,8 +595,12 @@ def _record(ws: Workspace, plan: dict[str, Any], dists: dict[str, str], last: di
     """Keep what this plan saw, per label, so the next plan can say what moved."""
     last = {"schema": LAST_PLAN_SCHEMA, "targets": {}, **last}
     for entry in plan["targets"]:
-        if entry["key"] is None and entry["label"] in last["targets"]:
-            continue  # an unknown graph says nothing new; keep what was known
+        known = last["targets"].get(entry["label"])
+        if entry["key"] is None and known is not None:
+            # An unknown graph says nothing new about the key: keep the last known one, but note
+            # the inputs seen, or every later plan would report them as moved again.
+            known["trace_inputs"] = entry["trace_inputs"]
+            continue
         last["targets"][entry["label"]] = {
             "key": entry["key"],
             "axes": entry["axes"],
