@@ -161,7 +161,9 @@ def phase(name: str, work: Path, label: str) -> dict[str, Any]:
         rec["export_s"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
         pkg = torch._inductor.aoti_compile_and_package(
-            ep, package_path=str(work / "bare.pt2"), inductor_configs=dict(policy.inductor_configs(clamps=compiler.torch_clamps_march()))
+            ep,
+            package_path=str(work / "bare.pt2"),
+            inductor_configs=dict(policy.inductor_configs(clamps=compiler.torch_clamps_march())),
         )
         rec["compile_s"] = round(time.perf_counter() - t0, 2)
         rec["package_mb"] = round(os.path.getsize(pkg) / 2**20, 2)
