@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from .diff import check_plan, diff_plans, render
-from .errors import UserError
+from .diff import diff_plans, load_plan, render
 from .output import print_json
 
 
@@ -18,18 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-code", action="store_true", help="exit 1 when anything must be re-minted")
 
 
-def _load(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return check_plan(json.load(f), path)
-    except FileNotFoundError:
-        raise UserError("no such plan file", file=path) from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"not JSON: {exc.msg}", file=path, line=exc.lineno) from None
-
-
 def run(args: argparse.Namespace) -> int:
-    d = diff_plans(_load(args.base), _load(args.head))
+    d = diff_plans(load_plan(args.base), load_plan(args.head))
     if args.format == "json":
         print_json(d)
     else:

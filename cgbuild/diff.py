@@ -7,12 +7,24 @@ moved is already a certain re-mint. A head key that some base target already had
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from typing import Any
 
 from . import toolchain
 from .errors import UserError
 from .keys import AXES, IDENTITY_FIELDS
+
+
+def load_plan(path: str) -> dict[str, Any]:
+    """Read a plan JSON file (from `plan --json` or `-o`); bad input is a UserError naming the file."""
+    try:
+        with open(path) as f:
+            return check_plan(json.load(f), path)
+    except FileNotFoundError:
+        raise UserError("no such plan file", file=path) from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"not JSON: {exc.msg}", file=path, line=exc.lineno) from None
 
 
 def check_plan(plan: Any, name: str) -> dict[str, Any]:

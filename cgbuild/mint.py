@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import environment
+from .diff import load_plan
 from .errors import UserError
 from .planner import Workspace, trace_job
 from .store import Store
@@ -90,15 +90,7 @@ def approved(plan: dict[str, Any], ws: Workspace, statuses: tuple[str, ...] = ("
 
 def recorded_plan_keys(path: str) -> dict[str, str]:
     """label → key of the targets a recorded plan marked `mint`."""
-    try:
-        with open(path) as f:
-            plan = json.load(f)
-    except FileNotFoundError:
-        raise UserError("no such plan file", file=path) from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"not JSON: {exc.msg}", file=path, line=exc.lineno) from None
-    if not isinstance(plan, dict) or plan.get("schema") != "cgbuild.plan/1":
-        raise UserError("not a cgbuild plan (expected schema 'cgbuild.plan/1')", file=path, field="schema")
+    plan = load_plan(path)
     return {t["label"]: t["key"] for t in plan["targets"] if t.get("status") == "mint" and t.get("key")}
 
 
@@ -127,24 +119,6 @@ def _write_record(path: Path, record: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _device_refusal(mk: MintKey) -> dict[str, Any] | None:
-    """A CUDA key on a machine whose torch cannot run CUDA is refused before any child starts."""
-    if mk.target.device == "cpu":
-        return None
-    build = environment.torch_build()
-    if build and build.get("cuda"):
-        return None  # the child checks the actual device and its sm
-    skus = ", ".join(mk.entries[0]["skus"])
-    return {
-        "ok": False,
-        "code": "wrong-device",
-        "retryable": False,
-        "phase": "request",
-        "detail": f"{mk.key[:12]} needs an {mk.target.id.sm} GPU ({skus}); this machine has none "
-        f"(torch {build['version'] if build else 'absent'} is a CPU build)",
-    }
 
 
 def _layout_request(ws: Workspace, t: Target, readable: dict[str, Any]) -> dict[str, Any]:
@@ -280,7 +254,7 @@ def mint_keys(
             if on_event:
                 on_event(mk, phase)
 
-        result = _device_refusal(mk) or run_worker(request_for(ws, mk, build), log, progress)
+        result = run_worker(request_for(ws, mk, build), log, progress)
         if result.get("ok"):
             if on_event:
                 on_event(mk, "admitting")

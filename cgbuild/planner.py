@@ -134,15 +134,6 @@ def resolve_toolchains(ws: Workspace, cache_dir: Path) -> tuple[dict[str, Any], 
         raise UserError(exc.message, file=exc.path, field=exc.field) from None
 
 
-def _platform_toolchain(toolchains: dict[str, Any], t: Target, source: str) -> dict[str, Any]:
-    block = toolchains.get(t.device)
-    if block is None:
-        raise UserError(
-            f"the toolchain ({source}) has no platform '{t.device}', needed by {t.label}", field="platforms"
-        )
-    return block
-
-
 def _torch_of(block: dict[str, Any]) -> str | None:
     try:
         return toolchain.torch_version(block)
@@ -194,7 +185,7 @@ def make_plan(
     by_unit: dict[tuple[str, ...], str] = {}  # targets of one trace unit differ only in sm
     floors: dict[str, dict[str, Any]] = {}
     for t in targets:
-        tc_block = _platform_toolchain(toolchains, t, tc_source)
+        tc_block = toolchains[t.device]
         tc_torch = _torch_of(tc_block) or "absent"
         # lanes buildable on one sm may not be on another of the same device type (min_sm)
         lane_id = json.dumps(target_lanes(t, tc_block.get("components")), sort_keys=True)
