@@ -472,3 +472,14 @@ def test_query_outputs(toy: Path) -> None:
         CONV,
         CONV_INT8,
     ]
+
+
+def test_unknown_graph_target_reports_moved_inputs_once(toy: Path) -> None:
+    edit(toy / "Cgfile", 'skus = ["cpu"]', 'skus = ["cpu", "h200"]')
+    edit(toy / "Cgfile", "[layout.fp32]", '[sku.h200]\nsm = "sm_90"\nmemory_gib = 141\n\n[layout.fp32]')
+    plan(toy, ":h200")
+    edit(toy / "toy_models.py", "self.act = nn.GELU()", "self.act = nn.GELU(approximate='tanh')")
+    first = plan(toy, ":h200")["targets"][0]
+    assert "trace-input-moved" in {r["code"] for r in first["reasons"]}
+    again = plan(toy, ":h200")["targets"][0]  # nothing moved since: the inputs seen were recorded
+    assert "trace-input-moved" not in {r["code"] for r in again["reasons"]}
