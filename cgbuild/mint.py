@@ -227,66 +227,72 @@ def run_worker(
     }
 
 
+def mint_one(
+    ws: Workspace, mk: MintKey, store: Store, on_event: Callable[[MintKey, str], None] | None = None
+) -> MintKey:
+    """Mint, admit and record one key on this machine; returns it with `result` filled.
+
+    The unit both executors run: the local pool calls it per key, a fleet worker calls it on
+    the node that holds the key's sm.
+    """
+    records = ws.state / "mint"
+    record_path = records / f"{mk.key}.json"
+    log = records / f"{mk.key}.log"
+    record = {
+        "schema": RECORD_SCHEMA,
+        "key": mk.key,
+        "labels": mk.labels,
+        "state": "running",
+        "started": time.time(),
+        "log": str(log),
+    }
+    _write_record(record_path, record)
+    if on_event:
+        on_event(mk, "starting")
+
+    def progress(phase: str) -> None:
+        if on_event:
+            on_event(mk, phase)
+
+    result = run_worker(request_for(ws, mk, ws.state / "build"), log, progress)
+    if result.get("ok"):
+        if on_event:
+            on_event(mk, "admitting")
+        admission = store.admit(mk.key, result["artifact"], metadata={"labels": mk.labels})
+        result["admission"] = admission.status
+        if admission.ok and result.get("lane_evidence"):
+            store.add_evidence(mk.key, evidence_host(), _evidence_run(result, "mint"))
+        if admission.status == "conflict":
+            result.update(
+                ok=False,
+                code="conflict",
+                retryable=False,
+                phase="admit",
+                detail=f"the store already holds a different artifact for {mk.key[:12]} "
+                f"({admission.existing}); it stands (mint-once)",
+            )
+        Path(result["artifact"]).unlink(missing_ok=True)
+    if not result.get("ok"):
+        result.setdefault("retryable", result.get("code") in RETRYABLE)
+    mk.result = result
+    record.update(
+        state="ok" if result.get("ok") else "failed",
+        finished=time.time(),
+        result={k: v for k, v in result.items() if k not in ("members", "lane_evidence")},
+    )
+    _write_record(record_path, record)
+    if on_event:
+        on_event(mk, "done" if result.get("ok") else "failed")
+    return mk
+
+
 def mint_keys(
     ws: Workspace, keys: list[MintKey], *, jobs: int, on_event: Callable[[MintKey, str], None] | None = None
 ) -> list[MintKey]:
-    """Mint, admit and record each key; returns them with `result` filled."""
+    """Mint, admit and record each key, `jobs` at once; returns them with `result` filled."""
     store = Store(ws.cg.store_dir)
-    records = ws.state / "mint"
-    build = ws.state / "build"
-
-    def one(mk: MintKey) -> MintKey:
-        record_path = records / f"{mk.key}.json"
-        log = records / f"{mk.key}.log"
-        record = {
-            "schema": RECORD_SCHEMA,
-            "key": mk.key,
-            "labels": mk.labels,
-            "state": "running",
-            "started": time.time(),
-            "log": str(log),
-        }
-        _write_record(record_path, record)
-        if on_event:
-            on_event(mk, "starting")
-
-        def progress(phase: str) -> None:
-            if on_event:
-                on_event(mk, phase)
-
-        result = run_worker(request_for(ws, mk, build), log, progress)
-        if result.get("ok"):
-            if on_event:
-                on_event(mk, "admitting")
-            admission = store.admit(mk.key, result["artifact"], metadata={"labels": mk.labels})
-            result["admission"] = admission.status
-            if admission.ok and result.get("lane_evidence"):
-                store.add_evidence(mk.key, evidence_host(), _evidence_run(result, "mint"))
-            if admission.status == "conflict":
-                result.update(
-                    ok=False,
-                    code="conflict",
-                    retryable=False,
-                    phase="admit",
-                    detail=f"the store already holds a different artifact for {mk.key[:12]} "
-                    f"({admission.existing}); it stands (mint-once)",
-                )
-            Path(result["artifact"]).unlink(missing_ok=True)
-        if not result.get("ok"):
-            result.setdefault("retryable", result.get("code") in RETRYABLE)
-        mk.result = result
-        record.update(
-            state="ok" if result.get("ok") else "failed",
-            finished=time.time(),
-            result={k: v for k, v in result.items() if k not in ("members", "lane_evidence")},
-        )
-        _write_record(record_path, record)
-        if on_event:
-            on_event(mk, "done" if result.get("ok") else "failed")
-        return mk
-
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(one, keys))
+        return list(pool.map(lambda mk: mint_one(ws, mk, store, on_event), keys))
 
 
 def check_key(ws: Workspace, mk: MintKey) -> dict[str, Any]:
