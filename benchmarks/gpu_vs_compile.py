@@ -1,14 +1,20 @@
 """cgbuild on a GPU, side by side with the paths people use today, on one model and one input.
 
     python benchmarks/gpu_vs_compile.py all WORK OUT_JSON [--label L] [--phases a,b,...]
+                                                      [--store-archive STORE.tgz]
 
 Phases, each in its own process so every cold start is honest:
+  fp32_ref      the same module and inputs cast to float32: the reference output for errors
   eager         build the module with seed-0 random weights, first output, steady step
   compile_cold  torch.compile with an empty inductor cache: first output, steady step
   compile_warm  torch.compile in a new process over the warm cache
   bare_aoti     torch.export + aoti_compile_and_package under cgbuild's compile policy
   mint          `cgbuild mint LABEL` into a copy of the example workspace (wall time, phases)
   adopt         new process: adopt the minted artifact for the live module, first output, steady
+`--store-archive` unpacks a store sealed by an earlier `mint` phase into the workspace, so
+`adopt` can run without minting again on the same image (the key must still match).
+Errors are relative L2 norms against the fp32 reference (and against eager); peak memory is
+`torch.cuda.max_memory_allocated` from the module build through the steady step.
 The module, weights and inputs all come from the example entry (`build(spec)`) in "real" mode
 (seed 0), so every path runs the same computation. Steady steps: 3 warm-up calls, then the
 median of 15 timed with device events on CUDA (perf_counter on the CPU). Prints and writes one
@@ -33,7 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "flux2_klein"
 DEFAULT_LABEL = "//flux2-klein/transformer/1024x1024-t512-b1@bf16:sm_90"
-PHASES = ("eager", "compile_cold", "compile_warm", "bare_aoti", "mint", "adopt")
+PHASES = ("fp32_ref", "eager", "compile_cold", "compile_warm", "bare_aoti", "mint", "adopt")
 
 
 def _plan_entry(ws: Path, label: str) -> dict[str, Any]:
@@ -109,8 +115,29 @@ def _rel_err(out: Any, ref_path: Path) -> float | None:
     if not ref_path.exists():
         return None
     ref = torch.load(ref_path)
-    got = (out[0] if isinstance(out, list | tuple) else out).float().cpu()
+    got = _main_output(out).float().cpu()
     return float((got - ref).norm() / ref.norm())
+
+
+def _main_output(out: Any) -> Any:
+    return out[0] if isinstance(out, list | tuple) else out
+
+
+def _errors(rec: dict[str, Any], out: Any, work: Path) -> None:
+    rec["rel_err_vs_fp32"] = _rel_err(out, work / "fp32_out.pt")
+    rec["rel_err_vs_eager"] = _rel_err(out, work / "eager_out.pt")
+
+
+def _as_fp32(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.float()
+    if isinstance(value, list | tuple):
+        return type(value)(_as_fp32(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _as_fp32(v) for k, v in value.items()}
+    return value
 
 
 def phase(name: str, work: Path, label: str) -> dict[str, Any]:
@@ -137,21 +164,29 @@ def phase(name: str, work: Path, label: str) -> dict[str, Any]:
         if proc.returncode:
             rec["stderr_tail"] = proc.stderr[-2000:]
         return rec
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     b = _built(ws, label)
     rec["build_s"] = round(time.perf_counter() - t0, 2)
     rec["params"] = sum(p.numel() for p in b.module.parameters())
     if device == "cuda":
         rec["gpu"] = torch.cuda.get_device_name()
-    if name == "eager":
+    if name == "fp32_ref":
+        b.module.float()
+        b.args, b.kwargs = _as_fp32(b.args), _as_fp32(b.kwargs)
+        rec["first_s"], out = _first(b.module, b, device)
+        torch.save(_main_output(out).float().cpu(), work / "fp32_out.pt")
+    elif name == "eager":
         rec["first_s"], out = _first(b.module, b, device)
         rec["steady_ms"] = _steady(b.module, b, device)
-        torch.save((out[0] if isinstance(out, list | tuple) else out).float().cpu(), work / "eager_out.pt")
+        rec["rel_err_vs_fp32"] = _rel_err(out, work / "fp32_out.pt")
+        torch.save(_main_output(out).float().cpu(), work / "eager_out.pt")
     elif name in ("compile_cold", "compile_warm"):
         compiled = torch.compile(b.module)
         rec["first_s"], out = _first(compiled, b, device)
         rec["steady_ms"] = _steady(compiled, b, device)
-        rec["rel_err_vs_eager"] = _rel_err(out, work / "eager_out.pt")
+        _errors(rec, out, work)
     elif name == "bare_aoti":
         from cgbuild import compiler, policy
 
@@ -181,18 +216,28 @@ def phase(name: str, work: Path, label: str) -> dict[str, Any]:
         rec["first_s"] = round(rec["adopt_s"] + first, 3)
         rec["steady_ms"] = _steady(served, b, device)
         rec["served"] = dict(served.counters)
-        rec["rel_err_vs_eager"] = _rel_err(out, work / "eager_out.pt")
+        _errors(rec, out, work)
+    if device == "cuda":
+        rec["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     for k in ("first_s",):
         if isinstance(rec.get(k), float):
             rec[k] = round(rec[k], 3)
     return rec
 
 
-def run_all(work: Path, out_json: Path, label: str, phases: list[str]) -> dict[str, Any]:
+def run_all(
+    work: Path, out_json: Path, label: str, phases: list[str], store_archive: Path | None = None
+) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     ws = work / "ws"
     if not ws.exists():
         shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+    if store_archive is not None and not (ws / ".cgbuild" / "store").exists():
+        import tarfile
+
+        (ws / ".cgbuild").mkdir(exist_ok=True)
+        with tarfile.open(store_archive) as tar:
+            tar.extractall(ws / ".cgbuild", filter="data")
     results: dict[str, Any] = {}
     for name in phases:
         if name == "compile_cold":
@@ -256,11 +301,12 @@ def main() -> None:
     ap.add_argument("arg2")
     ap.add_argument("--label", default=DEFAULT_LABEL)
     ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument("--store-archive", type=Path, help="a store sealed by an earlier mint phase")
     args = ap.parse_args()
     if args.what == "phase":
         print(json.dumps(phase(args.arg1, Path(args.arg2), args.label)), flush=True)
     else:
-        run_all(Path(args.arg1), Path(args.arg2), args.label, args.phases.split(","))
+        run_all(Path(args.arg1), Path(args.arg2), args.label, args.phases.split(","), args.store_archive)
 
 
 if __name__ == "__main__":
