@@ -18,11 +18,13 @@ from .errors import UserError
 from .lanes import LaneTableError, Needs, read_lane_table
 from .layout import QUANT_RULES, compute_dtype
 from .tomlpos import KeyLines
+from .trust import public_key_bytes
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 SM = re.compile(r"^(cpu|sm_[0-9]{2,3}[a-z]?)$")
 SHAPE = re.compile(r"^([1-9][0-9]*)x([1-9][0-9]*)$")
 ENTRY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
+REMOTE = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/([A-Za-z0-9._/-]*))?$")
 GIB = 1 << 30
 
 
@@ -86,6 +88,10 @@ class Cgfile:
     layouts: dict[str, Layout]
     families: dict[str, Family]
     lines: KeyLines = field(repr=False)
+    remote: str | None = None
+    """The shared store, `s3://bucket/prefix` (docs/store.md); None: the local store only."""
+    trusted: dict[str, bytes] = field(default_factory=dict)
+    """Publisher name → raw ed25519 public key whose signatures adopt and fetch accept."""
 
     def error(self, message: str, *path: str) -> UserError:
         return UserError(message, file=str(self.path), line=self.lines.line(*path), field=".".join(path))
@@ -196,10 +202,11 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
     root = path.resolve().parent
     r.table(data, (), TOP_KEYS)
 
-    ws = r.table(data.get("workspace", {}), ("workspace",), {"state", "store"})
+    ws = r.table(data.get("workspace", {}), ("workspace",), {"state", "store", "remote", "trusted"})
     state_dir = root / r.get(ws, ("workspace",), "state", _is_str, "a path string", default=".cgbuild")
     store = r.get(ws, ("workspace",), "store", _is_str, "a path string")
     store_dir = root / store if store else state_dir / "store"
+    remote, trusted = _shared_store(r, ws)
 
     tc = r.table(data.get("toolchain", {}), ("toolchain",), {"lock", "cxx"})
     lock = r.get(tc, ("toolchain",), "lock", _is_str, "a path string")
@@ -253,7 +260,56 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
         layouts=layouts,
         families=families,
         lines=lines,
+        remote=remote,
+        trusted=trusted,
     )
+
+
+def _shared_store(r: _Reader, ws: dict[str, Any]) -> tuple[str | None, dict[str, bytes]]:
+    """`remote = "s3://bucket/prefix"` and `trusted = ["name:<base64 ed25519 public key>", ...]`.
+
+    Each needs the other: a remote nobody is trusted on would refuse every pulled artifact, and
+    trusted keys without a remote would verify nothing.
+    """
+    where = ("workspace",)
+    remote = r.get(ws, where, "remote", _is_str, "an 's3://bucket/prefix' string")
+    if remote is not None:
+        remote = remote.rstrip("/")
+        if not REMOTE.match(remote):
+            raise r.fail(
+                f"bad remote '{remote}': expected 's3://bucket/prefix' (bucket: 3-63 of [a-z0-9.-]; "
+                "prefix: [A-Za-z0-9._/-])",
+                *where,
+                "remote",
+            )
+    entries = r.get(ws, where, "trusted", _is_str_list, "an array of 'name:<base64 public key>' strings")
+    trusted: dict[str, bytes] = {}
+    for entry in entries or []:
+        name, sep, text = entry.partition(":")
+        if not sep:
+            raise r.fail(
+                f"bad trusted entry '{entry}': expected 'name:<base64 public key>'", *where, "trusted"
+            )
+        r.name(name, *where, "trusted")
+        try:
+            public = public_key_bytes(text)
+        except ValueError as e:
+            raise r.fail(f"trusted '{name}': {e}", *where, "trusted") from None
+        if name in trusted or public in trusted.values():
+            raise r.fail(f"trusted '{name}': duplicate name or key", *where, "trusted")
+        trusted[name] = public
+    if remote and not trusted:
+        raise r.fail(
+            'a remote needs trusted publisher keys (trusted = ["name:<key>"]; `cgbuild trust keygen` '
+            "makes one): without them every shared artifact would be refused",
+            *where,
+            "remote",
+        )
+    if trusted and not remote:
+        raise r.fail(
+            "trusted keys without a remote verify nothing: declare remote or drop them", *where, "trusted"
+        )
+    return remote, trusted
 
 
 FAMILY_KEYS = {"entry", "config", "sources", "skus", "layouts", "module", "lanes"}

@@ -25,6 +25,8 @@ COMMANDS = {
     "verify": ("cgbuild.cmd_verify", "re-hash stored artifacts (and run them against eager)"),
     "inspect": ("cgbuild.cmd_inspect", "show an artifact's metadata and evidence"),
     "gc": ("cgbuild.cmd_gc", "remove store objects no ref reaches"),
+    "fetch": ("cgbuild.cmd_fetch", "pull the selection's shared artifacts into the local store, verified"),
+    "trust": ("cgbuild.cmd_trust", "make a publisher signing key for a shared store"),
 }
 
 

@@ -30,7 +30,9 @@ from typing import Any
 from .diff import load_plan
 from .errors import UserError
 from .planner import Workspace, trace_job
-from .store import Store
+from .remote import RemoteError
+from .shared import PublishRefused, SharedStore
+from .store import Store, StoreError
 from .targets import Target, expand
 
 RECORD_SCHEMA = "cgbuild.mint-record/1"
@@ -254,24 +256,21 @@ def mint_one(
         if on_event:
             on_event(mk, phase)
 
-    result = run_worker(request_for(ws, mk, ws.state / "build"), log, progress)
-    if result.get("ok"):
-        if on_event:
-            on_event(mk, "admitting")
-        admission = store.admit(mk.key, result["artifact"], metadata={"labels": mk.labels})
-        result["admission"] = admission.status
-        if admission.ok and result.get("lane_evidence"):
-            store.add_evidence(mk.key, evidence_host(), _evidence_run(result, "mint"))
-        if admission.status == "conflict":
-            result.update(
-                ok=False,
-                code="conflict",
-                retryable=False,
-                phase="admit",
-                detail=f"the store already holds a different artifact for {mk.key[:12]} "
-                f"({admission.existing}); it stands (mint-once)",
-            )
-        Path(result["artifact"]).unlink(missing_ok=True)
+    shared = ws.shared(store)
+    try:
+        if shared is not None:
+            shared.check_publishable()  # before the compile: an unpublishable mint is wasted
+        result = run_worker(request_for(ws, mk, ws.state / "build"), log, progress)
+        if result.get("ok"):
+            if on_event:
+                on_event(mk, "admitting")
+            _admit(mk, result, store, shared)
+    except StoreError as e:  # PublishRefused (no signing key, no create-only writes), local refusals
+        phase = "publish" if isinstance(e, PublishRefused) else "admit"
+        result = {"ok": False, "code": e.code, "retryable": False, "phase": phase, "detail": e.detail}
+    except RemoteError as e:
+        retry = e.code in ("remote-unavailable", "upload-failed")
+        result = {"ok": False, "code": e.code, "retryable": retry, "phase": "publish", "detail": e.detail}
     if not result.get("ok"):
         result.setdefault("retryable", result.get("code") in RETRYABLE)
     mk.result = result
@@ -284,6 +283,38 @@ def mint_one(
     if on_event:
         on_event(mk, "done" if result.get("ok") else "failed")
     return mk
+
+
+def _admit(mk: MintKey, result: dict[str, Any], store: Store, shared: SharedStore | None) -> None:
+    """Admit a sealed artifact: locally, and with a remote also signed and published (mint-once
+    across machines: a conflict names the artifact that stands, and this mint is told)."""
+    labels = {"labels": mk.labels}
+    where = "the store"
+    try:
+        if shared is None:
+            admission = store.admit(mk.key, result["artifact"], metadata=labels)
+        else:
+            where = f"the shared store {shared.remote.url}"
+            admission = shared.admit(mk.key, result["artifact"], metadata=labels)
+        result["admission"] = admission.status
+        if admission.ok and result.get("lane_evidence"):
+            run = _evidence_run(result, "mint")
+            if shared is None:
+                store.add_evidence(mk.key, evidence_host(), run)
+            else:
+                shared.add_evidence(mk.key, run)
+        if admission.status == "conflict":
+            result.update(
+                ok=False,
+                code="conflict",
+                retryable=False,
+                phase="admit",
+                standing=admission.existing,
+                detail=f"{where} already holds a different artifact for {mk.key[:12]} "
+                f"({admission.existing}); it stands (mint-once)",
+            )
+    finally:
+        Path(result["artifact"]).unlink(missing_ok=True)
 
 
 def mint_keys(

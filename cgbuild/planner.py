@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import environment, lanes, layout, toolchain
 from .canon import digest
@@ -27,6 +27,10 @@ from .sources import SourceHasher
 from .store import Store
 from .targets import Target, expand, select
 from .tracecache import TraceCache, trace_inputs
+
+if TYPE_CHECKING:
+    from .remote import Remote
+    from .shared import SharedStore
 
 PLAN_SCHEMA = "cgbuild.plan/1"
 LAST_PLAN_SCHEMA = "cgbuild.last-plan/1"
@@ -68,6 +72,26 @@ class Workspace:
 
     def store(self) -> Store:
         return Store(self.cg.store_dir)
+
+    @functools.cached_property
+    def remote(self) -> Remote | None:
+        """The declared shared store's S3 side (one client per workspace), or None."""
+        if not self.cg.remote:
+            return None
+        from .remote import Remote
+
+        return Remote(self.cg.remote)
+
+    def shared(self, local: Store | None = None) -> SharedStore | None:
+        """The local store (`local`, or the workspace's) as a cache in front of the declared
+        remote, with the workspace's trusted keys; None when no remote is declared, so a
+        workspace without one never imports boto3 or cryptography."""
+        if self.remote is None:
+            return None
+        from .mint import evidence_host
+        from .shared import SharedStore
+
+        return SharedStore(local or self.store(), self.remote, self.cg.trusted, evidence_host())
 
 
 @dataclass
@@ -212,6 +236,11 @@ def make_plan(
 
     cache = TraceCache(ws.state / "traces.sqlite")
     facts = cache.get_many(list(units))
+    shared = ws.shared()
+    if shared is not None:  # a trace another machine published costs a listing, not a trace
+        for inputs, fact in shared.pull_facts([i for i in units if i not in facts]).items():
+            cache.put(inputs, fact)
+            facts[inputs] = fact
     blocked: dict[str, dict[str, Any]] = {}
     graph_unknown: dict[str, dict[str, Any]] = {}
     todo: list[TraceUnit] = []
@@ -248,11 +277,13 @@ def make_plan(
 
     if todo:
         _run_traces(todo, cache, facts, blocked, workers=workers, progress=progress)
+        if shared is not None:
+            shared.push_facts({u.inputs: facts[u.inputs] for u in todo if u.inputs in facts})
     cache.close()
 
     last = _load_last(ws.state / "last-plan.json")
     last_targets: dict[str, Any] = last.get("targets", {})
-    store = ws.store()
+    store = shared or ws.store()
     out_targets = []
     ref_states: dict[str, str] = {}
     memo: dict[tuple[str, ...], Any] = {}
@@ -358,7 +389,7 @@ def _plan_target(
     last: dict[str, Any] | None,
     last_plan: dict[str, Any],
     dists: dict[str, str],
-    store: Store,
+    store: Store | SharedStore,
     ref_states: dict[str, str],
     memo: dict[tuple[str, ...], Any],
 ) -> dict[str, Any]:

@@ -426,6 +426,13 @@ class Store:
             os.unlink(self.ref_path(key))
             _fsync_dir(self.ref_path(key).parent)
 
+    def retire(self, key: str, reason: str) -> None:
+        """Quarantine a key for a reason found outside this store (e.g. a shared store holds
+        another artifact for it): the same record, and the same repair by a new admission."""
+        ref = self.read_ref(key)
+        if ref is not None:
+            self._quarantine(key, ref, reason)
+
     def gc(self, *, keep: Collection[str] | None = None, dry_run: bool = False) -> GCReport:
         """Collect by reachability: refs are the roots; objects no ref names are removed.
 

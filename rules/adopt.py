@@ -38,7 +38,9 @@ from torch.utils import _pytree as pytree
 from cgbuild import compiler, lanes
 from cgbuild.lanes import Refit
 from cgbuild.layout import safetensors_dtype
+from cgbuild.remote import RemoteError
 from cgbuild.seal import LITERALS, PACKAGE, SealError, read_metadata, unseal
+from cgbuild.shared import SharedStore
 from cgbuild.store import Store, StoreError
 
 log = logging.getLogger("cgbuild.adopt")
@@ -363,7 +365,7 @@ def load_artifact(
     source: str | os.PathLike[str],
     module: nn.Module,
     *,
-    store: Store | None = None,
+    store: Store | SharedStore | None = None,
     label: str | None = None,
     memory_bytes: int | None = None,
     lane: str | None = None,
@@ -371,7 +373,9 @@ def load_artifact(
     """Resolve, check and arm one artifact for `module`; a refusal is recorded, never raised.
 
     `memory_bytes` / `lane`: the lane re-fit's device memory override and a pinned lane
-    (`choose_lane`); a pinned lane the artifact does not carry raises ValueError.
+    (`choose_lane`); a pinned lane the artifact does not carry raises ValueError. A
+    `SharedStore` pulls a missing key first and refuses an artifact no trusted publisher signed
+    (`unsigned`, `unknown-signer`, `bad-signature`), from the remote and from its cache alike.
     """
     t = time.perf_counter()
     device = module_device(module)
@@ -381,7 +385,7 @@ def load_artifact(
         if store is not None:
             path = store.resolve(key, verify=True).path
         meta = read_metadata(path)
-    except (StoreError, SealError, OSError, ValueError) as e:
+    except (StoreError, RemoteError, SealError, OSError, ValueError) as e:
         code = getattr(e, "code", "bad-artifact")
         return Artifact(
             key, label or key[:12], {}, refusal=Refusal(code, str(e)), seconds=time.perf_counter() - t
@@ -490,7 +494,7 @@ def adopt(
     artifact: str | os.PathLike[str],
     module: nn.Module,
     *,
-    store: Store | None = None,
+    store: Store | SharedStore | None = None,
     strict: bool = False,
     memory_bytes: int | None = None,
     lane: str | None = None,
@@ -511,7 +515,7 @@ def adopt_manifest(
     manifest: Mapping[str, Any],
     modules: Mapping[str, nn.Module],
     *,
-    store: Store | None = None,
+    store: Store | SharedStore | None = None,
     memory_bytes: int | None = None,
 ) -> dict[str, Adopted]:
     """Adopt every graph class of every module a serving manifest names, in one call.
