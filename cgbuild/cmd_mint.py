@@ -2,7 +2,8 @@
 
 `--plan PLAN.json` mints exactly the keys a recorded plan approved (a key that moved since is
 refused, not minted under the new identity). `--check` re-mints stored keys in a fresh sandbox
-and compares the bytes member by member.
+and compares the bytes member by member. `--executor ray[://HOST:PORT]` sends each key to a node
+of a Ray cluster that advertises its sm (docs/fleet.md); the summary and records are the same.
 """
 
 from __future__ import annotations
@@ -24,16 +25,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--check", action="store_true", help="re-mint stored keys in a fresh sandbox; compare bytes"
     )
-    p.add_argument("-j", "--jobs", type=int, help="keys minted at once (default: by cores and memory)")
+    p.add_argument(
+        "-j",
+        "--jobs",
+        type=int,
+        help="keys minted at once by the local executor (default: by cores and memory)",
+    )
+    p.add_argument(
+        "--executor",
+        default="local",
+        metavar="local|ray[://HOST:PORT]",
+        help="where keys are minted: this machine (default) or the Ray cluster at HOST:PORT (docs/fleet.md)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON summary")
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import mint
+    from . import fleet, mint
     from .planner import make_plan
 
     if not args.label and not args.plan:
         raise UserError("name a label (e.g. //toy:cpu) or --plan PLAN.json", field="label")
+    executor = fleet.parse_executor(args.executor)
+    if executor.kind == "ray":
+        if args.check:
+            raise UserError(
+                "--check compares bytes on this machine: run it without --executor", field="--check"
+            )
+        fleet.connect(executor)  # before planning: an unreachable cluster fails at once
     ws = workspace(args)
     update, close = progress_bar("tracing")
     try:
@@ -64,7 +83,12 @@ def run(args: argparse.Namespace) -> int:
     keys = mint.approved(plan, ws)
     fresh = sum(1 for t in plan["targets"] if t["status"] == "fresh")
     started = time.perf_counter()
-    results = mint.mint_keys(ws, keys, jobs=args.jobs or mint.default_jobs(), on_event=_events(len(keys)))
+    if executor.kind == "ray":
+        keys, blocked = fleet.admission(keys, fleet.offered())
+        refused.extend(blocked)
+        results = fleet.Fleet().mint_keys(ws, keys, on_event=_events(len(keys)))
+    else:
+        results = mint.mint_keys(ws, keys, jobs=args.jobs or mint.default_jobs(), on_event=_events(len(keys)))
     failed = [mk for mk in results if not mk.result.get("ok")]
     summary = {
         "schema": "cgbuild.mint-summary/1",
@@ -131,7 +155,16 @@ def _events(total: int):  # -> Callable[[MintKey, str], None]
     )
     overall = board.add_task("all keys", total=total, phase="")
     rows: dict[str, Any] = {}
-    steps = {"starting": 0, "compile": 1, "verify": 2, "seal": 3, "admitting": 4, "done": 5, "failed": 5}
+    steps = {
+        "starting": 0,
+        "retrying": 0,
+        "compile": 1,
+        "verify": 2,
+        "seal": 3,
+        "admitting": 4,
+        "done": 5,
+        "failed": 5,
+    }
     board.start()
 
     def on_event(mk: Any, phase: str) -> None:

@@ -1,0 +1,238 @@
+"""Fleet mints on a real local Ray cluster: nodes on loopback advertise fake sm resources and run
+real CPU mints (AOTInductor compiles of the toy), so placement, streaming, retry and records are
+Ray's and cgbuild's own, never stand-ins.
+
+The head carries no `cpu` resource; each test adds the worker nodes it needs and removes them,
+so which node can run a key is decided by the test. Compiles are few: one fleet mint, one local
+mint to compare shapes with, one mint whose node is killed mid-compile (retried elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import copy_toy
+
+from cgbuild import cgfile, fleet
+from cgbuild.errors import UserError
+from cgbuild.labels import parse_selector
+from cgbuild.mint import MintKey, approved
+from cgbuild.planner import Workspace, make_plan
+from cgbuild.seal import read_metadata
+from cgbuild.store import Store
+from cgbuild.targets import expand
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MB = 1 << 20
+NODE = {"num_cpus": 1, "object_store_memory": 100 * MB}
+MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
+MLP16 = "//toy/mlp/16x64-b1@fp32:cpu"
+CONV = "//toy/conv/32x32-b2@fp32:cpu"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """A head without sm resources, this process joined to it as the driver."""
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "object_store_memory": 100 * MB, "include_dashboard": False},
+    )
+    fleet.connect(fleet.Executor("ray", c.address))
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@contextmanager
+def nodes(c: Cluster, *resources: dict[str, float]) -> Iterator[list[Any]]:
+    """Worker nodes advertising these resources for the test's duration."""
+    added = [c.add_node(**NODE, resources=r) for r in resources]
+    c.wait_for_nodes()
+    try:
+        yield added
+    finally:
+        for node in added:
+            if node in c.worker_nodes:
+                c.remove_node(node)
+
+
+def cli(ws: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def mint_json(ws: Path, *args: str) -> tuple[int, dict[str, Any], str]:
+    proc = cli(ws, "mint", *args, "--json")
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def shape(value: Any) -> Any:
+    """The keys of a JSON value, recursively (lists by their first element)."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    return type(value).__name__
+
+
+def planned(ws: Path, label: str) -> tuple[Workspace, MintKey]:
+    w = Workspace(cgfile.load(ws / "Cgfile"))
+    (mk,) = approved(make_plan(w, parse_selector(label)), w)
+    return w, mk
+
+
+# ---- no cluster needed ------------------------------------------------------------------------
+def test_parse_executor() -> None:
+    assert fleet.parse_executor("local") == fleet.Executor("local")
+    assert fleet.parse_executor("ray") == fleet.Executor("ray")
+    assert fleet.parse_executor("ray://10.0.0.1:6379") == fleet.Executor("ray", "10.0.0.1:6379")
+    for bad in ("ray://", "ray://host", "ray://host:port", "slurm", "Ray"):
+        with pytest.raises(UserError, match="unknown executor"):
+            fleet.parse_executor(bad)
+
+
+def test_bad_or_unreachable_executor_is_bad_input(tmp_path: Path, toy_reference: Path) -> None:
+    ws = copy_toy(tmp_path / "toy", toy_reference)
+    proc = cli(ws, "mint", MLP8, "--executor", "slurm")
+    assert proc.returncode == 2 and "unknown executor" in proc.stderr
+    started = time.monotonic()  # nothing listens there: refused in seconds, not after Ray's 2 min
+    proc = cli(ws, "mint", MLP8, "--executor", "ray://127.0.0.1:1", timeout=60)
+    assert proc.returncode == 2 and "cannot reach the Ray head" in proc.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_admission_blocks_keys_no_node_offers(tmp_path: Path, toy_reference: Path) -> None:
+    ws = copy_toy(tmp_path / "toy", toy_reference)
+    text = (ws / "Cgfile").read_text()
+    text = text.replace('skus = ["cpu"]', 'skus = ["cpu", "b200"]')
+    (ws / "Cgfile").write_text(text + '\n[sku.b200]\nsm = "sm_100"\nmemory_gib = 180\n')
+    targets = [t for t in expand(cgfile.load(ws / "Cgfile")) if t.id.graph_class == "8x64-b1"]
+    keys = [MintKey(f"{i:064x}", [{"label": t.label}], t, {}) for i, t in enumerate(targets)]
+    runnable, refused = fleet.admission(keys, {"cpu": 2.0, "sm_90": 1.0, "CPU": 2.0})
+    assert {mk.target.id.sm for mk in runnable} == {"cpu"}
+    assert refused and {r["code"] for r in refused} == {"no-node-for-sm"}
+    assert {r["label"].rpartition(":")[2] for r in refused} == {"sm_100"}
+    assert "nodes offer: cpu, sm_90" in refused[0]["detail"]
+    # Ray's own CPU (cores) is not the cpu sm: a cluster of plain nodes mints no CPU key
+    runnable, refused = fleet.admission(keys, {"CPU": 8.0})
+    assert runnable == [] and len(refused) == len(keys)
+
+
+# ---- on the cluster ---------------------------------------------------------------------------
+def test_offered_is_what_live_nodes_advertise(cluster: Cluster) -> None:
+    with nodes(cluster, {"sm_90": 1}) as (node,):
+        assert fleet.offered().get("sm_90") == 1 and "cpu" not in fleet.offered()
+        cluster.remove_node(node)
+        deadline = time.monotonic() + 60
+        while "sm_90" in fleet.offered() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "sm_90" not in fleet.offered()
+
+
+def test_node_refuses_a_workspace_it_does_not_share(
+    cluster: Cluster, tmp_path: Path, toy_reference: Path
+) -> None:
+    ws = Workspace(cgfile.load(copy_toy(tmp_path / "toy", toy_reference) / "Cgfile"))
+    target = next(t for t in expand(ws.cg) if t.label == MLP8)
+    order = fleet.order_for(ws, MintKey("0" * 64, [{"label": MLP8}], target, {}))
+    task = ray.remote(fleet.mint_on_node).options(resources={"cpu": 1}, num_cpus=0, num_returns="streaming")
+    with nodes(cluster, {"cpu": 1}):
+        for changed, code in (
+            ({"cgfile_sha256": "f" * 64}, "workspace-drift"),  # another checkout at the same path
+            ({"cgfile": str(tmp_path / "elsewhere" / "Cgfile")}, "workspace-missing"),
+        ):
+            (last,) = [ray.get(ref) for ref in task.remote(dataclasses.replace(order, **changed))]
+            assert last["result"]["code"] == code and last["result"]["retryable"] is False, last
+
+
+def test_cli_fleet_mint_lands_on_a_cpu_node_with_a_local_mints_records(
+    cluster: Cluster, tmp_path: Path, toy_reference: Path
+) -> None:
+    ws = copy_toy(tmp_path / "toy", toy_reference)
+    with nodes(cluster, {"sm_90": 1}, {"cpu": 1}) as (_gpu, cpu):
+        rc, remote, stderr = mint_json(ws, MLP8, "--executor", f"ray://{cluster.address}")
+    assert rc == 0, (remote, stderr)
+    assert [m["labels"] for m in remote["minted"]] == [[MLP8]] and not remote["failed"]
+    assert f"{MLP8}: compile" in stderr and f"{MLP8}: done" in stderr  # phases streamed from the node
+    key = remote["minted"][0]["key"]
+    record = json.loads((ws / ".cgbuild" / "mint" / f"{key}.json").read_text())
+    assert record["state"] == "ok" and record["node"]["id"] == cpu.node_id
+    meta = read_metadata(Store(ws / ".cgbuild" / "store").resolve(key).path)
+    assert meta["key"] == key and meta["sm"] == "cpu"
+    # the same workspace minted locally: one summary shape, one record shape (plus the node)
+    rc, local, _ = mint_json(ws, MLP16)
+    assert rc == 0, local
+    assert shape(remote) == shape(local)
+    local_record = json.loads((ws / ".cgbuild" / "mint" / f"{local['minted'][0]['key']}.json").read_text())
+    assert shape(record) == {**shape(local_record), "node": {"id": "str", "host": "str"}}
+
+
+def test_node_lost_mid_mint_is_retried_on_another_without_partial_state(
+    cluster: Cluster, tmp_path: Path, toy_reference: Path
+) -> None:
+    ws, mk = planned(copy_toy(tmp_path / "toy", toy_reference), CONV)
+    events: list[str] = []
+    compiling = threading.Event()
+
+    def on_event(_mk: MintKey, phase: str) -> None:
+        events.append(phase)
+        if phase == "compile":
+            compiling.set()
+
+    executor = fleet.Fleet()
+    with nodes(cluster, {"cpu": 1}, {"cpu": 1}) as pair:
+        run = threading.Thread(target=executor.mint_keys, args=(ws, [mk], on_event))
+        run.start()
+        assert compiling.wait(300)
+        first = next(n for n in pair if n.node_id == executor.placed[mk.key])
+        cluster.remove_node(first)
+        run.join(900)
+    assert not run.is_alive()
+    assert mk.result.get("ok"), mk.result
+    assert mk.result["admission"] == "admitted"
+    assert "retrying" in events and events[-1] == "done"
+    survivor = next(n for n in pair if n is not first)
+    record = json.loads((ws.state / "mint" / f"{mk.key}.json").read_text())
+    assert record["state"] == "ok" and record["node"]["id"] == survivor.node_id
+    store = Store(ws.cg.store_dir)
+    assert [r.key for r in store.iter_refs()] == [mk.key]
+    assert store.verify(mk.key).status == "ok"
+    assert not list((ws.state / "build").glob("*.tar.gz"))  # the sealed file went into the store
+
+
+def test_last_capable_node_lost_fails_instead_of_queueing(
+    cluster: Cluster, tmp_path: Path, toy_reference: Path
+) -> None:
+    ws, mk = planned(copy_toy(tmp_path / "toy", toy_reference), MLP8)
+    started = threading.Event()
+    executor = fleet.Fleet()
+    with nodes(cluster, {"cpu": 1}) as (node,):
+        run = threading.Thread(target=executor.mint_keys, args=(ws, [mk], lambda _mk, phase: started.set()))
+        run.start()
+        assert started.wait(300)
+        cluster.remove_node(node)
+        run.join(120)
+    assert not run.is_alive()
+    assert mk.result["code"] == "fleet-node-lost" and mk.result["retryable"] is True, mk.result
+    assert list(Store(ws.cg.store_dir).iter_refs()) == []
