@@ -462,6 +462,48 @@ def test_trace_facts_are_shared_only_when_a_trusted_publisher_signed_them(
     assert b.pull_facts(["i0", "i1", "i2", "i3", "i4", "i5"]) == {"i1": facts}
 
 
+def test_an_object_overwritten_in_place_is_uploaded_again_not_trusted(
+    s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], signing: None, request: pytest.FixtureRequest
+) -> None:
+    prefix, a, key, art = publish_one(tmp_path, keys, request)
+    sha = a.local.read_ref(key).object  # type: ignore[union-attr]
+    bad = bytearray(art.read_bytes())
+    bad[7] ^= 0xFF  # same size, other bytes, no sha256 tag: it must not pass for the object
+    s3.client().put_object(Bucket=BUCKET, Key=a.remote.object_name(sha), Body=bytes(bad))
+    assert not a.remote.has_object(sha, art.stat().st_size)
+    other = new_key()
+    assert shared_at(tmp_path / "b", prefix, keys).admit(other, art, metadata={}).status == "admitted"
+    assert shared_at(tmp_path / "c", prefix, keys).resolve(other).path.read_bytes() == art.read_bytes()
+
+
+def test_a_workspace_with_a_remote_travels_to_another_process(
+    s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], request: pytest.FixtureRequest
+) -> None:
+    import pickle
+
+    from cgbuild.planner import Workspace
+
+    url = f"s3://{BUCKET}/{prefix_of(request)}"
+    cg = load_ws(tmp_path, f'remote = "{url}"\ntrusted = ["{keys["ci"][1]}"]')
+    ws = Workspace(cg)
+    shared = ws.shared()
+    assert shared is not None and shared.remote_keys() == set()  # the client exists now
+    copy = pickle.loads(pickle.dumps(ws))  # as a fleet executor ships it to a worker
+    assert copy.shared().remote_keys() == set() and copy.remote.url == url
+    assert Workspace(load_ws(tmp_path, 'state = ".cgbuild"')).shared() is None
+
+
+def test_fetch_without_a_remote_is_refused(tmp_path: Path) -> None:
+    load_ws(tmp_path, 'state = ".cgbuild"')
+    proc = subprocess.run(
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(tmp_path), "fetch", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "field 'workspace.remote'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_unreachable_remote_is_one_named_error(tmp_path: Path, keys: dict[str, tuple[Path, str]]) -> None:
     env = {
         "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
@@ -630,3 +672,52 @@ def test_adopt_pulls_verified_artifacts_and_refuses_untrusted_ones(
         assert served.counters == {f"eager:{code}": 1}
         with pytest.raises(AdoptRefused, match=code):
             adopt(key, module, store=forged, strict=True)
+
+
+@pytest.mark.slow
+def test_adopt_serves_eager_when_the_remote_is_unreachable(
+    published: tuple[Path, str, str], keys: dict[str, tuple[Path, str]], tmp_path: Path
+) -> None:
+    from cgbuild_rules.adopt import adopt
+
+    ws_path, url, key = published
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+        mp.setenv("AWS_MAX_ATTEMPTS", "1")
+        shared = SharedStore(Store(tmp_path / "cache"), Remote(url), trusted(keys["ci"][1]), "server")
+        (refusal,) = adopt(key, _toy_module(ws_path), store=shared).refusals.values()
+    assert refusal.code == "remote-unavailable"
+
+
+@pytest.mark.slow
+def test_a_mint_that_loses_the_race_is_told_which_artifact_stands(
+    published: tuple[Path, str, str],
+    keys: dict[str, tuple[Path, str]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another machine published first, between this machine's plan and its publish."""
+    from cgbuild import mint, trust
+    from cgbuild.canon import sha256_file
+    from cgbuild.labels import parse_selector
+    from cgbuild.planner import Workspace, make_plan
+
+    monkeypatch.setenv(SIGNING_KEY_ENV, str(keys["ci"][0]))
+    ws_path, url, _ = published
+    ws = Workspace(cgfile.load(ws_path / "Cgfile"))
+    ws.cg.remote, ws.cg.store_dir = f"{url}-race", tmp_path / "store"
+    (mk,) = mint.approved(make_plan(ws, parse_selector(MLP8)), ws)
+    first = artifact(tmp_path)
+    ci = load_signer()
+    assert ci is not None and ws.remote is not None
+    sha, size = sha256_file(str(first)), first.stat().st_size
+    rival = SharedStore(Store(tmp_path / "rival"), ws.remote, ws.cg.trusted, "rival")
+    assert (
+        rival.publish(mk.key, first, sha, size, ci.sign(trust.artifact_statement(mk.key, sha, size)), {})[0]
+        == "admitted"
+    )
+    store = Store(ws.cg.store_dir)
+    result = mint.mint_one(ws, mk, store).result
+    assert result["code"] == "conflict" and result["standing"] == sha and not result["ok"], result
+    assert store.ref_state(mk.key) == "quarantined"  # this machine's copy does not linger
+    assert SharedStore(Store(tmp_path / "c"), ws.remote, ws.cg.trusted, "c").resolve(mk.key).ref.object == sha
