@@ -55,6 +55,24 @@ H200: dict[str, dict[str, Any]] = {
         },
     },
 }
+# Every sm_90 target's graph digest, from `cgbuild plan '//flux2-klein:sm_90' --json` on the H200
+# (benchmarks/results/gpu_sm90_plan.json); the 768x768 bf16 target was minted there too
+# (benchmarks/results/gpu_sm90_store_768.tgz).
+BF16_768 = "//flux2-klein/transformer/768x768-t512-b1@bf16:sm_90"
+H200_GRAPHS = {
+    BF16_768: "84d19532d1ae1549c4741a2dfbf69e328ac94265da7f7284f3e0057a16778b53",
+    "//flux2-klein/transformer/768x768-t512-b1@int8:sm_90": (
+        "bc5a60559211434e57d3a86a44736bfef85306d576f9b7ff098c7c467363c40f"
+    ),
+    "//flux2-klein/transformer/768x768-t512-b1@fp8:sm_90": (
+        "645c4883f1df475d86b33b18d6ab4d7a492bbd17d1e6463dd93dc932106f8d16"
+    ),
+    BF16: H200[BF16]["graph"],
+    "//flux2-klein/transformer/1024x1024-t512-b1@int8:sm_90": (
+        "79e4a4b5715517f4ece1238b246d19585296abfa2b23926573be9da5a90471ee"
+    ),
+    FP8: H200[FP8]["graph"],
+}
 H200_TORCH = "2.11.0"
 H200_DIFFUSERS = "0.42.1"
 
@@ -63,15 +81,26 @@ def _axis(name: str, readable: dict[str, Any]) -> Axis:
     return Axis({f: readable[f] for f in IDENTITY_FIELDS[name]}, readable)
 
 
+def _sealed_from(archive: str, key: str, label: str, dest: Path) -> dict[str, Any]:
+    """The sealed metadata of `key` in a committed H200 store archive (hash-verified)."""
+    with tarfile.open(RESULTS / archive) as tar:
+        tar.extractall(dest, filter="data")
+    resolved = Store(dest / "store").resolve(key, verify=True)
+    assert label in resolved.ref.metadata["labels"]
+    return read_metadata(resolved.path)
+
+
 @pytest.fixture(scope="module")
 def sealed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The sealed metadata of the bf16 artifact in the committed H200 store (hash-verified)."""
-    dest = tmp_path_factory.mktemp("h200-store")
-    with tarfile.open(RESULTS / "gpu_sm90_store.tgz") as tar:
-        tar.extractall(dest, filter="data")
-    resolved = Store(dest / "store").resolve(H200[BF16]["key"], verify=True)
-    assert BF16 in resolved.ref.metadata["labels"]
-    return read_metadata(resolved.path)
+    """The sealed metadata of the 1024x1024 bf16 artifact in the committed H200 store."""
+    return _sealed_from("gpu_sm90_store.tgz", H200[BF16]["key"], BF16, tmp_path_factory.mktemp("h200"))
+
+
+@pytest.fixture(scope="module")
+def h200_plan() -> dict[str, dict[str, Any]]:
+    """label → target of the plan the H200 computed for every sm_90 target."""
+    plan = json.loads((RESULTS / "gpu_sm90_plan.json").read_text())
+    return {t["label"]: t for t in plan["targets"]}
 
 
 def h200_key(graph: str, layout: dict[str, Any], sealed: dict[str, Any]) -> str:
@@ -112,6 +141,27 @@ def test_fp8_key_recomputes_from_the_banked_digest(sealed: dict[str, Any]) -> No
     assert h200_key(H200[FP8]["graph"], H200[FP8]["layout"], sealed) == minted["key"]
 
 
+def test_h200_plan_carries_the_banked_digests(h200_plan: dict[str, dict[str, Any]]) -> None:
+    assert {label: t["axes"]["graph"]["digest"] for label, t in h200_plan.items()} == H200_GRAPHS
+    for label in (BF16, FP8):
+        assert h200_plan[label]["key"] == H200[label]["key"]
+
+
+def test_h200_plan_keys_recompute_from_their_axes(h200_plan: dict[str, dict[str, Any]]) -> None:
+    for target in h200_plan.values():
+        axes = {name: _axis(name, target["axes"][name]) for name in AXES}
+        assert key_of(axes) == target["key"], target["label"]
+
+
+def test_768_artifact_is_the_planned_key(
+    h200_plan: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    planned = h200_plan[BF16_768]
+    meta = _sealed_from("gpu_sm90_store_768.tgz", planned["key"], BF16_768, tmp_path_factory.mktemp("h200"))
+    assert meta["key"] == planned["key"]
+    assert meta["axes"]["graph"]["digest"] == H200_GRAPHS[BF16_768]
+
+
 def _version(dist: str) -> str:
     try:
         return metadata.version(dist)
@@ -135,8 +185,10 @@ def _retrace_skip() -> str | None:
     return None
 
 
-@pytest.mark.parametrize("label", [BF16, FP8])
-def test_retrace_gives_the_h200_digest(label: str, tmp_path: Path, sealed: dict[str, Any]) -> None:
+@pytest.mark.parametrize("label", sorted(H200_GRAPHS))
+def test_retrace_gives_the_h200_digest(
+    label: str, tmp_path: Path, sealed: dict[str, Any], h200_plan: dict[str, dict[str, Any]]
+) -> None:
     """`cgbuild plan` traces the CUDA graph under fake tensors (no GPU needed) and must compute
     the H200's graph digest and layout pair, hence its key under the H200's toolchain."""
     why = _retrace_skip()
@@ -153,9 +205,9 @@ def test_retrace_gives_the_h200_digest(label: str, tmp_path: Path, sealed: dict[
     (target,) = json.loads(proc.stdout)["targets"]
     assert target["label"] == label
     graph, lay = target["axes"]["graph"], target["axes"]["layout"]
-    banked = H200[label]
-    assert graph["digest"] == banked["graph"], f"traced with torch {graph['traced_with']}"
-    assert graph["nodes"] == banked["nodes"]
+    there = h200_plan[label]["axes"]
+    assert graph["digest"] == H200_GRAPHS[label], f"traced with torch {graph['traced_with']}"
+    assert graph["nodes"] == there["graph"]["nodes"]
     layout = {f: lay[f] for f in IDENTITY_FIELDS["layout"]}
-    assert layout == banked["layout"]
-    assert h200_key(graph["digest"], layout, sealed) == banked["key"]
+    assert layout == {f: there["layout"][f] for f in IDENTITY_FIELDS["layout"]}
+    assert h200_key(graph["digest"], layout, sealed) == h200_plan[label]["key"]
