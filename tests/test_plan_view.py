@@ -1,0 +1,53 @@
+"""The human plan view: causes grouped once, rows capped so a 10,000-target plan stays readable."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cgbuild.cmd_plan import ROW_LIMIT, show
+
+
+def _plan(pending: int, fresh: int) -> dict[str, Any]:
+    def target(i: int, status: str) -> dict[str, Any]:
+        reasons = (
+            [] if status == "fresh" else [{"code": "missing", "detail": "not in the store", "root": True}]
+        )
+        return {
+            "label": f"//fam/m/{i}x{i}-b1@fp32:cpu",
+            "status": status,
+            "key": f"{i:064x}",
+            "reasons": reasons,
+        }
+
+    return {
+        "targets": [target(i, "mint") for i in range(pending)]
+        + [target(10_000 + i, "fresh") for i in range(fresh)]
+    }
+
+
+def _rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(("mint ", "fresh "))]
+
+
+def test_rows_that_need_action_are_capped(capsys: pytest.CaptureFixture[str]) -> None:
+    show(_plan(ROW_LIMIT + 60, 5), every=False)
+    out = capsys.readouterr().out
+    assert len(_rows(out)) == ROW_LIMIT
+    assert "... 60 more need action" in out
+    assert f"{ROW_LIMIT + 60} mint" in out  # the grouped cause still counts every target
+
+
+def test_all_lists_every_target_uncapped(capsys: pytest.CaptureFixture[str]) -> None:
+    show(_plan(ROW_LIMIT + 60, 5), every=True)
+    out = capsys.readouterr().out
+    assert len(_rows(out)) == ROW_LIMIT + 65
+    assert "more need action" not in out
+
+
+def test_no_cap_note_under_the_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    show(_plan(3, 0), every=False)
+    out = capsys.readouterr().out
+    assert len(_rows(out)) == 3
+    assert "more need action" not in out
