@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild_rules.mint import DEFAULT_SANDBOX
+from plan_scale import machine  # one description of the box for every benchmark
 
 import cgbuild
 from cgbuild import compiler, policy
@@ -332,26 +333,6 @@ def inner_series(runs: list[Run], *fields: str) -> dict[str, Any]:
     return {f: series([r.inner[f] for r in runs]) for f in fields}
 
 
-def cpu_model() -> str:
-    try:
-        for row in Path("/proc/cpuinfo").read_text().splitlines():
-            if row.startswith("model name"):
-                return row.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def memory_gib() -> float | None:
-    try:
-        for row in Path("/proc/meminfo").read_text().splitlines():
-            if row.startswith("MemTotal:"):
-                return round(int(row.split()[1]) / (1 << 20), 1)
-    except OSError:
-        pass
-    return None
-
-
 def versions(cxx: str) -> dict[str, Any]:
     import importlib.metadata as md
 
@@ -535,10 +516,7 @@ def summarize(
         "what": f"toy MLP {LABEL}: bare AOTI compile vs `cgbuild mint`; adopt vs others to first output",
         "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
         "machine": {
-            "cpu": cpu_model(),
-            "cores": os.cpu_count(),
-            "memory_gib": memory_gib(),
-            "system": f"{platform.system()} {platform.machine()}",
+            **machine(),
             "loadavg_start": [round(v, 2) for v in load_start],
             "loadavg_end": [round(v, 2) for v in load_end],
             "note": "other work may share the CPU while this runs (see loadavg); each round runs every "

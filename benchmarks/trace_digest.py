@@ -32,6 +32,7 @@ import diffusers
 import torch
 from cgbuild_rules.digest import graph_facts
 from cgbuild_rules.trace import default_dtype, load_entry, parse_job, trace_job
+from plan_scale import machine  # one description of the box for every benchmark
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 HERE = Path(__file__).resolve().parent
@@ -98,16 +99,6 @@ def traced() -> tuple[float, float, dict[str, Any]]:
     return wall, cpu, line
 
 
-def cpu_model() -> str:
-    try:
-        for row in Path("/proc/cpuinfo").read_text().splitlines():
-            if row.startswith("model name"):
-                return row.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=4)  # even: ABBA balanced
@@ -148,9 +139,7 @@ def main() -> None:
         "what": "klein-4B transformer, FakeTensorMode, bf16, 1024x1024 (4096 image tokens), text 512, b1",
         "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
         "machine": {
-            "cpu": cpu_model(),
-            "cores": os.cpu_count(),
-            "system": f"{platform.system()} {platform.machine()}",
+            **machine(),
             # Other work on the box inflates both sides alike; the digest's own share is digest_only.
             "loadavg_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)],
         },
