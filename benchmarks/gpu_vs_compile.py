@@ -11,6 +11,8 @@ Phases, each in its own process so every cold start is honest:
   bare_aoti     torch.export + aoti_compile_and_package under cgbuild's compile policy
   mint          `cgbuild mint LABEL` into a copy of the example workspace (wall time, phases)
   adopt         new process: adopt the minted artifact for the live module, first output, steady
+  aoti_load     new process: `aoti_load_package` on the minted artifact's package (load only,
+                no module built); records the `CXX` it ran under, which Inductor's probes use
 `--store-archive` unpacks a store sealed by an earlier `mint` phase into the workspace, so
 `adopt` can run without minting again on the same image (the key must still match).
 Errors are relative L2 norms against the fp32 reference (and against eager); peak memory is
@@ -39,7 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "flux2_klein"
 DEFAULT_LABEL = "//flux2-klein/transformer/1024x1024-t512-b1@bf16:sm_90"
-PHASES = ("fp32_ref", "eager", "compile_cold", "compile_warm", "bare_aoti", "mint", "adopt")
+PHASES = ("fp32_ref", "eager", "compile_cold", "compile_warm", "bare_aoti", "mint", "adopt", "aoti_load")
 
 
 def _plan_entry(ws: Path, label: str) -> dict[str, Any]:
@@ -164,6 +166,8 @@ def phase(name: str, work: Path, label: str) -> dict[str, Any]:
         if proc.returncode:
             rec["stderr_tail"] = proc.stderr[-2000:]
         return rec
+    if name == "aoti_load":
+        return _aoti_load(rec, ws, label)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -222,6 +226,25 @@ def phase(name: str, work: Path, label: str) -> dict[str, Any]:
     for k in ("first_s",):
         if isinstance(rec.get(k), float):
             rec[k] = round(rec[k], 3)
+    return rec
+
+
+def _aoti_load(rec: dict[str, Any], ws: Path, label: str) -> dict[str, Any]:
+    """Time torch's own package loader on the minted package, outside cgbuild's adopt path."""
+    import tempfile
+
+    import torch
+
+    from cgbuild.seal import PACKAGE, unseal
+    from cgbuild.store import Store
+
+    key = _plan_entry(ws, label)["key"]
+    rec["cxx_env"] = os.environ.get("CXX")
+    with tempfile.TemporaryDirectory() as tmp:
+        members = unseal(Store(ws / ".cgbuild" / "store").resolve(key).path, tmp)
+        t0 = time.perf_counter()
+        torch._inductor.aoti_load_package(str(members[PACKAGE]))
+        rec["load_s"] = round(time.perf_counter() - t0, 3)
     return rec
 
 
