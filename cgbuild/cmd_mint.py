@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     keys = mint.approved(plan, ws)
     fresh = sum(1 for t in plan["targets"] if t["status"] == "fresh")
     started = time.perf_counter()
+    published = mint.publish_unpublished(ws, plan)
     if executor.kind == "ray":
         keys, blocked = fleet.admission(keys, fleet.offered())
         refused.extend(blocked)
@@ -111,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
             for mk in failed
         ],
         "refused": refused,
+        "published": published,
         "fresh": fresh,
         "seconds": round(time.perf_counter() - started, 3),
     }
@@ -118,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         print_json(summary)
     else:
         _show(summary, ws)
-    return 1 if failed or refused else 0
+    unpublished = [p for p in published if p["publish"] in ("failed", "conflict")]
+    return 1 if failed or refused or unpublished else 0
 
 
 def _events(total: int):  # -> Callable[[MintKey, str], None]
@@ -200,6 +203,13 @@ def _show(summary: dict[str, Any], ws: Any) -> None:
         )
     for r in summary["refused"]:
         out.print(f"  [red]refused[/] {r['label']}: {r['code']}: {r['detail']}")
+    for p in summary["published"]:
+        if p["publish"] == "failed":
+            out.print(f"  [red]not published[/] {p['key'][:12]}: {p['code']}: {p['detail']}")
+        elif p["publish"] == "conflict":
+            out.print(f"  [red]not published[/] {p['key'][:12]}: the shared store holds {p['standing']}")
+        else:
+            out.print(f"  [green]published[/] {p['key'][:12]} from this machine's cache")
 
 
 def _check(args: argparse.Namespace, ws: Any, plan: dict[str, Any], refused: list[dict[str, Any]]) -> int:

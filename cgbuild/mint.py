@@ -317,6 +317,25 @@ def _admit(mk: MintKey, result: dict[str, Any], store: Store, shared: SharedStor
         Path(result["artifact"]).unlink(missing_ok=True)
 
 
+def publish_unpublished(ws: Workspace, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """Publish the plan's fresh keys that only this machine's cache holds (a publish that failed
+    after the local admission, or keys minted before the remote was declared)."""
+    shared = ws.shared()
+    if shared is None:
+        return []
+    fresh = {t["key"] for t in plan["targets"] if t["status"] == "fresh" and t["key"]}
+    out: list[dict[str, Any]] = []
+    for key in shared.unpublished(fresh):
+        try:
+            status, standing = shared.republish(key)
+        except (StoreError, RemoteError) as e:
+            out.append({"key": key, "publish": "failed", "code": e.code, "detail": e.detail})
+            continue
+        entry = {"key": key, "publish": status}
+        out.append({**entry, "standing": standing} if status == "conflict" else entry)
+    return out
+
+
 def mint_keys(
     ws: Workspace, keys: list[MintKey], *, jobs: int, on_event: Callable[[MintKey, str], None] | None = None
 ) -> list[MintKey]:

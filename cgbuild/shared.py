@@ -178,6 +178,28 @@ class SharedStore:
             return ("already" if other == sha else "conflict"), other
         raise RemoteError("remote-error", f"{self.remote.url}: {key}: ref kept vanishing; giving up")
 
+    def unpublished(self, keys: set[str]) -> list[str]:
+        """Keys this cache holds that the remote does not list: admitted here while a publish
+        failed (or before the workspace declared its remote). Plan reads them fresh, so without
+        this they would never reach the fleet."""
+        listed = self.remote_keys()
+        return sorted(k for k in keys if k not in listed and self.local.ref_state(k) == "fresh")
+
+    def republish(self, key: str) -> tuple[str, str]:
+        """Publish a key from the cache (re-hashed first), with the signature its local ref keeps
+        or, for a key admitted before the remote was declared, one made now."""
+        signer = self.check_publishable()
+        ref = self.local.resolve(key, verify=True).ref
+        signature = ref.metadata.get("signature") or signer.sign(
+            trust.artifact_statement(key, ref.object, ref.size)
+        )
+        metadata = {k: v for k, v in ref.metadata.items() if k != "signature"}
+        path = self.local.object_path(ref.object)
+        status, standing = self.publish(key, path, ref.object, ref.size, signature, metadata)
+        if status == "conflict":
+            self.local.retire(key, f"the shared store holds {standing} for this key (mint-once)")
+        return status, standing
+
     def add_evidence(self, key: str, run: dict[str, Any]) -> None:
         """One lane-evidence run, locally and as a new remote object (never read-modify-write)."""
         self.local.add_evidence(key, self.host, run)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -609,6 +611,34 @@ def test_mint_publishes_and_a_clean_clone_plans_fresh_without_tracing(
         assert not (clone / ".cgbuild" / "mint" / f"{failed['key']}.log").exists()
     finally:
         proxy.stop()
+
+
+@pytest.mark.slow
+def test_mint_publishes_what_only_this_cache_holds(
+    published: tuple[Path, str, str], s3: S3, keys: dict[str, tuple[Path, str]], tmp_path: Path
+) -> None:
+    """A key admitted here but not in the remote (its publish failed after the local admission, or
+    it was minted before the remote was declared) reads fresh in plan: mint publishes it from the
+    cache, signed as admitted, instead of leaving it on this machine for good."""
+    ws, _, key = published
+    moved = shutil.copytree(ws, tmp_path / "toy")
+    url = f"s3://{BUCKET}/republish-{secrets.token_hex(3)}"
+    cg = moved / "Cgfile"
+    declared = f"remote = {json.dumps(url)}"
+    cg.write_text(re.sub(r"^remote = .*$", declared, cg.read_text(), count=1, flags=re.M))
+    remote = Remote(url)
+    assert key not in remote.list_keys()
+    env = child_env(s3, **{SIGNING_KEY_ENV: str(keys["ci"][0])})
+    proc = cli(moved, "mint", MLP8, "--json", env=env)
+    summary = last_json(proc)
+    assert proc.returncode == 0, summary
+    assert summary["minted"] == [] and summary["published"] == [{"key": key, "publish": "admitted"}]
+    ref = remote.get_json(remote.ref_name(key))
+    local = Store(moved / ".cgbuild" / "store").read_ref(key)
+    assert ref is not None and local is not None
+    assert (ref.doc["object"], ref.doc["signature"]) == (local.object, local.metadata["signature"])
+    assert remote.has_object(local.object, local.size)
+    assert last_json(cli(moved, "mint", MLP8, "--json", env=env))["published"] == []
 
 
 def _toy_module(ws_path: Path) -> Any:
