@@ -38,6 +38,7 @@ from . import cgfile
 from .errors import UserError
 from .mint import MintKey, _write_record, mint_one
 from .planner import Workspace
+from .remote import RemoteError
 from .targets import expand
 
 CONNECT_TIMEOUT_S = 5.0
@@ -179,6 +180,7 @@ class Fleet:
         """Relay one key's phases; take its result and keep its record on the driver too."""
         final = self._relay(mk, gen, on_event)
         mk.result = final["result"]
+        settle_visibility(ws, mk, final.get("node", {}).get("host", "?"))
         if "record" in final:
             _write_record(ws.state / "mint" / f"{mk.key}.json", {**final["record"], "node": final["node"]})
         if on_event:
@@ -217,6 +219,28 @@ class Fleet:
             self.placed[mk.key] = message["node"]
             if on_event:
                 on_event(mk, message["phase"])
+
+
+def settle_visibility(ws: Workspace, mk: MintKey, host: str) -> None:
+    """A key minted on a node counts only once this driver can serve it: from its own store (a
+    workspace on a shared filesystem) or from the shared remote the node published to. Else the
+    artifact sits on one node's disk where no plan will find it, so the key fails, named."""
+    if not mk.result.get("ok"):
+        return
+    shared = ws.shared()
+    try:
+        state = (shared if shared is not None else ws.store()).ref_state(mk.key)
+    except RemoteError as exc:
+        mk.result = _failure(exc.code, exc.detail, retryable=True, phase="admit")
+        return
+    if state != "fresh":
+        mk.result = _failure(
+            "not-visible",
+            f"node {host} minted {mk.key[:12]} into a store this driver cannot read: declare a shared "
+            "remote store (docs/store.md) or keep the workspace on a filesystem every node shares",
+            retryable=False,
+            phase="admit",
+        )
 
 
 # ---- node ---------------------------------------------------------------------------------------

@@ -139,6 +139,24 @@ def test_admission_blocks_keys_no_node_offers(tmp_path: Path, toy_reference: Pat
     assert runnable == [] and len(refused) == len(keys)
 
 
+def test_a_key_the_driver_cannot_see_counts_as_not_minted(tmp_path: Path, toy_reference: Path) -> None:
+    """A node that admitted into a store the driver does not share (no remote, no shared
+    filesystem) has minted nothing this driver can serve: the key fails, naming the node."""
+    ws = Workspace(cgfile.load(copy_toy(tmp_path / "toy", toy_reference) / "Cgfile"))
+    target = next(t for t in expand(ws.cg) if t.label == MLP8)
+    ok = {"ok": True, "admission": "admitted"}
+    unseen = MintKey("a" * 64, [{"label": MLP8}], target, {}, result=dict(ok))
+    fleet.settle_visibility(ws, unseen, "node-7")
+    assert unseen.result["ok"] is False and unseen.result["code"] == "not-visible"
+    assert "node-7" in unseen.result["detail"]
+    artifact = tmp_path / "sealed.bin"
+    artifact.write_bytes(b"sealed bytes")
+    ws.store().admit("b" * 64, artifact)
+    seen = MintKey("b" * 64, [{"label": MLP8}], target, {}, result=dict(ok))
+    fleet.settle_visibility(ws, seen, "node-7")
+    assert seen.result == ok
+
+
 # ---- on the cluster ---------------------------------------------------------------------------
 def test_offered_is_what_live_nodes_advertise(cluster: Cluster) -> None:
     with nodes(cluster, {"sm_90": 1}) as (node,):
