@@ -22,15 +22,18 @@ from typing import Any
 
 import pytest
 from conftest import copy_toy
+from s3server import BUCKET, S3, keypair, serve
 
 from cgbuild import cgfile, fleet
 from cgbuild.errors import UserError
 from cgbuild.labels import parse_selector
 from cgbuild.mint import MintKey, approved
 from cgbuild.planner import Workspace, make_plan
+from cgbuild.remote import Remote
 from cgbuild.seal import read_metadata
 from cgbuild.store import Store
 from cgbuild.targets import expand
+from cgbuild.trust import SIGNING_KEY_ENV, key_id, public_key_bytes
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -204,6 +207,35 @@ def test_cli_fleet_mint_lands_on_a_cpu_node_with_a_local_mints_records(
     assert shape(remote) == shape(local)
     local_record = json.loads((ws / ".cgbuild" / "mint" / f"{local['minted'][0]['key']}.json").read_text())
     assert shape(record) == {**shape(local_record), "node": {"id": "str", "host": "str"}}
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3]:
+    """A real S3 endpoint on loopback; nodes added while it runs inherit its environment."""
+    yield from serve(tmp_path_factory)
+
+
+def test_fleet_mint_publishes_signed_into_the_shared_store(
+    cluster: Cluster, s3: S3, tmp_path: Path, toy_reference: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a shared remote declared, the node that mints also signs and publishes: the key is
+    in the remote, signed by the node's publisher key, and the driver counts it minted."""
+    key_path, entry = keypair(tmp_path / "keys", "fleet")
+    monkeypatch.setenv(SIGNING_KEY_ENV, str(key_path))  # the nodes' and the driver's environment
+    url = f"s3://{BUCKET}/fleet-{int(time.time())}"
+    ws = copy_toy(tmp_path / "toy", toy_reference)
+    text = (ws / "Cgfile").read_text()
+    declared = f"[workspace]\nremote = {json.dumps(url)}\ntrusted = {json.dumps([entry])}\n"
+    (ws / "Cgfile").write_text(text.replace("[workspace]\n", declared, 1))
+    with nodes(cluster, {"cpu": 1}):
+        rc, summary, stderr = mint_json(ws, MLP8, "--executor", f"ray://{cluster.address}")
+    assert rc == 0, (summary, stderr)
+    (minted,) = summary["minted"]
+    remote = Remote(url)
+    assert minted["key"] in remote.list_keys()
+    ref = remote.get_json(remote.ref_name(minted["key"]))
+    assert ref is not None and ref.doc["signature"]["key_id"] == key_id(public_key_bytes(entry.split(":")[1]))
+    assert remote.has_object(ref.doc["object"], ref.doc["size"])
 
 
 def test_node_lost_mid_mint_is_retried_on_another_without_partial_state(
