@@ -153,6 +153,13 @@ def test_h200_plan_keys_recompute_from_their_axes(h200_plan: dict[str, dict[str,
         assert key_of(axes) == target["key"], target["label"]
 
 
+def test_int8_mint_is_the_planned_key(h200_plan: dict[str, dict[str, Any]]) -> None:
+    record = json.loads((RESULTS / "gpu_int8.json").read_text())
+    (minted,) = record["phases"]["mint"]["summary"]["minted"]
+    assert minted["labels"] == [record["label"]]
+    assert minted["key"] == h200_plan[record["label"]]["key"]
+
+
 def test_768_artifact_is_the_planned_key(
     h200_plan: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
