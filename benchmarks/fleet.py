@@ -1,4 +1,6 @@
-"""Fleet mint throughput: the same toy-sized CPU keys minted through Ray on 1 and on 2 nodes.
+"""Fleet: mint throughput through Ray on 1 and 2 nodes, and plan time for 10,000+ keys against the remote.
+
+Throughput (`throughput`): the same toy-sized CPU keys minted through Ray on 1 and on 2 nodes.
 
 Why: `--executor ray` is only worth its machinery if adding a node adds mints per second, and the
 per-key cost of the fleet path (a task per key, streamed phases, records written back) must stay
@@ -14,28 +16,82 @@ mint phase, from first submission to last result) gives keys/s. Each node advert
 (one mint at a time per node). One untimed mint first warms the shared mint sandbox
 (Inductor's precompiled headers), as every mint after a machine's first sees it.
 
-Writes benchmarks/results/fleet.json (runs, medians, machine, versions, date).
+Plan against the remote (`plan-remote`): what `cgbuild plan` of 10,000+ keys costs when the
+workspace declares a shared S3 store. The workspace is plan_scale.py's generator (`write_workspace`)
+with `remote` and `trusted` added: F families x S shapes x 2 modules x 2 layouts on six GPU sm
+values (+ C CPU families; default F=50, S=10, C=0: 12,000 GPU targets). Its GPU targets key only
+under a CUDA build of torch (no GPU needed: CUDA graphs trace under fake tensors), so every cgbuild
+process runs under `--python`, a Python with a CUDA build of torch and cgbuild installed; the one
+CUDA trace unit of a target is shared by its six sm values, so 2,000 traces key 12,000 targets.
+moto's S3 server (`moto_server`, beside this interpreter or on PATH) runs as a subprocess on
+loopback; its request log is what counts each command's requests.
 
-    python benchmarks/fleet.py [--keys 3] [--reps 3]
+  1. cold plan (once; remote declared, signing key set): traces every unit and publishes each
+     unit's signed trace facts. Then a remote ref is published for every key, through
+     `SharedStore.publish` with a real signature, naming a PLACEHOLDER object per key (a few
+     bytes, "placeholder for key ...", not an artifact: no mint ran). Plan only lists `refs/`,
+     so what it measures does not depend on the objects.
+  2. warm `plan --json` against the remote (trace cache warm, local store empty: every key is
+     fresh because the remote lists it) vs the same workspace's warm plan with no remote declared
+     (a copy of it, state included, without `remote`/`trusted`: every key `mint`), rounds
+     alternating with `python -c pass`, `import boto3` and a fresh process that only lists
+     `refs/` (`Remote.list_keys`). The difference is the remote's cost: importing boto3 and the
+     batched listing (which of boto3 / cryptography / torch the engine imported is recorded).
+  3. clean clone: a fresh copy of the workspace's files with no state, planned against the remote:
+     trace facts come from the remote (asserted: no "tracing [" on stderr, same keys, all fresh).
+
+Every measured process is fresh and goes through plan_scale's no-torch wrapper (exit 99 if the
+engine imported torch); wall and CPU time (the child's; the S3 server's CPU time per run is
+recorded beside it), medians, load averages before and after. The code measured is a git
+snapshot (`--code`, as plan_scale.py).
+
+Writes benchmarks/results/fleet.json: `throughput` rewrites the file but keeps
+`plan_against_remote`; `plan-remote` adds or replaces only `plan_against_remote`.
+
+    python benchmarks/fleet.py throughput [--keys 3] [--reps 3]
+    python benchmarks/fleet.py plan-remote --python PY [--families 50] [--shapes 10] [--cpu-families 0]
+        [--reps 7] [--clone-reps 3] [--code HEAD]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import importlib.metadata as md
 import json
+import os
 import platform
+import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from plan_scale import load_average, machine  # shared helpers, as mint_noop.py uses them
+from plan_scale import (  # shared helpers, as mint_noop.py uses them
+    GPU_SKUS,
+    LAYOUTS,
+    NO_TORCH,
+    Run,
+    child_env,
+    code_under_test,
+    load_average,
+    machine,
+    summarize,
+    timed,
+    trace_count,
+    write_workspace,
+)
 
 HERE = Path(__file__).resolve().parent
 TOY = HERE.parent / "examples" / "toy"
@@ -80,11 +136,7 @@ def fleet_mint(ws: Path, address: str, label: str) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--keys", type=int, default=3, help="distinct toy keys minted per run")
-    parser.add_argument("--reps", type=int, default=3, help="rounds (each mints on 1 then 2 nodes)")
-    args = parser.parse_args()
+def throughput(args: argparse.Namespace) -> None:
     from ray.cluster_utils import Cluster
 
     rows = [8 * (i + 1) for i in range(args.keys)]
@@ -155,8 +207,415 @@ def main() -> None:
     result["median"]["speedup_2_over_1"] = round(
         result["median"]["2_nodes"]["keys_per_minute"] / result["median"]["1_node"]["keys_per_minute"], 3
     )
+    if RESULT.exists() and "plan_against_remote" in (old := json.loads(RESULT.read_text())):
+        result["plan_against_remote"] = old["plan_against_remote"]
     RESULT.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["median"], indent=2))
+
+
+# -- plan against the remote -------------------------------------------------------------------------
+BUCKET = "cgbuild-fleet-bench"
+REMOTE_URL = f"s3://{BUCKET}/plan"
+SIGNING_KEY_ENV = "CGBUILD_SIGNING_KEY"  # cgbuild.trust.SIGNING_KEY_ENV
+# werkzeug's access log line (colours included): "GET /bucket/prefix/refs/…?query HTTP/1.1" 200 -
+REQUEST = re.compile(r'"(?:\x1b\[[0-9;]*m)*([A-Z]+) (\S+) HTTP/[\d.]+')
+CHILD_VERSIONS = """
+import importlib.metadata as md, json, platform, torch
+out = {"python": platform.python_version(), "torch": torch.__version__}
+out["torch_cuda_runtime"] = torch.version.cuda
+for name in ("cgbuild", "boto3", "botocore", "cryptography", "networkx"):
+    out[name] = md.version(name)
+print(json.dumps(out))
+"""
+# The listing alone, in a fresh process: import, client, every page of refs/.
+LIST_REFS = (
+    "import sys\n"
+    "from cgbuild.remote import Remote\n"
+    "sys.exit(0 if len(Remote(sys.argv[1]).list_keys()) == int(sys.argv[2]) else 1)\n"
+)
+# Prepended to a wrapper: stderr (fd 2) to the file named by the first argument.
+STDERR_TO = "import os, sys\nos.dup2(os.open(sys.argv.pop(1), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)\n"
+# NO_TORCH, and which of the remote's libraries the engine imported (on stderr's last line).
+WHAT_IMPORTED = (
+    "import json, sys\n"
+    "from cgbuild.cli import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "names = ('boto3', 'cryptography', 'torch')\n"
+    "print(json.dumps({n: n in sys.modules for n in names}), file=sys.stderr)\n"
+    "sys.exit(rc)\n"
+)
+
+
+class S3Server:
+    """moto's S3 server (`moto_server`) as a subprocess on a free loopback port.
+
+    Its access log (one line per request) counts what each command asked of the store.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        beside = Path(sys.executable).with_name("moto_server")
+        exe = str(beside) if beside.exists() else shutil.which("moto_server")
+        if exe is None:
+            raise SystemExit(
+                "moto_server is neither beside this Python nor on PATH: pip install 'moto[server]'"
+            )
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.log = folder / "moto.log"
+        with open(self.log, "wb") as log:  # the server keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
+            )
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.version = md.version("moto")
+        self._mark = 0
+        nowhere = folder / "no-aws-config"
+        self.env = {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_CONFIG_FILE": str(nowhere),
+            "AWS_SHARED_CREDENTIALS_FILE": str(nowhere),
+        }
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=1).close()
+                break
+            except urllib.error.HTTPError:
+                break  # it answers
+            except OSError:
+                time.sleep(0.1)
+        else:
+            raise SystemExit(f"moto_server did not come up: {self.log.read_text()[-2000:]}")
+        self.requests()
+
+    def requests(self) -> Counter[str]:
+        """Requests since the last call, by kind: `list refs`, `GET facts`, `PUT refs`, ..."""
+        time.sleep(0.3)  # the server logs a request as it answers it
+        data = self.log.read_bytes()
+        new, self._mark = data[self._mark :], len(data)
+        kinds: Counter[str] = Counter()
+        for method, target in REQUEST.findall(new.decode(errors="replace")):
+            url = urllib.parse.urlsplit(target)
+            query = urllib.parse.parse_qs(url.query)
+            if method == "GET" and "list-type" in query:
+                kinds[f"list {query.get('prefix', [''])[0].split('/')[1]}"] += 1
+            else:
+                parts = url.path.split("/")  # "", bucket, prefix, area, ...
+                kinds[f"{method} {parts[3] if len(parts) > 3 else url.path}"] += 1
+        return kinds
+
+    def cpu(self) -> float:
+        """The server's CPU seconds so far (user + sys): what answering cost, beside the client's."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def plan_logged(python: str, ws: Path, env: dict[str, str], wrapper: str = NO_TORCH) -> tuple[Run, dict, str]:
+    """A timed, fresh `plan --json` (plan_scale's `timed`): its parsed output and its stderr (the
+    child points its fd 2, which trace workers inherit, at a file: `timed` keeps no stderr)."""
+    out, err = ws.parent / "plan-out.json", ws.parent / "plan-err.txt"
+    argv = [python, "-c", STDERR_TO + wrapper, str(err), "-C", str(ws), "plan", "--json"]
+    try:
+        with open(out, "w") as f:
+            run = timed(argv, cwd=ws, env=env, stdout=f)
+    except SystemExit as e:
+        raise SystemExit(f"{e}\n{err.read_text()[-2000:]}") from None
+    return run, json.loads(out.read_text()), err.read_text()
+
+
+def publish_placeholders(folder: Path, labels: dict[str, str], key_path: Path, threads: int) -> Counter[str]:
+    """One signed remote ref per key (`SharedStore.publish`), naming a placeholder object per key."""
+    os.environ[SIGNING_KEY_ENV] = str(key_path)
+    from cgbuild import trust
+    from cgbuild.remote import Remote
+    from cgbuild.shared import SharedStore
+    from cgbuild.store import Store
+
+    signer = trust.load_signer()
+    assert signer is not None
+    shared = SharedStore(Store(folder / "publisher-store"), Remote(REMOTE_URL), {}, "fleet-bench")
+    shared.check_publishable()  # the create-only probe, as a real publisher's first publish
+    (folder / "placeholders").mkdir()
+
+    def one(key: str) -> str:
+        data = f"placeholder for key {key}: not an artifact\n".encode()
+        path = folder / "placeholders" / hashlib.sha256(key.encode()).hexdigest()
+        path.write_bytes(data)
+        sha = hashlib.sha256(data).hexdigest()
+        signature = signer.sign(trust.artifact_statement(key, sha, len(data)))
+        metadata = {"label": labels[key], "placeholder": True}
+        return shared.publish(key, path, sha, len(data), signature, metadata)[0]
+
+    with ThreadPoolExecutor(threads) as pool:
+        return Counter(pool.map(one, sorted(labels)))
+
+
+def listed(sub: str) -> int:
+    from cgbuild.remote import Remote
+
+    return sum(1 for _ in Remote(REMOTE_URL).list_names(sub))
+
+
+def plan_remote(args: argparse.Namespace) -> None:
+    python = str(args.python)
+    tmp = Path(tempfile.mkdtemp(prefix="cgbuild-fleet-plan-"))
+    started = time.perf_counter()
+    load_before = load_average()
+    server: S3Server | None = None
+    try:
+        code = code_under_test(args.code, tmp)
+        if code.pythonpath is not None:
+            sys.path.insert(0, str(code.pythonpath))  # the publisher below uses the same snapshot
+        env = child_env(code)
+        env.pop(SIGNING_KEY_ENV, None)
+
+        def child_versions() -> dict[str, Any]:
+            out = subprocess.run(
+                [python, "-c", CHILD_VERSIONS], env=env, capture_output=True, text=True, check=True
+            ).stdout
+            return {**json.loads(out), **code.identity()}
+
+        at_start = child_versions()
+        if not at_start["torch_cuda_runtime"]:
+            raise SystemExit(f"{python}: torch {at_start['torch']} is not a CUDA build")
+        server = S3Server(tmp)
+        env.update(server.env)
+        os.environ.update(server.env)  # this process publishes the refs
+        import boto3
+
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        from cgbuild.trust import keygen
+
+        key_path = tmp / "publisher.pem"
+        trusted = keygen(key_path, "fleet-bench")
+        publisher_env = {**env, SIGNING_KEY_ENV: str(key_path)}
+
+        ws = tmp / "ws"
+        write_workspace(
+            ws, code.toy, families=args.families, shapes=args.shapes, cpu_families=args.cpu_families
+        )
+        plain = (ws / "Cgfile").read_text()
+        declared = f'[workspace]\nremote = "{REMOTE_URL}"\ntrusted = [{json.dumps(trusted)}]\n'
+        (ws / "Cgfile").write_text(plain.replace("[workspace]\n", declared, 1))
+        server.requests()
+
+        # 1. Cold, with a signing key: trace everything, publish the facts. Then one ref per key.
+        cold_run, cold, cold_err = plan_logged(python, ws, publisher_env)
+        cold_requests = server.requests()
+        traces = trace_count(ws)
+        targets = cold["targets"]
+        statuses = Counter(t["status"] for t in targets)
+        keys = {t["label"]: t["key"] for t in targets}
+        labels = {key: label for label, key in keys.items()}
+        assert statuses == {"mint": len(targets)} and len(labels) == len(targets), statuses
+        facts = listed("facts")
+        server.requests()  # not the plan's: this process's own listing
+        assert facts == traces == cold_requests["PUT facts"], (facts, traces, cold_requests)
+        assert cold_err.count("tracing [") == traces  # so its absence below means no trace ran
+        print(f"cold plan: {len(targets)} keys, {traces} traces, {cold_run.wall:.1f} s", flush=True)
+        pub_start = time.perf_counter()
+        published = publish_placeholders(tmp, labels, key_path, args.publish_threads)
+        pub_wall = time.perf_counter() - pub_start
+        pub_requests = server.requests()
+        refs = listed("refs")
+        assert published == {"admitted": len(labels)} and refs == len(labels), (published, refs)
+        print(f"published {refs} refs in {pub_wall:.1f} s", flush=True)
+
+        # 2. Warm against the remote vs the same workspace (state copied) without a remote.
+        local = tmp / "ws-local"
+        shutil.copytree(ws, local, symlinks=True)
+        (local / "Cgfile").write_text(plain)
+        _, warm_remote, err = plan_logged(python, ws, env, WHAT_IMPORTED)
+        imports_warm = json.loads(err.strip().splitlines()[-1])
+        assert {t["label"]: t["key"] for t in warm_remote["targets"]} == keys
+        remote_statuses = Counter(t["status"] for t in warm_remote["targets"])
+        assert remote_statuses == {"fresh": len(keys)}, remote_statuses
+        assert "tracing [" not in err and not any((ws / ".cgbuild" / "store" / "refs").glob("*/*.json"))
+        _, warm_local, err = plan_logged(python, local, env)
+        assert {t["label"]: t["key"] for t in warm_local["targets"]} == keys and "tracing [" not in err
+        assert Counter(t["status"] for t in warm_local["targets"]) == {"mint": len(keys)}
+        server.requests()
+        cases: dict[str, tuple[list[str], Path]] = {
+            "python_pass": ([python, "-c", "pass"], ws),
+            "python_import_boto3": ([python, "-c", "import boto3, botocore.config"], ws),
+            "warm_plan_json_remote": ([python, "-c", NO_TORCH, "-C", str(ws), "plan", "--json"], ws),
+            "warm_plan_json_no_remote": ([python, "-c", NO_TORCH, "-C", str(local), "plan", "--json"], local),
+            "list_refs_only": ([python, "-c", LIST_REFS, REMOTE_URL, str(refs)], ws),
+        }
+        runs: dict[str, list[Run]] = {name: [] for name in cases}
+        server_cpu: dict[str, list[float]] = {name: [] for name in cases}
+        warm_requests: list[Counter[str]] = []
+        for _ in range(args.reps):
+            for name, (argv, cwd) in cases.items():
+                before = server.cpu()
+                runs[name].append(timed(argv, cwd=cwd, env=env))
+                sent = server.requests()
+                server_cpu[name].append(round(server.cpu() - before, 2))
+                if name == "warm_plan_json_remote":
+                    warm_requests.append(sent)
+                elif name == "list_refs_only":
+                    assert sent == {"list refs": -(-refs // 1000)}, sent
+                else:
+                    assert not sent, (name, sent)
+        print(
+            {name: round(statistics.median(r.wall for r in rs), 3) for name, rs in runs.items()}, flush=True
+        )
+
+        # 3. Clean clone: the workspace's files, no state; facts from the remote, nothing traced.
+        clone_runs: list[Run] = []
+        clone_requests: list[Counter[str]] = []
+        clone_checks: list[dict[str, Any]] = []
+        for rep in range(args.clone_reps):
+            clone = tmp / f"clone-{rep}"
+            shutil.copytree(ws, clone, ignore=shutil.ignore_patterns(".cgbuild"))
+            wrapper = WHAT_IMPORTED if rep == 0 else NO_TORCH
+            before = server.cpu()
+            run, plan, err = plan_logged(python, clone, env, wrapper)
+            clone_requests.append(server.requests())
+            server_cpu.setdefault("clean_clone_plan", []).append(round(server.cpu() - before, 2))
+            if rep == 0:
+                imports_clone = json.loads(err.strip().splitlines()[-1])
+                assert not imports_clone["torch"], imports_clone
+            check = {
+                "tracing_lines_on_stderr": err.count("tracing ["),
+                "facts_cached_locally": trace_count(clone),
+                "keys_identical": {t["label"]: t["key"] for t in plan["targets"]} == keys,
+                "all_fresh": Counter(t["status"] for t in plan["targets"]) == {"fresh": len(keys)},
+            }
+            assert check["tracing_lines_on_stderr"] == 0 and check["facts_cached_locally"] == traces, check
+            assert check["keys_identical"] and check["all_fresh"], check
+            clone_runs.append(run)
+            clone_checks.append(check)
+            shutil.rmtree(clone)
+        print(f"clean clone: {[round(r.wall, 2) for r in clone_runs]}", flush=True)
+
+        if child_versions() != at_start:
+            raise SystemExit("the measured code or Python changed during the run; run it again")
+        med = {name: statistics.median(r.wall for r in rs) for name, rs in runs.items()}
+        cpu = {name: statistics.median(r.cpu for r in rs) for name, rs in runs.items()}
+        clone_wall = statistics.median(r.wall for r in clone_runs)
+        sms = Counter(t["sm"] for t in targets)
+        section = {
+            "what": f"cgbuild plan --json of {len(keys)} keyed targets against a shared S3 store "
+            f"(moto on loopback) listing {refs} refs: warm vs no remote declared, and a clean clone "
+            "that takes its trace facts from the store; fresh processes",
+            "date": datetime.date.today().isoformat(),
+            "machine": machine(),
+            "load_average": {"before": load_before, "after": load_average()},
+            "versions": {**at_start, "moto_server": server.version},
+            "python": "a venv with a CUDA build of torch (no GPU: CUDA graphs trace under fake tensors)",
+            "store": f"moto_server {server.version}, a subprocess on loopback: no network latency; "
+            "its CPU time is not in the plans' CPU time",
+            "workspace": {
+                "generator": "benchmarks/plan_scale.py write_workspace, plus remote and trusted",
+                "families": args.families,
+                "cpu_families": args.cpu_families,
+                "shapes_per_module": args.shapes,
+                "modules_per_family": 2,
+                "layouts": LAYOUTS,
+                "gpu_skus": {name: sm for name, (sm, _) in GPU_SKUS.items()},
+            },
+            "targets": {
+                "total": len(targets),
+                "keyed": len(keys),
+                "distinct_keys": len(labels),
+                "by_sm": dict(sorted(sms.items())),
+                "traced_units": traces,
+                "facts_published": facts,
+                "refs_listed": refs,
+            },
+            "synthetic": "every remote ref is real and signed (SharedStore.publish, the benchmark's "
+            "publisher key, trusted by the workspace), but names a placeholder object of a few bytes "
+            "('placeholder for key ...'), not an artifact: no mint ran. Plan lists refs/ only, so it "
+            "never reads the objects",
+            "publish": {
+                "refs": dict(published),
+                "threads": args.publish_threads,
+                "wall_seconds": round(pub_wall, 1),
+                "requests": dict(sorted(pub_requests.items())),
+            },
+            "reps": args.reps,
+            "clone_reps": args.clone_reps,
+            "seconds": {
+                "cold_plan_with_publish": {"wall": round(cold_run.wall, 3), "cpu": round(cold_run.cpu, 3)},
+                **{name: summarize(rs) for name, rs in runs.items()},
+                "clean_clone_plan": summarize(clone_runs),
+            },
+            "requests": {
+                "cold_plan": dict(sorted(cold_requests.items())),
+                "warm_plan_json_remote": [dict(sorted(r.items())) for r in warm_requests],
+                "warm_plan_json_no_remote": {},
+                "clean_clone_plan": [dict(sorted(r.items())) for r in clone_requests],
+                "expected_ref_listings": -(-refs // 1000),
+            },
+            "server_cpu_seconds": {
+                "basis": "moto_server's user + sys CPU during each run (its answers; not in the runs' cpu)",
+                **{
+                    name: {"runs": v, "median": round(statistics.median(v), 2)}
+                    for name, v in server_cpu.items()
+                    if name.startswith(("warm", "list", "clean"))
+                },
+            },
+            "imports": {"warm_plan_json_remote": imports_warm, "clean_clone_plan": imports_clone},
+            "clean_clone_checks": clone_checks,
+            "ratios": {
+                "warm_remote_over_no_remote": round(
+                    med["warm_plan_json_remote"] / med["warm_plan_json_no_remote"], 3
+                ),
+                "warm_remote_over_no_remote_cpu": round(
+                    cpu["warm_plan_json_remote"] / cpu["warm_plan_json_no_remote"], 3
+                ),
+                "remote_cost_seconds": round(
+                    med["warm_plan_json_remote"] - med["warm_plan_json_no_remote"], 3
+                ),
+                "boto3_import_seconds": round(med["python_import_boto3"] - med["python_pass"], 3),
+                "list_refs_only_seconds": round(med["list_refs_only"], 3),
+                "clean_clone_over_warm_remote": round(clone_wall / med["warm_plan_json_remote"], 2),
+                "cold_over_clean_clone": round(cold_run.wall / clone_wall, 1),
+            },
+            "torch_imported_by_engine": False,  # every timed cgbuild run exits 99 otherwise
+            "benchmark_seconds": round(time.perf_counter() - started, 1),
+        }
+        result = json.loads(RESULT.read_text()) if RESULT.exists() else {"benchmark": "fleet"}
+        result["plan_against_remote"] = section
+        RESULT.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps({k: section[k] for k in ("targets", "seconds", "ratios")}, indent=2))
+    finally:
+        if server is not None:
+            server.stop()
+        if args.keep:
+            print(f"kept: {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="part", required=True)
+    tp = sub.add_parser("throughput", help="fleet mint throughput on 1 and 2 Ray nodes")
+    tp.add_argument("--keys", type=int, default=3, help="distinct toy keys minted per run")
+    tp.add_argument("--reps", type=int, default=3, help="rounds (each mints on 1 then 2 nodes)")
+    pr = sub.add_parser("plan-remote", help="plan of 10,000+ keys against the shared S3 store")
+    pr.add_argument(
+        "--python", type=Path, required=True, help="a Python with a CUDA build of torch and cgbuild"
+    )
+    pr.add_argument("--families", type=int, default=50)
+    pr.add_argument("--shapes", type=int, default=10, help="shapes per module")
+    pr.add_argument("--cpu-families", type=int, default=0, help="families that also serve on the CPU")
+    pr.add_argument("--reps", type=int, default=7, help="fresh processes per warm measurement")
+    pr.add_argument("--clone-reps", type=int, default=3, help="clean-clone plans")
+    pr.add_argument("--publish-threads", type=int, default=8)
+    pr.add_argument("--code", default="HEAD", help="commit to measure (exported), or 'worktree'")
+    pr.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    args = parser.parse_args()
+    (throughput if args.part == "throughput" else plan_remote)(args)
 
 
 if __name__ == "__main__":
