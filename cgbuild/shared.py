@@ -25,6 +25,7 @@ import re
 import secrets
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ REMOTE_REF_SCHEMA = "cgbuild.remote-ref/1"
 REMOTE_QUARANTINE_SCHEMA = "cgbuild.remote-quarantine/1"
 FACTS_SCHEMA = "cgbuild.remote-facts/1"
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+FACT_READERS = 8  # concurrent fact reads: within botocore's default pool of 10 connections
 
 
 class Untrusted(StoreError):
@@ -220,15 +222,20 @@ class SharedStore:
     def pull_facts(self, inputs: list[str]) -> dict[str, dict[str, Any]]:
         """Trace facts other machines published for these inputs, signed by a trusted publisher.
 
-        One listing finds which exist; unsigned or untrusted facts are ignored (traced here).
+        One listing finds which exist; they are read FACT_READERS at a time (a clean clone reads
+        thousands, and each is a round trip); unsigned or untrusted facts are ignored (traced here).
         """
         wanted = set(inputs)
         if not wanted:
             return {}
-        present = {n[: -len(".json")] for n in self.remote.list_names("facts")} & wanted
+        present = sorted({n[: -len(".json")] for n in self.remote.list_names("facts")} & wanted)
+        if not present:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(FACT_READERS, len(present))) as pool:
+            docs = pool.map(lambda i: self.remote.get_json(self.remote.facts_name(i)), present)
+            found = dict(zip(present, docs, strict=True))
         out: dict[str, dict[str, Any]] = {}
-        for i in sorted(present):
-            got = self.remote.get_json(self.remote.facts_name(i))
+        for i, got in found.items():
             facts = got.doc.get("facts") if got else None
             if not isinstance(facts, dict):
                 continue
