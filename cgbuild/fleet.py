@@ -227,13 +227,16 @@ def settle_visibility(ws: Workspace, mk: MintKey, host: str) -> None:
     artifact sits on one node's disk where no plan will find it, so the key fails, named."""
     if not mk.result.get("ok"):
         return
-    shared = ws.shared()
+    remote = ws.remote
     try:
-        state = (shared if shared is not None else ws.store()).ref_state(mk.key)
+        # one ref read, not a listing of the whole store per finished key
+        visible = ws.store().ref_state(mk.key) == "fresh" or (
+            remote is not None and remote.get_json(remote.ref_name(mk.key)) is not None
+        )
     except RemoteError as exc:
         mk.result = _failure(exc.code, exc.detail, retryable=True, phase="admit")
         return
-    if state != "fresh":
+    if not visible:
         mk.result = _failure(
             "not-visible",
             f"node {host} minted {mk.key[:12]} into a store this driver cannot read: declare a shared "

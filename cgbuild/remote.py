@@ -138,10 +138,15 @@ class Remote:
     # ---- reading -----------------------------------------------------------------------------
     def list_names(self, sub: str) -> Iterator[str]:
         """Every object name under `prefix/sub/`, relative to it: one request per 1,000 names."""
+        from botocore.exceptions import ClientError
+
         base = self.name(sub) + "/"
         token: dict[str, str] = {}
         while True:
-            page = self._call("list_objects_v2", Prefix=base, **token)
+            try:
+                page = self._call("list_objects_v2", Prefix=base, **token)
+            except ClientError as e:  # a missing bucket, a denied listing: configuration, named
+                raise RemoteError("remote-error", f"{self.url}: list {base}: {e}") from None
             for obj in page.get("Contents", []):
                 yield obj["Key"][len(base) :]
             if not page.get("IsTruncated"):

@@ -460,8 +460,36 @@ def test_trace_facts_are_shared_only_when_a_trusted_publisher_signed_them(
     tampered = a.remote.get_json(a.remote.facts_name("i1")).doc  # type: ignore[union-attr]
     tampered["facts"] = {**facts, "graph_digest": "evil"}
     assert a.remote.create(a.remote.facts_name("i4"), json.dumps({**tampered, "inputs": "i4"}).encode())
+    # facts no canonical form admits (NaN): ignored like any bad fact, never a crashed plan
+    nan = {**tampered, "inputs": "i5", "facts": {**facts, "nodes": float("nan")}}
+    assert a.remote.create(a.remote.facts_name("i5"), json.dumps(nan).encode())
     b = shared_at(tmp_path / "b", prefix, keys)
-    assert b.pull_facts(["i0", "i1", "i2", "i3", "i4", "i5"]) == {"i1": facts}
+    assert b.pull_facts(["i0", "i1", "i2", "i3", "i4", "i5", "i6"]) == {"i1": facts}
+
+
+def test_a_listing_the_store_refuses_is_one_named_error(s3: S3, keys: dict[str, tuple[Path, str]]) -> None:
+    missing = Remote(f"s3://no-such-bucket-{secrets.token_hex(3)}/p")
+    with pytest.raises(RemoteError) as info:
+        missing.list_keys()
+    assert info.value.code == "remote-error" and "NoSuchBucket" in info.value.detail
+
+
+def test_republishing_a_key_admitted_before_the_remote_keeps_it_servable_here(
+    s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], signing: None, request: pytest.FixtureRequest
+) -> None:
+    """A key admitted unsigned (before the workspace declared its remote) is signed when it is
+    published, and the local ref carries that signature, so this cache still serves it."""
+    shared = shared_at(tmp_path / "a", prefix_of(request), keys)
+    key, art = new_key(), artifact(tmp_path)
+    assert shared.local.admit(key, art, metadata={"labels": ["//t"]}).status == "admitted"
+    assert shared.unpublished({key}) == [key]
+    assert shared.republish(key) == ("admitted", shared.local.read_ref(key).object)  # type: ignore[union-attr]
+    ref = shared.remote.get_json(shared.remote.ref_name(key))
+    local = shared.local.read_ref(key)
+    assert ref is not None and local is not None
+    assert local.metadata == {"labels": ["//t"], "signature": ref.doc["signature"]}
+    assert shared.resolve(key).ref == local
+    assert shared.unpublished({key}) == []
 
 
 def test_an_object_overwritten_in_place_is_uploaded_again_not_trusted(
