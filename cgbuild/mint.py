@@ -301,8 +301,8 @@ def _admit(mk: MintKey, result: dict[str, Any], store: Store, shared: SharedStor
             run = _evidence_run(result, "mint")
             if shared is None:
                 store.add_evidence(mk.key, evidence_host(), run)
-            else:
-                shared.add_evidence(mk.key, run)
+            elif (why := shared.add_evidence(mk.key, run)) is not None:
+                result["evidence"] = f"kept on this machine only: {why}"
         if admission.status == "conflict":
             result.update(
                 ok=False,

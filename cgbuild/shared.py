@@ -206,12 +206,21 @@ class SharedStore:
             self.local.retire(key, f"the shared store holds {standing} for this key (mint-once)")
         return status, standing
 
-    def add_evidence(self, key: str, run: dict[str, Any]) -> None:
-        """One lane-evidence run, locally and as a new remote object (never read-modify-write)."""
+    def add_evidence(self, key: str, run: dict[str, Any]) -> str | None:
+        """One lane-evidence run, locally and as a new remote object (never read-modify-write).
+
+        Evidence explains a sealed verdict; it is not the artifact. A store that refuses it
+        leaves the run on this machine and the published artifact standing: the reason is
+        returned (None when the remote has it), never raised.
+        """
         self.local.add_evidence(key, self.host, run)
         doc = {"schema": "cgbuild.lane-evidence-run/1", "key": key, "host": self.host, "run": run}
         name = self.remote.name("evidence", key, f"{_unique(self.host)}.json")
-        self.remote.create(name, json.dumps(doc, sort_keys=True).encode())
+        try:
+            self.remote.create(name, json.dumps(doc, sort_keys=True).encode())
+        except RemoteError as e:
+            return e.detail
+        return None
 
     def read_evidence(self, key: str) -> list[dict[str, Any]]:
         """Every remote lane-evidence run of `key`, from every host, oldest name first."""

@@ -3,7 +3,8 @@
 moto's server mode speaks the S3 wire protocol (create-only writes with If-None-Match, multipart
 uploads, conditional deletes), so cgbuild's own boto3 client talks to it exactly as to a bucket.
 The proxy forwards every request unchanged and logs it (to count what a command asked), or drops
-the If-None-Match header: a store that ignores create-only writes, for the capability probe.
+the If-None-Match header: a store that ignores create-only writes, for the capability probe; or
+denies one prefix, as a bucket policy would.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class Proxy:
 
     upstream: tuple[str, int]
     strip_if_none_match: bool = False
+    deny: str | None = None
+    """Requests whose path holds this are answered 403 AccessDenied (a prefix a policy forbids)."""
     log: list[tuple[str, str]] = field(default_factory=list)
     server: ThreadingHTTPServer | None = None
 
@@ -51,6 +54,14 @@ class Proxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                if proxy.deny and proxy.deny in self.path:
+                    denied = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+                    self.send_response(403, "Forbidden")
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(denied)))
+                    self.end_headers()
+                    self.wfile.write(denied)
+                    return
                 if proxy.strip_if_none_match:
                     headers = {k: v for k, v in headers.items() if k.lower() != "if-none-match"}
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)

@@ -439,6 +439,28 @@ def test_lane_evidence_from_two_cards_accumulates_beside_the_sealed_object(
     assert b.resolve(key).path.read_bytes() == art.read_bytes()
 
 
+def test_evidence_the_store_refuses_stays_local_and_the_artifact_stands(
+    s3: S3,
+    tmp_path: Path,
+    keys: dict[str, tuple[Path, str]],
+    signing: None,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+) -> None:
+    proxy = Proxy(s3.upstream, deny="/evidence/").start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        shared = shared_at(tmp_path / "s", prefix_of(request), keys)
+        key = new_key()
+        assert shared.admit(key, artifact(tmp_path), metadata={}).status == "admitted"
+        why = shared.add_evidence(key, {"verdict": {"linear": "baseline"}})
+        assert why is not None and "AccessDenied" in why
+        assert shared.local.read_evidence(key)[shared.host]["runs"] == [{"verdict": {"linear": "baseline"}}]
+        assert key in shared.remote.list_keys()
+    finally:
+        proxy.stop()
+
+
 def test_trace_facts_are_shared_only_when_a_trusted_publisher_signed_them(
     s3: S3,
     tmp_path: Path,
