@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .planner import make_plan
+    from .remote import RemoteError
     from .store import StoreError
 
     ws = workspace(args)
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             update(i, len(todo), labels[key][0])
             try:
                 got = shared.pull(key)
-            except StoreError as e:
+            except (StoreError, RemoteError) as e:  # one key's failure is reported, the rest go on
                 refused.append({"key": key, "labels": labels[key], "code": e.code, "detail": e.detail})
                 continue
             pulled.append({"key": key, "labels": labels[key], "size": got.ref.size, "signer": got.signer})

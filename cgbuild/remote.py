@@ -187,7 +187,7 @@ class Remote:
 
     def download(self, sha: str, out: BinaryIO) -> tuple[str, int]:
         """Stream an object into `out`; returns the (sha256, size) of what arrived."""
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             body = self._call("get_object", Key=self.object_name(sha))["Body"]
@@ -195,10 +195,14 @@ class Remote:
             raise RemoteError("remote-error", f"{self.url}: get object {sha[:12]}: {e}") from None
         h = hashlib.sha256()
         size = 0
-        for block in body.iter_chunks(_CHUNK):
-            h.update(block)
-            out.write(block)
-            size += len(block)
+        with contextlib.closing(body):
+            try:
+                for block in body.iter_chunks(_CHUNK):
+                    h.update(block)
+                    out.write(block)
+                    size += len(block)
+            except BotoCoreError as e:  # the connection broke mid-body
+                raise RemoteError("remote-unavailable", f"{self.url}: get object {sha[:12]}: {e}") from None
         return h.hexdigest(), size
 
     # ---- writing -----------------------------------------------------------------------------

@@ -4,7 +4,7 @@ moto's server mode speaks the S3 wire protocol (create-only writes with If-None-
 uploads, conditional deletes), so cgbuild's own boto3 client talks to it exactly as to a bucket.
 The proxy forwards every request unchanged and logs it (to count what a command asked), or drops
 the If-None-Match header: a store that ignores create-only writes, for the capability probe; or
-denies one prefix, as a bucket policy would.
+denies one prefix, as a bucket policy would; or drops the connection halfway through a body.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ class Proxy:
     strip_if_none_match: bool = False
     deny: str | None = None
     """Requests whose path holds this are answered 403 AccessDenied (a prefix a policy forbids)."""
+    cut: str | None = None
+    """GETs whose path holds this get their headers and half the body, then the connection drops."""
     log: list[tuple[str, str]] = field(default_factory=list)
     server: ThreadingHTTPServer | None = None
 
@@ -74,7 +76,10 @@ class Proxy:
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                if self.command != "HEAD":
+                if self.command == "GET" and proxy.cut and proxy.cut in self.path:
+                    self.wfile.write(data[: len(data) // 2])
+                    self.close_connection = True
+                elif self.command != "HEAD":
                     self.wfile.write(data)
                 conn.close()
 

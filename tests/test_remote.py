@@ -461,6 +461,30 @@ def test_evidence_the_store_refuses_stays_local_and_the_artifact_stands(
         proxy.stop()
 
 
+def test_a_connection_lost_mid_download_is_not_corruption(
+    s3: S3,
+    tmp_path: Path,
+    keys: dict[str, tuple[Path, str]],
+    signing: None,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+) -> None:
+    """Half a body then a dropped connection is the network, not the object: the pull fails as
+    `remote-unavailable`, and the key is neither cached nor quarantined in the shared store."""
+    prefix, a, key, _ = publish_one(tmp_path, keys, request)
+    proxy = Proxy(s3.upstream, cut="/objects/").start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        b = shared_at(tmp_path / "b", prefix, keys)
+        with pytest.raises(RemoteError) as info:
+            b.pull(key)
+    finally:
+        proxy.stop()
+    assert info.value.code == "remote-unavailable"
+    assert b.local.read_ref(key) is None
+    assert key in a.remote.list_keys() and not a.quarantine_records(key)
+
+
 def test_trace_facts_are_shared_only_when_a_trusted_publisher_signed_them(
     s3: S3,
     tmp_path: Path,
@@ -689,6 +713,28 @@ def test_mint_publishes_what_only_this_cache_holds(
     assert (ref.doc["object"], ref.doc["signature"]) == (local.object, local.metadata["signature"])
     assert remote.has_object(local.object, local.size)
     assert last_json(cli(moved, "mint", MLP8, "--json", env=env))["published"] == []
+
+
+@pytest.mark.slow
+def test_fetch_reports_a_key_the_store_refuses_and_goes_on(
+    published: tuple[Path, str, str],
+    s3: S3,
+    keys: dict[str, tuple[Path, str]],
+    toy_reference: Path,
+    tmp_path: Path,
+) -> None:
+    _, url, key = published
+    clone = toy_with_remote(tmp_path / "clone", toy_reference, url, [keys["ci"][1]])
+    proxy = Proxy(s3.upstream, deny="/objects/").start()  # refs readable, objects forbidden
+    try:
+        proc = cli(clone, "fetch", MLP8, "--json", env=child_env(s3, AWS_ENDPOINT_URL=proxy.url))
+    finally:
+        proxy.stop()
+    summary = last_json(proc)
+    assert proc.returncode == 1 and summary["pulled"] == []
+    (refused,) = summary["refused"]
+    assert refused["key"] == key and refused["code"] == "remote-error" and "AccessDenied" in refused["detail"]
+    assert Store(clone / ".cgbuild" / "store").read_ref(key) is None
 
 
 def _toy_module(ws_path: Path) -> Any:
