@@ -23,7 +23,6 @@ same durable record as a local mint.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import queue
 import socket
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from . import cgfile
+from .canon import sha256_file
 from .errors import UserError
 from .mint import MintKey, _write_record, mint_one
 from .planner import Workspace
@@ -67,10 +67,6 @@ def parse_executor(value: str) -> Executor:
         if host and sep and port.isdigit():
             return Executor("ray", address)
     raise UserError(f"unknown executor {value!r}: use local, ray or ray://HOST:PORT", field="--executor")
-
-
-def cgfile_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # ---- driver -----------------------------------------------------------------------------------
@@ -139,7 +135,7 @@ class Order:
 
 def order_for(ws: Workspace, mk: MintKey) -> Order:
     path = ws.cg.path.resolve()
-    return Order(str(path), cgfile_digest(path), mk.key, mk.entries, mk.toolchain)
+    return Order(str(path), sha256_file(str(path)), mk.key, mk.entries, mk.toolchain)
 
 
 def _failure(code: str, detail: str, *, retryable: bool, phase: str = "fleet") -> dict[str, Any]:
@@ -258,7 +254,7 @@ def _workspace_here(order: Order) -> tuple[Workspace, MintKey]:
     path = Path(order.cgfile)
     host = socket.gethostname()
     try:
-        here = cgfile_digest(path)
+        here = sha256_file(str(path))
     except OSError as exc:
         raise _Refusal(
             "workspace-missing", f"node {host} cannot read the workspace's Cgfile {path}: {exc.strerror}"

@@ -18,7 +18,6 @@ adopt use either. What it adds, and why:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -33,7 +32,7 @@ from typing import Any
 from . import trust
 from .canon import canonical_json
 from .remote import Remote, RemoteError, RemoteRef
-from .store import Admission, Corrupt, Missing, Ref, RefState, Resolved, Store, StoreError
+from .store import Admission, Corrupt, Missing, Ref, RefState, Resolved, Store, StoreError, hash_file
 
 REMOTE_REF_SCHEMA = "cgbuild.remote-ref/1"
 REMOTE_QUARANTINE_SCHEMA = "cgbuild.remote-quarantine/1"
@@ -64,16 +63,6 @@ class Pulled:
 
     ref: Ref
     signer: str
-
-
-def _hash(path: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-            size += len(block)
-    return h.hexdigest(), size
 
 
 def _unique(host: str) -> str:
@@ -138,7 +127,7 @@ class SharedStore:
         copy is retired (quarantined) so this cache never serves what the fleet does not.
         """
         signer = self.check_publishable()
-        sha, size = _hash(Path(artifact))
+        sha, size = hash_file(Path(artifact))
         signature = signer.sign(trust.artifact_statement(key, sha, size))
         local = self.local.admit(
             key, artifact, metadata={**metadata, "signature": signature}, expected_sha256=sha
