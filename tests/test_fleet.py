@@ -125,6 +125,11 @@ def test_bad_or_unreachable_executor_is_bad_input(tmp_path: Path, toy_reference:
     assert time.monotonic() - started < 30
 
 
+def test_check_on_the_fleet_is_refused(tmp_path: Path) -> None:
+    proc = cli(tmp_path, "mint", MLP8, "--check", "--executor", "ray://127.0.0.1:1")
+    assert proc.returncode == 2 and "--check compares bytes on this machine" in proc.stderr
+
+
 def test_admission_blocks_keys_no_node_offers(tmp_path: Path, toy_reference: Path) -> None:
     ws = copy_toy(tmp_path / "toy", toy_reference)
     text = (ws / "Cgfile").read_text()

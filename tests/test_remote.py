@@ -365,6 +365,30 @@ def test_publishing_without_a_signing_key_is_refused(
     assert not list(shared.local.iter_refs())
 
 
+def test_publishing_with_a_key_file_that_is_no_key_is_refused(
+    s3: S3,
+    tmp_path: Path,
+    keys: dict[str, tuple[Path, str]],
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+) -> None:
+    bogus = tmp_path / "not-a-key.pem"
+    bogus.write_text("-----BEGIN NOTHING-----\n")
+    monkeypatch.setenv(SIGNING_KEY_ENV, str(bogus))
+    shared = shared_at(tmp_path / "s", prefix_of(request), keys)
+    with pytest.raises(PublishRefused) as info:
+        shared.admit(new_key(), artifact(tmp_path), metadata={})
+    assert info.value.code == "bad-signing-key" and str(bogus) in info.value.detail
+    assert not list(shared.local.iter_refs()) and not shared.remote.list_keys()
+
+
+def test_keygen_refuses_a_bad_publisher_name(tmp_path: Path) -> None:
+    keygen = ["trust", "keygen", str(tmp_path / "k.pem"), "--name", "Bad Name"]
+    proc = subprocess.run([sys.executable, "-m", "cgbuild.cli", *keygen], capture_output=True, text=True)
+    assert proc.returncode == 2 and "bad publisher name" in proc.stderr
+    assert not (tmp_path / "k.pem").exists()
+
+
 # ---- large objects -----------------------------------------------------------------------------
 def test_large_objects_upload_in_parts(
     s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], signing: None, request: pytest.FixtureRequest
