@@ -115,7 +115,9 @@ class Remote:
                 import boto3
                 from botocore.config import Config
 
-                self._client = boto3.client("s3", config=Config(retries={"mode": "standard"}))
+                # its own session: boto3's default one caches credentials for the whole process
+                session = boto3.session.Session()
+                self._client = session.client("s3", config=Config(retries={"mode": "standard"}))
                 if os.environ.get(FAULT_ENV):
                     _install_fault(self._client, os.environ[FAULT_ENV])
             return self._client

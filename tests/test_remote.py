@@ -28,7 +28,7 @@ from cgbuild.canon import canonical_json
 from cgbuild.errors import UserError
 from cgbuild.remote import FAULT_ENV, MULTIPART_ENV, Remote, RemoteError
 from cgbuild.shared import PublishRefused, SharedStore, Untrusted
-from cgbuild.store import Corrupt, Store
+from cgbuild.store import Corrupt, Store, StoreError
 from cgbuild.trust import SIGNING_KEY_ENV, TrustError, load_signer, public_key_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -542,6 +542,29 @@ def test_a_listing_the_store_refuses_is_one_named_error(s3: S3, keys: dict[str, 
     with pytest.raises(RemoteError) as info:
         missing.list_keys()
     assert info.value.code == "remote-error" and "NoSuchBucket" in info.value.detail
+
+
+def test_no_credentials_is_one_named_error(s3: S3, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookups here
+    with pytest.raises(RemoteError) as info:
+        Remote(f"s3://{BUCKET}/p").list_keys()
+    assert info.value.code == "no-credentials"
+
+
+def test_a_malformed_remote_ref_is_refused_not_pulled(
+    s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], signing: None, request: pytest.FixtureRequest
+) -> None:
+    prefix, a, key, _ = publish_one(tmp_path, keys, request)
+    other = new_key()
+    doc = {**a.remote.get_json(a.remote.ref_name(key)).doc, "key": other}  # type: ignore[union-attr]
+    doc["object"] = "not-a-sha"
+    assert a.remote.create(a.remote.ref_name(other), json.dumps(doc).encode())
+    b = shared_at(tmp_path / "b", prefix, keys)
+    with pytest.raises(StoreError, match="malformed remote ref"):
+        b.pull(other)
+    assert b.local.read_ref(other) is None
 
 
 def test_republishing_a_key_admitted_before_the_remote_keeps_it_servable_here(
