@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         path = store.resolve(key, verify=True).path
         rec = ws.state / "mint" / f"{key}.json"
         record = json.loads(rec.read_text()) if rec.exists() else None
-        evidence = store.read_evidence(key)
+        # with a shared store: every card's runs published beside the artifact, not this host's only
+        evidence = (ws.shared(store) or store).read_evidence(key)
     meta = read_metadata(path)
     doc = {
         "artifact": str(path),

@@ -32,7 +32,18 @@ from typing import Any
 from . import trust
 from .canon import canonical_json
 from .remote import Remote, RemoteError, RemoteRef
-from .store import Admission, Corrupt, Missing, Ref, RefState, Resolved, Store, StoreError, hash_file
+from .store import (
+    EVIDENCE_SCHEMA,
+    Admission,
+    Corrupt,
+    Missing,
+    Ref,
+    RefState,
+    Resolved,
+    Store,
+    StoreError,
+    hash_file,
+)
 
 REMOTE_REF_SCHEMA = "cgbuild.remote-ref/1"
 REMOTE_QUARANTINE_SCHEMA = "cgbuild.remote-quarantine/1"
@@ -211,14 +222,21 @@ class SharedStore:
             return e.detail
         return None
 
-    def read_evidence(self, key: str) -> list[dict[str, Any]]:
-        """Every remote lane-evidence run of `key`, from every host, oldest name first."""
-        runs = []
+    def read_evidence(self, key: str) -> dict[str, dict[str, Any]]:
+        """host → that host's evidence for `key`, shaped as `Store.read_evidence` gives it: every
+        run any card published beside the artifact, plus this cache's own documents for hosts
+        the remote lacks (runs a store refused)."""
+        out: dict[str, dict[str, Any]] = {}
         for name in sorted(self.remote.list_names(f"evidence/{key}")):
             got = self.remote.get_json(self.remote.name("evidence", key, name))
-            if got is not None:
-                runs.append(got.doc)
-        return runs
+            if got is None or not isinstance(got.doc.get("run"), dict):
+                continue
+            host = str(got.doc.get("host"))
+            doc = out.setdefault(host, {"schema": EVIDENCE_SCHEMA, "key": key, "host": host, "runs": []})
+            doc["runs"].append(got.doc["run"])
+        for host, doc in self.local.read_evidence(key).items():
+            out.setdefault(host, doc)
+        return out
 
     # ---- trace facts ---------------------------------------------------------------------------
     def pull_facts(self, inputs: list[str]) -> dict[str, dict[str, Any]]:

@@ -452,8 +452,8 @@ def test_lane_evidence_from_two_cards_accumulates_beside_the_sealed_object(
     a.add_evidence(key, {"median_ns": 1})
     b.add_evidence(key, {"median_ns": 2})
     a.add_evidence(key, {"median_ns": 3})
-    runs = b.read_evidence(key)
-    assert sorted((r["host"], r["run"]["median_ns"]) for r in runs) == [
+    runs = [(host, run["median_ns"]) for host, doc in b.read_evidence(key).items() for run in doc["runs"]]
+    assert sorted(runs) == [
         ("card-a", 1),
         ("card-a", 3),
         ("card-b", 2),
@@ -760,6 +760,20 @@ def test_mint_publishes_what_only_this_cache_holds(
     assert (ref.doc["object"], ref.doc["signature"]) == (local.object, local.metadata["signature"])
     assert remote.has_object(local.object, local.size)
     assert last_json(cli(moved, "mint", MLP8, "--json", env=env))["published"] == []
+
+
+@pytest.mark.slow
+def test_inspect_shows_every_cards_evidence_from_the_shared_store(
+    published: tuple[Path, str, str], s3: S3, keys: dict[str, tuple[Path, str]], tmp_path: Path
+) -> None:
+    ws, url, key = published
+    card_b = SharedStore(Store(tmp_path / "b"), Remote(url), trusted(keys["ci"][1]), "card-b")
+    assert card_b.add_evidence(key, {"how": "mint", "measured": {}}) is None
+    proc = cli(ws, "inspect", key, "--json", env=child_env(s3))
+    assert proc.returncode == 0, proc.stderr
+    evidence = json.loads(proc.stdout)["lane_evidence"]
+    assert evidence["card-b"]["runs"] == [{"how": "mint", "measured": {}}]
+    assert len(evidence) == 2  # the publisher's own mint run, from the remote, and card-b's
 
 
 @pytest.mark.slow
