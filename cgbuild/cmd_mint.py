@@ -226,12 +226,18 @@ def _check(args: argparse.Namespace, ws: Any, plan: dict[str, Any], refused: lis
         result = mint.check_key(ws, mk)
         same = bool(result.get("ok") and result.get("reproducible"))
         bad += not same
+        moved = result.get("verdict_moved")
+        if moved:
+            measured = (result.get("lane_evidence") or {}).get("measured") or {}
+            moved = {**moved, "measured_ns": {lane: run["median_ns"] for lane, run in measured.items()}}
         reports.append(
             {
                 "key": mk.key,
                 "labels": mk.labels,
                 "reproducible": same,
                 "differing": result.get("differing"),
+                "fields": result.get("fields"),
+                "verdict_moved": moved,
                 "error": None if result.get("ok") else result,
             }
         )
@@ -240,7 +246,19 @@ def _check(args: argparse.Namespace, ws: Any, plan: dict[str, Any], refused: lis
     else:
         out = console()
         for r in reports:
-            if r["reproducible"]:
+            if r["reproducible"] and r["verdict_moved"]:
+                rec, now = r["verdict_moved"]["recorded"] or {}, r["verdict_moved"]["now"] or {}
+                timings = ", ".join(
+                    f"{lane} {ns / 1000:.0f} µs" for lane, ns in r["verdict_moved"]["measured_ns"].items()
+                )
+                out.print(
+                    f"[green]build byte-identical[/] {r['key'][:12]} {' '.join(r['labels'])}; "
+                    f"[yellow]lane verdict moved[/]: recorded {rec.get('winner')} ({rec.get('binding')}), "
+                    f"now {now.get('winner')} ({now.get('binding')}) on {timings or 'no measurement'}: "
+                    "the lanes sit near the tie band's edge on this machine, so timing noise decides "
+                    "(docs/lanes.md)"
+                )
+            elif r["reproducible"]:
                 out.print(f"[green]byte-identical[/] {r['key'][:12]} {' '.join(r['labels'])}")
             elif r["error"]:
                 out.print(
@@ -248,5 +266,8 @@ def _check(args: argparse.Namespace, ws: Any, plan: dict[str, Any], refused: lis
                     f"{r['error'].get('detail')}"
                 )
             else:
-                out.print(f"[red]differs[/] {r['key'][:12]}: members {', '.join(r['differing'] or [])}")
+                fields = f"; metadata fields {', '.join(r['fields'])}" if r["fields"] else ""
+                out.print(
+                    f"[red]differs[/] {r['key'][:12]}: members {', '.join(r['differing'] or [])}{fields}"
+                )
     return 1 if bad else 0

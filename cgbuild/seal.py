@@ -165,3 +165,31 @@ def diff_artifacts(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> list
     """Names of members (and package entries) whose bytes differ or exist on one side only."""
     da, db = member_digests(a), member_digests(b)
     return sorted(name for name in da.keys() | db.keys() if da.get(name) != db.get(name))
+
+
+def _field_changes(a: Any, b: Any, path: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [
+            c for k in sorted(a.keys() | b.keys()) for c in _field_changes(a.get(k), b.get(k), f"{path}.{k}")
+        ]
+    return [] if a == b else [path.lstrip(".")]
+
+
+def compare_artifacts(recorded: str | os.PathLike[str], now: str | os.PathLike[str]) -> dict[str, Any]:
+    """Two mints of one key: is the BUILD reproducible, and did the measured lane verdict move?
+
+    The lane verdict is the one sealed fact that comes from timings: near the tie band's edge
+    noise moves it (DESIGN §4), which says nothing about the compile. So a difference confined to
+    `lanes.verdict` keeps `reproducible` true and is reported under `verdict_moved`.
+    """
+    differing = diff_artifacts(recorded, now)
+    fields: list[str] = []
+    moved = None
+    if METADATA in differing:
+        ma, mb = read_metadata(recorded), read_metadata(now)
+        fields = _field_changes(ma, mb, "")
+        va, vb = (m.get("lanes", {}).get("verdict") for m in (ma, mb))
+        if va != vb:
+            moved = {"recorded": va, "now": vb}
+    build = [m for m in differing if m != METADATA] + [f for f in fields if not f.startswith("lanes.verdict")]
+    return {"reproducible": not build, "differing": differing, "fields": fields, "verdict_moved": moved}

@@ -49,8 +49,8 @@ checks), `lanes` {`axes`: [[axis, declared values]] in declaration order, `needs
 needs}}, `sku`: {`name`, `memory_bytes`} the verdict is fitted to}, `labels`, `cxx` (compiler
 override), `out` (folder for `<key>.tar.gz`),
 `sandbox` (default `DEFAULT_SANDBOX`), `fresh` (empty the sandbox first, under an exclusive lock),
-`compare_with` (an earlier artifact of the key: the result says `reproducible` and names the
-`differing` members), `timeout_s` (per stage).
+`compare_with` (an earlier artifact of the key: the result adds `seal.compare_artifacts`'s
+`reproducible`, `differing` members, metadata `fields` and `verdict_moved`), `timeout_s` (per stage).
 Result: `{"id", "ok": true, "key", "artifact", "sha256", "size", "members": {name: sha256},
 "verify": [{"output", "rel_rms", "max_abs"}], "phases": {"export", "compile", "verify", "lanes"?,
 "seal", "total"}, "lane_evidence"?: {raw timings, samples, peaks, device, numerics, verdict}}` (the
@@ -84,7 +84,7 @@ from typing import Any
 
 import cgbuild
 from cgbuild import compiler, policy
-from cgbuild.seal import LITERALS, PACKAGE, diff_artifacts, member_digests, read_metadata, seal
+from cgbuild.seal import LITERALS, PACKAGE, compare_artifacts, member_digests, read_metadata, seal
 
 REQUEST_SCHEMA = "cgbuild.mint-request/1"
 ARTIFACT_SCHEMA = "cgbuild.artifact/1"
@@ -310,9 +310,7 @@ def mint(req: dict[str, Any], progress: Callable[[str], None] | None = None) -> 
         if evidence is not None:
             result["lane_evidence"] = evidence
         if req.get("compare_with"):
-            differing = diff_artifacts(req["compare_with"], artifact)
-            result["reproducible"] = not differing
-            result["differing"] = differing
+            result.update(compare_artifacts(req["compare_with"], artifact))
         shutil.rmtree(work, ignore_errors=True)
         return result
     except MintFailure as e:

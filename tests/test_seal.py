@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cgbuild.seal import SealError, diff_artifacts, read_metadata, seal, unseal
+from cgbuild.seal import SealError, compare_artifacts, diff_artifacts, read_metadata, seal, unseal
 
 META = {"key": "ab12", "graph": {"digest": "00ff"}, "torch": "2.13.0+cpu", "facets": ["8x64-b1"]}
 
@@ -82,3 +82,33 @@ def test_diff_names_differing_package_entries(tmp_path: Path) -> None:
         "model.pt2",
         "model.pt2!.data/serialization_id",
     ]
+
+
+def test_a_moved_lane_verdict_is_reported_apart_from_the_build(tmp_path: Path) -> None:
+    """Timing noise near the tie band moves a verdict (DESIGN §4): reported, not a build difference."""
+    pkg = _pt2(tmp_path / "m.pt2", {"data/aotinductor/model/k.cpp": b"int k;"})
+    speed = {"winner": "baseline", "binding": "speed", "peaks": {"baseline": 1, "chunked": 1}}
+    tie = {**speed, "binding": "tie-peak"}
+    lanes = {"axes": [{"axis": "linear"}], "excluded": {}}
+    seal(tmp_path / "a.tgz", {**META, "lanes": {**lanes, "verdict": speed}}, {"model.pt2": pkg})
+    seal(tmp_path / "b.tgz", {**META, "lanes": {**lanes, "verdict": tie}}, {"model.pt2": pkg})
+    moved = compare_artifacts(tmp_path / "a.tgz", tmp_path / "b.tgz")
+    assert moved["reproducible"] is True and moved["differing"] == ["metadata.json"]
+    assert moved["fields"] == ["lanes.verdict.binding"]
+    assert moved["verdict_moved"] == {"recorded": speed, "now": tie}
+    # any other metadata field is the build's own: not reproducible, and named
+    seal(
+        tmp_path / "c.tgz",
+        {**META, "torch": "2.14.1", "lanes": {**lanes, "verdict": tie}},
+        {"model.pt2": pkg},
+    )
+    both = compare_artifacts(tmp_path / "a.tgz", tmp_path / "c.tgz")
+    assert both["reproducible"] is False and both["fields"] == ["lanes.verdict.binding", "torch"]
+    # a moved axis list is not the verdict, even though it sits beside it
+    seal(tmp_path / "d.tgz", {**META, "lanes": {**lanes, "axes": [], "verdict": speed}}, {"model.pt2": pkg})
+    axes = compare_artifacts(tmp_path / "a.tgz", tmp_path / "d.tgz")
+    assert (
+        axes["reproducible"] is False and axes["verdict_moved"] is None and axes["fields"] == ["lanes.axes"]
+    )
+    same = compare_artifacts(tmp_path / "a.tgz", tmp_path / "a.tgz")
+    assert same == {"reproducible": True, "differing": [], "fields": [], "verdict_moved": None}
