@@ -4,7 +4,8 @@ moto's server mode speaks the S3 wire protocol (create-only writes with If-None-
 uploads, conditional deletes), so cgbuild's own boto3 client talks to it exactly as to a bucket.
 The proxy forwards every request unchanged and logs it (to count what a command asked), or drops
 the If-None-Match header: a store that ignores create-only writes, for the capability probe; or
-denies one prefix, as a bucket policy would; or drops the connection halfway through a body.
+denies one prefix, as a bucket policy would; or drops the connection halfway through a body; or
+answers a create-only write "exists" for a name nobody can read.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class Proxy:
     """Requests whose path holds this are answered 403 AccessDenied (a prefix a policy forbids)."""
     cut: str | None = None
     """GETs whose path holds this get their headers and half the body, then the connection drops."""
+    refuse_create: str | None = None
+    """Create-only PUTs whose path holds this are answered 412 and never reach the store: the
+    writer is told the name exists, a reader finds nothing (as if quarantined in between)."""
     log: list[tuple[str, str]] = field(default_factory=list)
     server: ThreadingHTTPServer | None = None
 
@@ -63,6 +67,15 @@ class Proxy:
                     self.send_header("Content-Length", str(len(denied)))
                     self.end_headers()
                     self.wfile.write(denied)
+                    return
+                refused = proxy.refuse_create and proxy.refuse_create in self.path
+                if refused and self.command == "PUT" and "If-None-Match" in self.headers:
+                    failed = b"<Error><Code>PreconditionFailed</Code><Message>exists</Message></Error>"
+                    self.send_response(412, "Precondition Failed")
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(failed)))
+                    self.end_headers()
+                    self.wfile.write(failed)
                     return
                 if proxy.strip_if_none_match:
                     headers = {k: v for k, v in headers.items() if k.lower() != "if-none-match"}

@@ -350,6 +350,29 @@ def test_a_store_without_create_only_writes_is_refused(
         proxy.stop()
 
 
+def test_a_ref_that_exists_for_the_writer_but_never_for_a_reader_gives_up(
+    s3: S3,
+    tmp_path: Path,
+    keys: dict[str, tuple[Path, str]],
+    signing: None,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+) -> None:
+    """Each refused create reads the standing ref; one that keeps vanishing is an error after three
+    tries, not a loop, and the key stays unpublished in the cache (the next mint republishes it)."""
+    proxy = Proxy(s3.upstream, refuse_create="/refs/").start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        shared = shared_at(tmp_path / "s", prefix_of(request), keys)
+        key = new_key()
+        with pytest.raises(RemoteError, match="ref kept vanishing"):
+            shared.admit(key, artifact(tmp_path), metadata={})
+        assert len(proxy.requests("PUT", f"/refs/{key}")) == 3
+        assert shared.local.ref_state(key) == "fresh" and shared.unpublished({key}) == [key]
+    finally:
+        proxy.stop()
+
+
 def test_publishing_without_a_signing_key_is_refused(
     s3: S3,
     tmp_path: Path,
