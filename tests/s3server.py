@@ -55,28 +55,24 @@ class Proxy:
             def log_message(self, *args: Any) -> None:
                 pass
 
+            def _error(self, status: int, reason: str, code: str) -> None:
+                body = f"<Error><Code>{code}</Code><Message>{reason}</Message></Error>".encode()
+                self.send_response(status, reason)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
             def _forward(self) -> None:
                 proxy.log.append((self.command, self.path))
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
                 if proxy.deny and proxy.deny in self.path:
-                    denied = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
-                    self.send_response(403, "Forbidden")
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(denied)))
-                    self.end_headers()
-                    self.wfile.write(denied)
-                    return
+                    return self._error(403, "Forbidden", "AccessDenied")
                 refused = proxy.refuse_create and proxy.refuse_create in self.path
                 if refused and self.command == "PUT" and "If-None-Match" in self.headers:
-                    failed = b"<Error><Code>PreconditionFailed</Code><Message>exists</Message></Error>"
-                    self.send_response(412, "Precondition Failed")
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(failed)))
-                    self.end_headers()
-                    self.wfile.write(failed)
-                    return
+                    return self._error(412, "Precondition Failed", "PreconditionFailed")
                 if proxy.strip_if_none_match:
                     headers = {k: v for k, v in headers.items() if k.lower() != "if-none-match"}
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
