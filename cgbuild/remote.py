@@ -84,6 +84,9 @@ class Remote:
         self.multipart_threshold = multipart_threshold or int(env or DEFAULT_MULTIPART)
         self.probed = False
         """Set once `probe` has passed, so a process probes each store once."""
+        self.listed: set[str] | None = None
+        """The keys `refs/` listed, once per process (the plan's listing serves the mint after it);
+        keys this process publishes are added."""
         self._client: Any = None
         self._lock = threading.Lock()
 

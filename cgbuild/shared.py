@@ -88,15 +88,14 @@ class SharedStore:
         self.remote = remote
         self.trusted = trusted
         self.host = host
-        self._keys: set[str] | None = None
         self._signer: trust.Signer | None = None
 
     # ---- plan ----------------------------------------------------------------------------------
     def remote_keys(self) -> set[str]:
-        """Keys with a remote ref, listed once per instance (batched pages of 1,000)."""
-        if self._keys is None:
-            self._keys = self.remote.list_keys()
-        return self._keys
+        """Keys with a remote ref, listed once per process (batched pages of 1,000)."""
+        if self.remote.listed is None:
+            self.remote.listed = self.remote.list_keys()
+        return self.remote.listed
 
     def ref_state(self, key: str) -> RefState:
         """`fresh` when the local cache holds the key or the remote lists it; else the local state."""
@@ -170,8 +169,8 @@ class SharedStore:
         body = (canonical_json(doc) + "\n").encode()
         for _ in range(3):
             if self.remote.create(self.remote.ref_name(key), body):
-                if self._keys is not None:
-                    self._keys.add(key)
+                if self.remote.listed is not None:
+                    self.remote.listed.add(key)
                 return "admitted", sha
             standing = self.remote.get_json(self.remote.ref_name(key))
             if standing is None:
@@ -356,8 +355,8 @@ class SharedStore:
         if not self.remote.delete(self.remote.ref_name(key), etag=seen.etag):
             return  # already replaced by a repair: leave it
         self.remote.delete(self.remote.object_name(str(seen.doc["object"])))
-        if self._keys is not None:
-            self._keys.discard(key)
+        if self.remote.listed is not None:
+            self.remote.listed.discard(key)
 
     def quarantine_records(self, key: str) -> list[dict[str, Any]]:
         return [
