@@ -27,8 +27,8 @@ import json
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,6 +142,16 @@ def _failure(code: str, detail: str, *, retryable: bool, phase: str = "fleet") -
     return {"ok": False, "code": code, "retryable": retryable, "phase": phase, "detail": detail}
 
 
+@dataclass
+class _Followed:
+    """One submitted key as the driver follows it: its stream, its last word, when it last spoke."""
+
+    mk: MintKey
+    gen: Any
+    heard: float
+    final: dict[str, Any]
+
+
 class Fleet:
     """Mints keys on the cluster the driver joined; `placed` says which node runs each key now."""
 
@@ -151,70 +161,102 @@ class Fleet:
     def mint_keys(
         self, ws: Workspace, keys: list[MintKey], on_event: Callable[[MintKey, str], None] | None = None
     ) -> list[MintKey]:
-        """Submit every key at once (the cluster's resources pace them); follow each to its result."""
+        """Submit every key at once (the cluster's resources pace them) and follow them all from
+        one loop: each arrival costs one `ray.wait`, so thousands of keys need no thread each."""
         import ray
 
         task = ray.remote(mint_on_node)
-        gens = [
-            task.options(
-                resources={mk.target.id.sm: 1},
-                num_cpus=0,
-                max_retries=NODE_RETRIES,
-                retry_exceptions=False,
-                num_returns="streaming",
-                name=f"mint {mk.labels[0]}",
-            ).remote(order_for(ws, mk))
-            for mk in keys
-        ]
-        with ThreadPoolExecutor(max_workers=max(1, len(keys))) as pool:
-            list(pool.map(lambda pair: self._follow(ws, *pair, on_event), zip(keys, gens, strict=True)))
+        now = time.monotonic()
+        live = {
+            f.gen: f
+            for f in (
+                _Followed(
+                    mk,
+                    task.options(
+                        resources={mk.target.id.sm: 1},
+                        num_cpus=0,
+                        max_retries=NODE_RETRIES,
+                        retry_exceptions=False,
+                        num_returns="streaming",
+                        name=f"mint {mk.labels[0]}",
+                    ).remote(order_for(ws, mk)),
+                    now,
+                    {"result": _failure("fleet-error", "the node returned no result", retryable=True)},
+                )
+                for mk in keys
+            )
+        }
+        checked = now
+        while live:
+            ready, _ = ray.wait([f.gen for f in live.values()], num_returns=1, timeout=WATCH_S)
+            for gen in ready:
+                f = live[gen]
+                f.heard = time.monotonic()
+                final = self._take(f, on_event)
+                if final is not None:
+                    del live[gen]
+                    self._finish(ws, f.mk, final, on_event)
+            if time.monotonic() - checked >= WATCH_S:
+                checked = time.monotonic()
+                self._drop_orphans(ws, live, on_event)
         return keys
 
-    def _follow(
-        self, ws: Workspace, mk: MintKey, gen: Any, on_event: Callable[[MintKey, str], None] | None
+    def _take(self, f: _Followed, on_event: Callable[[MintKey, str], None] | None) -> dict[str, Any] | None:
+        """Read one message of a ready stream: a phase goes to `on_event` (a change of node shows
+        as `retrying`); returns the key's last word once its stream ends or breaks."""
+        import ray
+
+        try:
+            message = ray.get(next(f.gen))
+        except StopIteration:
+            return f.final
+        except ray.exceptions.RayError as exc:
+            return {"result": _failure("fleet-error", f"{type(exc).__name__}: {exc}", retryable=True)}
+        if "phase" not in message:
+            f.final = message
+            return None
+        key = f.mk.key
+        if self.placed.get(key, message["node"]) != message["node"] and on_event:
+            on_event(f.mk, "retrying")
+        self.placed[key] = message["node"]
+        if on_event:
+            on_event(f.mk, message["phase"])
+        return None
+
+    def _drop_orphans(
+        self, ws: Workspace, live: dict[Any, _Followed], on_event: Callable[[MintKey, str], None] | None
     ) -> None:
-        """Relay one key's phases; take its result and keep its record on the driver too."""
-        final = self._relay(mk, gen, on_event)
+        """A key silent for WATCH_S whose sm no live node offers any more is cancelled and failed
+        (`fleet-node-lost`), never left queued for a node that will not come."""
+        import ray
+
+        quiet = [f for f in live.values() if time.monotonic() - f.heard >= WATCH_S]
+        if not quiet:
+            return
+        resources = offered()
+        for f in quiet:
+            sm = f.mk.target.id.sm
+            if resources.get(sm, 0) >= 1:
+                continue
+            ray.cancel(f.gen, force=True)
+            del live[f.gen]
+            detail = f"no live node offers {sm!r} any more (the node minting it was lost)"
+            self._finish(ws, f.mk, {"result": _failure("fleet-node-lost", detail, retryable=True)}, on_event)
+
+    def _finish(
+        self,
+        ws: Workspace,
+        mk: MintKey,
+        final: dict[str, Any],
+        on_event: Callable[[MintKey, str], None] | None,
+    ) -> None:
+        """Take the key's result and keep its record on the driver too."""
         mk.result = final["result"]
         settle_visibility(ws, mk, final.get("node", {}).get("host", "?"))
         if "record" in final:
             _write_record(ws.state / "mint" / f"{mk.key}.json", {**final["record"], "node": final["node"]})
         if on_event:
             on_event(mk, "done" if mk.result.get("ok") else "failed")
-
-    def _relay(
-        self, mk: MintKey, gen: Any, on_event: Callable[[MintKey, str], None] | None
-    ) -> dict[str, Any]:
-        """Each phase to `on_event` as it arrives (a change of node shows as `retrying`); the
-        task's last message, or a typed failure when no live node can finish it."""
-        import ray
-
-        sm = mk.target.id.sm
-        final: dict[str, Any] = {
-            "result": _failure("fleet-error", "the node returned no result", retryable=True)
-        }
-        while True:
-            ready, _ = ray.wait([gen], timeout=WATCH_S)
-            if not ready:
-                if offered().get(sm, 0) < 1:
-                    ray.cancel(gen, force=True)
-                    detail = f"no live node offers {sm!r} any more (the node minting it was lost)"
-                    return {"result": _failure("fleet-node-lost", detail, retryable=True)}
-                continue
-            try:
-                message = ray.get(next(gen))
-            except StopIteration:
-                return final
-            except ray.exceptions.RayError as exc:
-                return {"result": _failure("fleet-error", f"{type(exc).__name__}: {exc}", retryable=True)}
-            if "phase" not in message:
-                final = message
-                continue
-            if self.placed.get(mk.key, message["node"]) != message["node"] and on_event:
-                on_event(mk, "retrying")
-            self.placed[mk.key] = message["node"]
-            if on_event:
-                on_event(mk, message["phase"])
 
 
 def settle_visibility(ws: Workspace, mk: MintKey, host: str) -> None:
