@@ -87,6 +87,8 @@ class Remote:
         self.listed: set[str] | None = None
         """The keys `refs/` listed, once per process (the plan's listing serves the mint after it);
         keys this process publishes are added."""
+        self.seen: set[str] | None = None
+        """The keys a recent listing or publish saw, as `SharedStore.seen_keys` read them."""
         self._client: Any = None
         self._lock = threading.Lock()
 

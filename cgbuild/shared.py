@@ -4,7 +4,9 @@
 adopt use either. What it adds, and why:
 
 - `ref_state` counts a key fresh when the local cache or the remote has it; the remote's refs
-  are listed once per instance (one request per 1,000 keys), never asked key by key.
+  are listed at most once per process (one request per 1,000 keys), never asked key by key, and
+  a listing is remembered in the cache for `SEEN_TTL_S`: refs are create-only and cgbuild removes
+  one only by quarantine, so a warm plan lists `quarantine/` instead of every ref.
 - `admit` signs the artifact's (key, sha256, size), admits it locally with that signature in the
   ref's metadata, uploads the object, then creates the remote ref create-only: the first
   publisher of a key wins on every machine, a later one is told which artifact stands.
@@ -18,6 +20,7 @@ adopt use either. What it adds, and why:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -50,6 +53,11 @@ REMOTE_QUARANTINE_SCHEMA = "cgbuild.remote-quarantine/1"
 FACTS_SCHEMA = "cgbuild.remote-facts/1"
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 FACT_READERS = 8  # concurrent fact reads: within botocore's default pool of 10 connections
+SEEN_SCHEMA = "cgbuild.remote-seen/1"
+SEEN_TTL_S = 3 * 3600
+"""How long keys a listing (or a publish) saw count as present without listing again. Quarantine,
+cgbuild's only removal, is subtracted on every read; the TTL bounds what a removal by other hands
+can hide (the bet, and the default, of Bazel's remote-cache TTL)."""
 
 
 class Untrusted(StoreError):
@@ -92,17 +100,65 @@ class SharedStore:
 
     # ---- plan ----------------------------------------------------------------------------------
     def remote_keys(self) -> set[str]:
-        """Keys with a remote ref, listed once per process (batched pages of 1,000)."""
+        """Keys with a remote ref, listed once per process (batched pages of 1,000); the listing
+        is remembered for `seen_keys`."""
         if self.remote.listed is None:
+            started = time.time()
             self.remote.listed = self.remote.list_keys()
+            self.remote.seen = set(self.remote.listed)
+            self._save_seen(started)
         return self.remote.listed
 
+    def seen_keys(self) -> set[str]:
+        """Keys the remembered listing (younger than `SEEN_TTL_S`) or this cache's publishes saw,
+        less every key with a remote quarantine record: one listing of `quarantine/`, not of
+        `refs/`. A key quarantined and later repaired is left to the full listing."""
+        if self.remote.seen is None:
+            doc = self._read_seen()
+            age = time.time() - float(doc.get("listed_at", 0))
+            keys = set(doc.get("keys") or []) if 0 <= age < SEEN_TTL_S else set()
+            if keys:
+                keys -= {name.split("/", 1)[0] for name in self.remote.list_names("quarantine")}
+            self.remote.seen = keys
+        return self.remote.seen
+
     def ref_state(self, key: str) -> RefState:
-        """`fresh` when the local cache holds the key or the remote lists it; else the local state."""
+        """`fresh` when the local cache holds the key or the remote has it; else the local state."""
         state = self.local.ref_state(key)
-        if state != "fresh" and key in self.remote_keys():
+        if state != "fresh" and (key in self.seen_keys() or key in self.remote_keys()):
             return "fresh"
         return state
+
+    def _seen_path(self) -> Path:
+        name = hashlib.sha256(self.remote.url.encode()).hexdigest()[:16]
+        return self.local.root / "remote" / f"{name}.json"
+
+    def _read_seen(self) -> dict[str, Any]:
+        try:
+            doc = json.loads(self._seen_path().read_text())
+        except (OSError, ValueError):
+            return {}  # none yet, or torn by hand: list again
+        ok = isinstance(doc, dict) and doc.get("schema") == SEEN_SCHEMA and doc.get("url") == self.remote.url
+        return doc if ok else {}
+
+    def _save_seen(self, listed_at: float | None = None) -> None:
+        """Write `remote.seen` atomically; `listed_at` None keeps the remembered listing's time."""
+        path = self._seen_path()
+        if listed_at is None:
+            listed_at = float(self._read_seen().get("listed_at", time.time()))
+        doc = {"schema": SEEN_SCHEMA, "url": self.remote.url, "listed_at": listed_at}
+        body = json.dumps({**doc, "keys": sorted(self.remote.seen or ())})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        tmp.write_text(body)
+        os.replace(tmp, path)
+
+    def _saw(self, key: str, present: bool) -> None:
+        """A ref this process created, found standing, or quarantined: keep both views current."""
+        for known in (self.remote.listed, self.seen_keys()):
+            if known is not None:
+                (known.add if present else known.discard)(key)
+        self._save_seen()
 
     # ---- publishing ----------------------------------------------------------------------------
     def check_publishable(self) -> trust.Signer:
@@ -169,12 +225,12 @@ class SharedStore:
         body = (canonical_json(doc) + "\n").encode()
         for _ in range(3):
             if self.remote.create(self.remote.ref_name(key), body):
-                if self.remote.listed is not None:
-                    self.remote.listed.add(key)
+                self._saw(key, True)
                 return "admitted", sha
             standing = self.remote.get_json(self.remote.ref_name(key))
             if standing is None:
                 continue  # quarantined between our create and our read: try again
+            self._saw(key, True)
             other = str(standing.doc.get("object"))
             return ("already" if other == sha else "conflict"), other
         raise RemoteError("remote-error", f"{self.remote.url}: {key}: ref kept vanishing; giving up")
@@ -183,8 +239,11 @@ class SharedStore:
         """Keys this cache holds that the remote does not list: admitted here while a publish
         failed (or before the workspace declared its remote). Plan reads them fresh, so without
         this they would never reach the fleet."""
+        unknown = [k for k in keys if k not in self.seen_keys() and self.local.ref_state(k) == "fresh"]
+        if not unknown:
+            return []
         listed = self.remote_keys()
-        return sorted(k for k in keys if k not in listed and self.local.ref_state(k) == "fresh")
+        return sorted(k for k in unknown if k not in listed)
 
     def republish(self, key: str) -> tuple[str, str]:
         """Publish a key from the cache (re-hashed first), with the signature its local ref keeps
@@ -355,8 +414,7 @@ class SharedStore:
         if not self.remote.delete(self.remote.ref_name(key), etag=seen.etag):
             return  # already replaced by a repair: leave it
         self.remote.delete(self.remote.object_name(str(seen.doc["object"])))
-        if self.remote.listed is not None:
-            self.remote.listed.discard(key)
+        self._saw(key, False)
 
     def quarantine_records(self, key: str) -> list[dict[str, Any]]:
         return [

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from cgbuild import cgfile
 from cgbuild.canon import canonical_json
 from cgbuild.errors import UserError
 from cgbuild.remote import FAULT_ENV, MULTIPART_ENV, Remote, RemoteError
-from cgbuild.shared import PublishRefused, SharedStore, Untrusted
+from cgbuild.shared import SEEN_TTL_S, PublishRefused, SharedStore, Untrusted
 from cgbuild.store import Corrupt, Store, StoreError
 from cgbuild.trust import SIGNING_KEY_ENV, TrustError, load_signer, public_key_bytes
 
@@ -194,6 +195,51 @@ def test_remote_keys_read_fresh_with_one_listing_per_thousand(
     assert {shared.ref_state(k) for k in names} == {"fresh"}
     assert shared.ref_state(new_key()) == "missing"
     assert calls == ["ListObjectsV2"] * 3  # 2,100 keys: three pages, no per-key request
+
+
+def test_a_remembered_listing_serves_the_next_plan_less_quarantined_keys(
+    s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], request: pytest.FixtureRequest
+) -> None:
+    """Refs are create-only and cgbuild removes one only by quarantine: a later process reads the
+    remembered listing and lists `quarantine/` instead of `refs/`, within the TTL."""
+    prefix = prefix_of(request)
+    writer = Remote(f"s3://{BUCKET}/{prefix}")
+    names = [new_key() for _ in range(4)]
+    for k in names:
+        assert writer.create(writer.ref_name(k), json.dumps({"key": k, "object": "0" * 64}).encode())
+    cache = tmp_path / "store"
+    assert shared_at(cache, prefix, keys).ref_state(names[0]) == "fresh"  # lists refs/, remembers
+
+    def process() -> tuple[SharedStore, list[str]]:
+        shared, calls = shared_at(cache, prefix, keys), []
+        shared.remote.client.meta.events.register(
+            "provide-client-params.s3.ListObjectsV2", lambda params, **_: calls.append(params["Prefix"])
+        )
+        return shared, calls
+
+    warm, calls = process()
+    assert {warm.ref_state(k) for k in names} == {"fresh"} and warm.ref_state(new_key()) == "missing"
+    assert [c.rsplit("/", 2)[-2] for c in calls] == ["quarantine", "refs"]  # refs/ only for the unknown key
+    warm, calls = process()
+    assert {warm.ref_state(k) for k in names} == {"fresh"} and [c.rsplit("/", 2)[-2] for c in calls] == [
+        "quarantine"
+    ]
+    # another machine quarantines one key: the remembered listing no longer vouches for it
+    other = shared_at(tmp_path / "other", prefix, keys, host="host-b")
+    seen = other.remote.get_json(other.remote.ref_name(names[1]))
+    assert seen is not None
+    other.quarantine_remote(names[1], seen, "bad bytes")
+    after, _ = process()
+    assert after.ref_state(names[1]) == "missing" and after.ref_state(names[2]) == "fresh"
+    # past the TTL the listing is taken again; a torn file is no listing at all
+    remembered = next((cache / "remote").glob("*.json"))
+    doc = json.loads(remembered.read_text())
+    remembered.write_text(json.dumps({**doc, "listed_at": time.time() - SEEN_TTL_S - 1}))
+    stale, calls = process()
+    assert stale.ref_state(names[2]) == "fresh" and [c.rsplit("/", 2)[-2] for c in calls] == ["refs"]
+    remembered.write_text("{torn")
+    torn, calls = process()
+    assert torn.ref_state(names[3]) == "fresh" and [c.rsplit("/", 2)[-2] for c in calls] == ["refs"]
 
 
 # ---- publish, pull, trust ----------------------------------------------------------------------
@@ -782,11 +828,11 @@ def test_mint_publishes_what_only_this_cache_holds(
     assert ref is not None and local is not None
     assert (ref.doc["object"], ref.doc["signature"]) == (local.object, local.metadata["signature"])
     assert remote.has_object(local.object, local.size)
-    proxy = Proxy(s3.upstream).start()  # the plan's listing also answers the republish check
+    proxy = Proxy(s3.upstream).start()  # what this cache published it remembers: no listing of refs
     try:
         again = cli(moved, "mint", MLP8, "--json", env={**env, "AWS_ENDPOINT_URL": proxy.url})
         assert last_json(again)["published"] == []
-        assert len([p for p in proxy.requests("GET", "list-type=2") if "refs" in p]) == 1
+        assert not [p for p in proxy.requests("GET", "list-type=2") if "refs" in p]
     finally:
         proxy.stop()
 
