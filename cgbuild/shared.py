@@ -26,6 +26,7 @@ import os
 import re
 import secrets
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ SEEN_TTL_S = 3 * 3600
 """How long keys a listing (or a publish) saw count as present without listing again. Quarantine,
 cgbuild's only removal, is subtracted on every read; the TTL bounds what a removal by other hands
 can hide (the bet, and the default, of Bazel's remote-cache TTL)."""
+_SEEN_LOCK = threading.Lock()
 
 
 class Untrusted(StoreError):
@@ -138,7 +140,13 @@ class SharedStore:
             doc = json.loads(self._seen_path().read_text())
         except (OSError, ValueError):
             return {}  # none yet, or torn by hand: list again
-        ok = isinstance(doc, dict) and doc.get("schema") == SEEN_SCHEMA and doc.get("url") == self.remote.url
+        ok = (
+            isinstance(doc, dict)
+            and doc.get("schema") == SEEN_SCHEMA
+            and doc.get("url") == self.remote.url
+            and isinstance(doc.get("listed_at"), int | float)
+            and isinstance(doc.get("keys"), list)
+        )
         return doc if ok else {}
 
     def _save_seen(self, listed_at: float | None = None) -> None:
@@ -154,11 +162,13 @@ class SharedStore:
         os.replace(tmp, path)
 
     def _saw(self, key: str, present: bool) -> None:
-        """A ref this process created, found standing, or quarantined: keep both views current."""
-        for known in (self.remote.listed, self.seen_keys()):
-            if known is not None:
-                (known.add if present else known.discard)(key)
-        self._save_seen()
+        """A ref this process created, found standing, or quarantined: keep both views current
+        (under a lock: a local mint publishes from several threads)."""
+        with _SEEN_LOCK:
+            for known in (self.remote.listed, self.seen_keys()):
+                if known is not None:
+                    (known.add if present else known.discard)(key)
+            self._save_seen()
 
     # ---- publishing ----------------------------------------------------------------------------
     def check_publishable(self) -> trust.Signer:

@@ -237,9 +237,10 @@ def test_a_remembered_listing_serves_the_next_plan_less_quarantined_keys(
     remembered.write_text(json.dumps({**doc, "listed_at": time.time() - SEEN_TTL_S - 1}))
     stale, calls = process()
     assert stale.ref_state(names[2]) == "fresh" and [c.rsplit("/", 2)[-2] for c in calls] == ["refs"]
-    remembered.write_text("{torn")
-    torn, calls = process()
-    assert torn.ref_state(names[3]) == "fresh" and [c.rsplit("/", 2)[-2] for c in calls] == ["refs"]
+    for torn_text in ("{torn", json.dumps({**doc, "listed_at": "yesterday"})):
+        remembered.write_text(torn_text)
+        torn, calls = process()
+        assert torn.ref_state(names[3]) == "fresh" and [c.rsplit("/", 2)[-2] for c in calls] == ["refs"]
 
 
 # ---- publish, pull, trust ----------------------------------------------------------------------
