@@ -90,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
         results = fleet.Fleet().mint_keys(ws, keys, on_event=_events(len(keys)))
     else:
         results = mint.mint_keys(ws, keys, jobs=args.jobs or mint.default_jobs(), on_event=_events(len(keys)))
+    shared = ws.shared()
+    if shared is not None:
+        shared.save_seen()  # the keys published here: the next plan need not list them
     failed = [mk for mk in results if not mk.result.get("ok")]
     summary = {
         "schema": "cgbuild.mint-summary/1",

@@ -89,6 +89,8 @@ class Remote:
         keys this process publishes are added."""
         self.seen: set[str] | None = None
         """The keys a recent listing or publish saw, as `SharedStore.seen_keys` read them."""
+        self.seen_unsaved = False
+        """Publishes added to `seen` since it was last written (`SharedStore.save_seen`)."""
         self._client: Any = None
         self._lock = threading.Lock()
 

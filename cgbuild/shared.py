@@ -156,6 +156,7 @@ class SharedStore:
             listed_at = float(self._read_seen().get("listed_at", time.time()))
         doc = {"schema": SEEN_SCHEMA, "url": self.remote.url, "listed_at": listed_at}
         body = json.dumps({**doc, "keys": sorted(self.remote.seen or ())})
+        self.remote.seen_unsaved = False
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
         tmp.write_text(body)
@@ -163,12 +164,23 @@ class SharedStore:
 
     def _saw(self, key: str, present: bool) -> None:
         """A ref this process created, found standing, or quarantined: keep both views current
-        (under a lock: a local mint publishes from several threads)."""
+        (under a lock: a local mint publishes from several threads). A removal is written at once;
+        publishes wait for `save_seen`, so publishing n keys is not n rewrites of the file (one
+        never written costs a later listing, nothing more)."""
         with _SEEN_LOCK:
             for known in (self.remote.listed, self.seen_keys()):
                 if known is not None:
                     (known.add if present else known.discard)(key)
-            self._save_seen()
+            if present:
+                self.remote.seen_unsaved = True
+            else:
+                self._save_seen()
+
+    def save_seen(self) -> None:
+        """Remember what this process published (a command calls it once, after its publishes)."""
+        with _SEEN_LOCK:
+            if self.remote.seen_unsaved:
+                self._save_seen()
 
     # ---- publishing ----------------------------------------------------------------------------
     def check_publishable(self) -> trust.Signer:
