@@ -191,5 +191,6 @@ def compare_artifacts(recorded: str | os.PathLike[str], now: str | os.PathLike[s
         va, vb = (m.get("lanes", {}).get("verdict") for m in (ma, mb))
         if va != vb:
             moved = {"recorded": va, "now": vb}
-    build = [m for m in differing if m != METADATA] + [f for f in fields if not f.startswith("lanes.verdict")]
+    timed = [f for f in fields if f == "lanes.verdict" or f.startswith("lanes.verdict.")]
+    build = [m for m in differing if m != METADATA] + [f for f in fields if f not in timed]
     return {"reproducible": not build, "differing": differing, "fields": fields, "verdict_moved": moved}
