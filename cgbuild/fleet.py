@@ -166,27 +166,21 @@ class Fleet:
         import ray
 
         task = ray.remote(mint_on_node)
-        now = time.monotonic()
-        live = {
-            f.gen: f
-            for f in (
-                _Followed(
-                    mk,
-                    task.options(
-                        resources={mk.target.id.sm: 1},
-                        num_cpus=0,
-                        max_retries=NODE_RETRIES,
-                        retry_exceptions=False,
-                        num_returns="streaming",
-                        name=f"mint {mk.labels[0]}",
-                    ).remote(order_for(ws, mk)),
-                    now,
-                    {"result": _failure("fleet-error", "the node returned no result", retryable=True)},
-                )
-                for mk in keys
-            )
-        }
-        checked = now
+
+        def submit(mk: MintKey) -> _Followed:
+            gen = task.options(
+                resources={mk.target.id.sm: 1},
+                num_cpus=0,
+                max_retries=NODE_RETRIES,
+                retry_exceptions=False,
+                num_returns="streaming",
+                name=f"mint {mk.labels[0]}",
+            ).remote(order_for(ws, mk))
+            no_result = _failure("fleet-error", "the node returned no result", retryable=True)
+            return _Followed(mk, gen, time.monotonic(), {"result": no_result})
+
+        live = {f.gen: f for f in map(submit, keys)}
+        checked = time.monotonic()
         while live:
             ready, _ = ray.wait([f.gen for f in live.values()], num_returns=1, timeout=WATCH_S)
             for gen in ready:
