@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any
 
 
@@ -83,12 +84,20 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path: str, chunk: int = 1 << 20) -> str:
+def file_digest(path: str | os.PathLike[str], chunk: int = 1 << 20) -> tuple[str, int]:
+    """(sha256, size) of a file, counted from the bytes read (the store's and the shared store's
+    admission compare both)."""
     h = hashlib.sha256()
+    size = 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
-    return h.hexdigest()
+            size += len(block)
+    return h.hexdigest(), size
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    return file_digest(path)[0]
 
 
 def hexfloats(value: Any) -> Any:

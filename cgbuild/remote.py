@@ -84,11 +84,11 @@ class Remote:
         self.multipart_threshold = multipart_threshold or int(env or DEFAULT_MULTIPART)
         self.probed = False
         """Set once `probe` has passed, so a process probes each store once."""
-        self.listed: set[str] | None = None
-        """The keys `refs/` listed, once per process (the plan's listing serves the mint after it);
-        keys this process publishes are added."""
         self.seen: set[str] | None = None
         """The keys a recent listing or publish saw, as `SharedStore.seen_keys` read them."""
+        self.listed = False
+        """Set once this process has listed `refs/`: `seen` is then that listing, kept current
+        (the plan's listing serves the mint after it)."""
         self.seen_unsaved = False
         """Publishes added to `seen` since it was last written (`SharedStore.save_seen`)."""
         self._client: Any = None

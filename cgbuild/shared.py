@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from . import trust
-from .canon import canonical_json
+from .canon import canonical_json, file_digest
 from .remote import Remote, RemoteError, RemoteRef
 from .store import (
     EVIDENCE_SCHEMA,
@@ -46,7 +46,6 @@ from .store import (
     Resolved,
     Store,
     StoreError,
-    hash_file,
 )
 
 REMOTE_REF_SCHEMA = "cgbuild.remote-ref/1"
@@ -104,12 +103,12 @@ class SharedStore:
     def remote_keys(self) -> set[str]:
         """Keys with a remote ref, listed once per process (batched pages of 1,000); the listing
         is remembered for `seen_keys`."""
-        if self.remote.listed is None:
+        if not self.remote.listed:
             started = time.time()
-            self.remote.listed = self.remote.list_keys()
-            self.remote.seen = set(self.remote.listed)
+            self.remote.seen = self.remote.list_keys()
+            self.remote.listed = True
             self._save_seen(started)
-        return self.remote.listed
+        return self.remote.seen
 
     def seen_keys(self) -> set[str]:
         """Keys the remembered listing (younger than `SEEN_TTL_S`) or this cache's publishes saw,
@@ -163,14 +162,13 @@ class SharedStore:
         os.replace(tmp, path)
 
     def _saw(self, key: str, present: bool) -> None:
-        """A ref this process created, found standing, or quarantined: keep both views current
+        """A ref this process created, found standing, or quarantined: keep `seen` current
         (under a lock: a local mint publishes from several threads). A removal is written at once;
         publishes wait for `save_seen`, so publishing n keys is not n rewrites of the file (one
         never written costs a later listing, nothing more)."""
         with _SEEN_LOCK:
-            for known in (self.remote.listed, self.seen_keys()):
-                if known is not None:
-                    (known.add if present else known.discard)(key)
+            seen = self.seen_keys()
+            (seen.add if present else seen.discard)(key)
             if present:
                 self.remote.seen_unsaved = True
             else:
@@ -215,7 +213,7 @@ class SharedStore:
         copy is retired (quarantined) so this cache never serves what the fleet does not.
         """
         signer = self.check_publishable()
-        sha, size = hash_file(Path(artifact))
+        sha, size = file_digest(Path(artifact))
         signature = signer.sign(trust.artifact_statement(key, sha, size))
         local = self.local.admit(
             key, artifact, metadata={**metadata, "signature": signature}, expected_sha256=sha

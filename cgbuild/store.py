@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from cgbuild.canon import NotCanonical, canonical_json
+from cgbuild.canon import NotCanonical, canonical_json, file_digest
 
 REF_SCHEMA = "cgbuild.ref/1"
 QUARANTINE_SCHEMA = "cgbuild.quarantine/1"
@@ -161,17 +161,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def hash_file(path: Path) -> tuple[str, int]:
-    """(sha256, size) of a file, read in chunks."""
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            h.update(block)
-            size += len(block)
-    return h.hexdigest(), size
-
-
 def check_key(key: str) -> str:
     """Keys name files: refuse anything that could escape `refs/` or hide as a dotfile."""
     if not isinstance(key, str) or not _KEY_RE.match(key):
@@ -232,7 +221,7 @@ class Store:
             if expected_sha is not None and sha != expected_sha:
                 raise StoreError(None, f"{src}: sha256 {sha} is not the expected {expected_sha}")
             # Verify on admission: re-read what is on disk, not what we meant to write.
-            if hash_file(tmp) != (sha, size):
+            if file_digest(tmp) != (sha, size):
                 raise StoreError(None, f"{src}: the written copy does not hash back to {sha}")
             os.chmod(tmp, 0o444)
             dest = self.object_path(sha)
@@ -240,7 +229,7 @@ class Store:
             try:
                 os.link(tmp, dest)
             except FileExistsError:
-                if hash_file(dest) != (sha, size):
+                if file_digest(dest) != (sha, size):
                     os.replace(tmp, dest)  # a corrupt resident is repaired by verified bytes
             _fsync_dir(dest.parent)
             return sha, size
@@ -372,7 +361,7 @@ class Store:
         if not self._object_intact_stat(ref):
             raise Missing(key, f"ref names object {ref.object[:12]} which is missing or truncated")
         if verify:
-            found, size = hash_file(path)
+            found, size = file_digest(path)
             if (found, size) != (ref.object, ref.size):
                 self._quarantine(key, ref, f"object hashes to {found}, not {ref.object}")
                 raise Corrupt(key, f"object {ref.object[:12]} hashes to {found[:12]}: quarantined")
@@ -391,7 +380,7 @@ class Store:
         verdicts = [self.verify(ref.key) for ref in list(self.iter_refs())]
         for obj in sorted((self.root / "objects" / "sha256").glob("*/*")):
             sha = obj.parent.name + obj.name
-            if _SHA_RE.match(sha) and hash_file(obj)[0] != sha:
+            if _SHA_RE.match(sha) and file_digest(obj)[0] != sha:
                 with self._locked(exclusive=True):
                     self._move_to_quarantine(sha)
                 verdicts.append(Verdict(f"object:{sha}", "corrupt", "object bytes do not match its name"))
@@ -422,7 +411,7 @@ class Store:
             os.replace(tmp, self.quarantine_path(key))
             _fsync_dir(self.quarantine_path(key).parent)
             obj = self.object_path(seen.object)
-            if not self._object_intact_stat(seen) or hash_file(obj)[0] != seen.object:
+            if not self._object_intact_stat(seen) or file_digest(obj)[0] != seen.object:
                 self._move_to_quarantine(seen.object)
             os.unlink(self.ref_path(key))
             _fsync_dir(self.ref_path(key).parent)
