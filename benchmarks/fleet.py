@@ -216,7 +216,7 @@ def throughput(args: argparse.Namespace) -> None:
 # -- plan against the remote -------------------------------------------------------------------------
 BUCKET = "cgbuild-fleet-bench"
 REMOTE_URL = f"s3://{BUCKET}/plan"
-SIGNING_KEY_ENV = "CGBUILD_SIGNING_KEY"  # cgbuild.trust.SIGNING_KEY_ENV
+SIGNING_KEY_ENV = "CGBUILD_SIGNING_KEY"  # cgbuild.store.trust.SIGNING_KEY_ENV
 # werkzeug's access log line (colours included): "GET /bucket/prefix/refs/…?query HTTP/1.1" 200 -
 REQUEST = re.compile(r'"(?:\x1b\[[0-9;]*m)*([A-Z]+) (\S+) HTTP/[\d.]+')
 CHILD_VERSIONS = """
@@ -230,7 +230,7 @@ print(json.dumps(out))
 # The listing alone, in a fresh process: import, client, every page of refs/.
 LIST_REFS = (
     "import sys\n"
-    "from cgbuild.remote import Remote\n"
+    "from cgbuild.store.s3 import Remote\n"
     "sys.exit(0 if len(Remote(sys.argv[1]).list_keys()) == int(sys.argv[2]) else 1)\n"
 )
 # Prepended to a wrapper: stderr (fd 2) to the file named by the first argument.
@@ -238,7 +238,7 @@ STDERR_TO = "import os, sys\nos.dup2(os.open(sys.argv.pop(1), os.O_WRONLY | os.O
 # NO_TORCH, and which of the remote's libraries the engine imported (on stderr's last line).
 WHAT_IMPORTED = (
     "import json, sys\n"
-    "from cgbuild.cli import main\n"
+    "from cgbuild.cli.main import main\n"
     "rc = main(sys.argv[1:])\n"
     "names = ('boto3', 'cryptography', 'torch')\n"
     "print(json.dumps({n: n in sys.modules for n in names}), file=sys.stderr)\n"
@@ -333,10 +333,10 @@ def plan_logged(python: str, ws: Path, env: dict[str, str], wrapper: str = NO_TO
 def publish_placeholders(folder: Path, labels: dict[str, str], key_path: Path, threads: int) -> Counter[str]:
     """One signed remote ref per key (`SharedStore.publish`), naming a placeholder object per key."""
     os.environ[SIGNING_KEY_ENV] = str(key_path)
-    from cgbuild import trust
-    from cgbuild.remote import Remote
-    from cgbuild.shared import SharedStore
-    from cgbuild.store import Store
+    from cgbuild.store import trust
+    from cgbuild.store.local import Store
+    from cgbuild.store.s3 import Remote
+    from cgbuild.store.shared import SharedStore
 
     signer = trust.load_signer()
     assert signer is not None
@@ -358,7 +358,7 @@ def publish_placeholders(folder: Path, labels: dict[str, str], key_path: Path, t
 
 
 def listed(sub: str) -> int:
-    from cgbuild.remote import Remote
+    from cgbuild.store.s3 import Remote
 
     return sum(1 for _ in Remote(REMOTE_URL).list_names(sub))
 
@@ -391,7 +391,7 @@ def plan_remote(args: argparse.Namespace) -> None:
         import boto3
 
         boto3.client("s3").create_bucket(Bucket=BUCKET)
-        from cgbuild.trust import keygen
+        from cgbuild.store.trust import keygen
 
         key_path = tmp / "publisher.pem"
         trusted = keygen(key_path, "fleet-bench")

@@ -55,9 +55,9 @@ def _plan_entry(ws: Path, label: str) -> dict[str, Any]:
 
 
 def _job(ws: Path, label: str) -> dict[str, Any]:
-    from cgbuild import cgfile
-    from cgbuild.planner import Workspace, trace_job
-    from cgbuild.targets import expand
+    from cgbuild.config import cgfile
+    from cgbuild.config.targets import expand
+    from cgbuild.plan.planner import Workspace, trace_job
 
     w = Workspace(cgfile.load(ws / "Cgfile"))
     target = next(t for t in expand(w.cg) if t.label == label)
@@ -192,7 +192,7 @@ def phase(name: str, work: Path, label: str) -> dict[str, Any]:
         rec["steady_ms"] = _steady(compiled, b, device)
         _errors(rec, out, work)
     elif name == "bare_aoti":
-        from cgbuild import compiler, policy
+        from cgbuild.identity import compiler, policy
 
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -209,7 +209,7 @@ def phase(name: str, work: Path, label: str) -> dict[str, Any]:
     elif name == "adopt":
         from cgbuild_rules.adopt import adopt
 
-        from cgbuild.store import Store
+        from cgbuild.store.local import Store
 
         key = _plan_entry(ws, label)["key"]
         _sync(device)
@@ -235,8 +235,8 @@ def _aoti_load(rec: dict[str, Any], ws: Path, label: str) -> dict[str, Any]:
 
     import torch
 
-    from cgbuild.seal import PACKAGE, unseal
-    from cgbuild.store import Store
+    from cgbuild.store.local import Store
+    from cgbuild.store.seal import PACKAGE, unseal
 
     key = _plan_entry(ws, label)["key"]
     rec["cxx_env"] = os.environ.get("CXX")

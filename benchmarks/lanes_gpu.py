@@ -120,7 +120,8 @@ def main() -> int:
     import toy_models
     from cgbuild_rules.lanes import lane_rows, set_lanes
 
-    from cgbuild import compiler, lanes, policy
+    from cgbuild import lanes
+    from cgbuild.identity import compiler, policy
 
     traces = _traces()
     print(json.dumps(traces, indent=1))

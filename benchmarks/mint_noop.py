@@ -6,7 +6,7 @@ layouts `fp32` and `bf16`: F*S*4 = 1,000 targets, each its own key) and runs the
 `cgbuild plan` (every unit traced) to learn the keys.
 
 The store then holds PLACEHOLDER objects: one small distinct file per key ("placeholder for key
-…", not an artifact), admitted with `cgbuild.store.Store.admit`, because 1,000 real AOTInductor
+…", not an artifact), admitted with `cgbuild.store.local.Store.admit`, because 1,000 real AOTInductor
 compiles are out of reach on this box. That is sound for what is measured: deciding that a key is
 fresh only reads its ref and stats its object (present, recorded size); the no-op path never
 opens, hashes or loads an artifact. `verify` would flag the placeholders; it is not run.
@@ -71,7 +71,7 @@ def admit_placeholders(ws: Path, plan: dict[str, Any], code: Code) -> tuple[int,
     """
     if code.pythonpath is not None:
         sys.path.insert(0, str(code.pythonpath))
-    from cgbuild.store import Store
+    from cgbuild.store.local import Store
 
     labels: dict[str, list[str]] = {}
     for t in plan["targets"]:
@@ -170,7 +170,7 @@ def main() -> None:
             "versions": same_versions(at_start, code),
             "store": (
                 f"PLACEHOLDER objects: {keys} small distinct files (one per key) admitted with "
-                "cgbuild.store.Store.admit, not compiled artifacts. Deciding a key is fresh reads "
+                "cgbuild.store.local.Store.admit, not compiled artifacts. Deciding a key is fresh reads "
                 "its ref and stats its object; the no-op path never opens an artifact."
             ),
             "workspace": {

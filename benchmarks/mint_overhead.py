@@ -11,7 +11,7 @@ Every measurement is a fresh process started with `subprocess`; each round runs 
 so load from other work on the (shared) box falls on all of them alike. Per round:
 
 (a) `bare_cold`: export + `torch._inductor.aoti_compile_and_package` of the same graph with the
-    mint policy's settings (`cgbuild.policy.inductor_configs()`, the host compiler the mint
+    mint policy's settings (`cgbuild.identity.policy.inductor_configs()`, the host compiler the mint
     chooses as `cpp.cxx`), in the mint's scrubbed environment with a fresh TMPDIR and
     Inductor/Triton cache (cold). Times inside the process (build + export, compile) and the
     whole process; its graph digest, computed after timing, must equal the minted artifact's.
@@ -62,9 +62,9 @@ from cgbuild_rules.mint import DEFAULT_SANDBOX
 from plan_scale import machine  # one description of the box for every benchmark
 
 import cgbuild
-from cgbuild import compiler, policy
-from cgbuild.seal import PACKAGE, read_metadata, unseal
-from cgbuild.store import Store
+from cgbuild.identity import compiler, policy
+from cgbuild.store.local import Store
+from cgbuild.store.seal import PACKAGE, read_metadata, unseal
 
 HERE = Path(__file__).resolve().parent
 TOY = HERE.parent / "examples" / "toy"
@@ -531,7 +531,7 @@ def summarize(
         "stopped_early": stopped or None,
         "settings": {
             "inductor_configs": policy.inductor_configs(compiler.normalize_arch(platform.machine())),
-            "bare_cold": "mint environment (cgbuild.policy.mint_environment) with a fresh TMPDIR and "
+            "bare_cold": "mint environment (identity.policy.mint_environment) with a fresh TMPDIR and "
             "Inductor/Triton cache per round; cpp.cxx = the host compiler the mint chooses",
             "bare_warm": "the same, in a new process reusing the cold run's TMPDIR and caches (Inductor's "
             "precompiled headers live under TMPDIR): the state cgbuild's fixed mint sandbox is in "

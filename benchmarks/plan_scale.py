@@ -97,7 +97,7 @@ LAYOUTS = {"fp32": "plain.fp32", "bf16": "plain.bf16"}
 # Runs cgbuild's CLI in this process, then fails (99) if anything imported torch.
 NO_TORCH = (
     "import sys\n"
-    "from cgbuild.cli import main\n"
+    "from cgbuild.cli.main import main\n"
     "rc = main(sys.argv[1:])\n"
     "sys.exit(rc if 'torch' not in sys.modules else 99)\n"
 )
@@ -108,7 +108,7 @@ from contextlib import redirect_stdout
 out, argv = sys.argv[1], sys.argv[2:]
 prof = cProfile.Profile()
 prof.enable()
-from cgbuild.cli import main
+from cgbuild.cli.main import main
 with redirect_stdout(io.StringIO()):
     rc = main(argv)
 prof.disable()

@@ -35,13 +35,14 @@ from cgbuild_rules.loader import Package, host_runtime
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from cgbuild import compiler, lanes
+from cgbuild import lanes
+from cgbuild.identity import compiler
+from cgbuild.identity.layout import safetensors_dtype
 from cgbuild.lanes import Refit
-from cgbuild.layout import safetensors_dtype
-from cgbuild.remote import RemoteError
-from cgbuild.seal import LITERALS, PACKAGE, SealError, read_metadata, unseal
-from cgbuild.shared import SharedStore
-from cgbuild.store import Store, StoreError
+from cgbuild.store.local import Store, StoreError
+from cgbuild.store.s3 import RemoteError
+from cgbuild.store.seal import LITERALS, PACKAGE, SealError, read_metadata, unseal
+from cgbuild.store.shared import SharedStore
 
 log = logging.getLogger("cgbuild.adopt")
 MANIFEST_SCHEMA = "cgbuild.serving-manifest/1"

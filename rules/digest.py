@@ -47,7 +47,7 @@ from torch.export.graph_signature import (
 )
 from torch.utils._pytree import TreeSpec
 
-from cgbuild.canon import canonical_json, digest
+from cgbuild.core.canon import canonical_json, digest
 
 SCHEME = "cgbuild.graph/1"
 """Version of the render. Bump it whenever a rendering rule changes: every graph digest moves."""

@@ -5,10 +5,10 @@ on stdout (torch's own prints go to stderr). The worker itself never imports tor
 stage children and seals what they produced, so a segfault, an OOM kill or a hang in torch is a
 typed failure of a stage, never a lost result.
 
-1. `compile` stage, in a scrubbed, declared environment (`cgbuild.policy`) with the chosen host
+1. `compile` stage, in a scrubbed, declared environment (`cgbuild.identity.policy`) with the chosen host
    compiler as `CXX` and the temp and Inductor cache folders inside a sandbox at a FIXED path:
    (a) refuses a key whose device this machine does not have (`wrong-device`, naming the sm);
-   (b) re-derives the toolchain (`cgbuild.toolchain.probe`) and the graph digest (trace rule,
+   (b) re-derives the toolchain (`cgbuild.identity.toolchain.probe`) and the graph digest (trace rule,
    mode `empty`) and refuses `toolchain-drift` / `graph-drift` (old → new) when they differ from
    the key it was asked to build, so a drifted worker image never seals under a wrong key;
    (c) compiles weightless under the one compile policy; (d) normalizes the package (below).
@@ -23,7 +23,7 @@ typed failure of a stage, never a lost result.
    median and peak (`cgbuild_rules.lanes.measure`); the worker applies the fit rule
    (`cgbuild.lanes.decide`) for the request's SKU.
 4. Only then the worker writes the metadata (with the discrete lane verdict) and seals
-   (`cgbuild.seal`).
+   (`cgbuild.store.seal`).
 
 Normalization, measured on torch 2.13 CPU with two compiles of one graph: the package's
 top-level folder is its file's basename (fixed: `model`); each generated `.cpp` gets `// Compile
@@ -83,8 +83,8 @@ from pathlib import Path
 from typing import Any
 
 import cgbuild
-from cgbuild import compiler, policy
-from cgbuild.seal import LITERALS, PACKAGE, compare_artifacts, member_digests, read_metadata, seal
+from cgbuild.identity import compiler, policy
+from cgbuild.store.seal import LITERALS, PACKAGE, compare_artifacts, member_digests, read_metadata, seal
 
 REQUEST_SCHEMA = "cgbuild.mint-request/1"
 ARTIFACT_SCHEMA = "cgbuild.artifact/1"
@@ -348,7 +348,7 @@ def _device_refusal(device: str, sm: str) -> None:
 
 
 def _toolchain(req: Mapping[str, Any]) -> dict[str, Any]:
-    from cgbuild import toolchain
+    from cgbuild.identity import toolchain
 
     expected = req["toolchain"]
     plat = expected["platform"]
@@ -452,7 +452,7 @@ def _quant_floor(quant: str, device: str, sm: str) -> None:
     import torch
     from cgbuild_rules import quant as quant_rules
 
-    from cgbuild import layout
+    from cgbuild.identity import layout
 
     rule = layout.QUANT_RULES.get(quant)
     if rule is None:
@@ -479,8 +479,8 @@ def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] |
     want = req.get("layout")
     if not want:
         return None
-    from cgbuild import layout
-    from cgbuild.errors import UserError
+    from cgbuild.core.errors import UserError
+    from cgbuild.identity import layout
 
     rule = layout.QUANT_RULES.get(want["quant"])
     if rule is None:

@@ -30,11 +30,11 @@ import torch
 from cgbuild_rules import trace
 from safetensors.torch import save
 
-from cgbuild import cgfile
-from cgbuild.errors import UserError
-from cgbuild.layout import INDEX_SUFFIX
-from cgbuild.planner import Workspace, trace_job
-from cgbuild.targets import Target, expand
+from cgbuild.config import cgfile
+from cgbuild.config.targets import Target, expand
+from cgbuild.core.errors import UserError
+from cgbuild.identity.layout import INDEX_SUFFIX
+from cgbuild.plan.planner import Workspace, trace_job
 
 
 def _write_if_changed(path: Path, data: bytes) -> bool:

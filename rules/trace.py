@@ -51,7 +51,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
 from torch.utils._pytree import tree_map
 
-from cgbuild.layout import QUANT_RULES
+from cgbuild.identity.layout import QUANT_RULES
 
 REQUEST_SCHEMA = "cgbuild.trace-request/1"
 CODES = ("no-cuda-torch", "entry-error", "trace-failed", "literal-hidden")

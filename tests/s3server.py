@@ -163,7 +163,7 @@ def child_env(s3: S3, **extra: str | None) -> dict[str, str]:
 
 def keypair(folder: Path, name: str) -> tuple[Path, str]:
     """(private key path, trusted entry) of a new publisher key."""
-    from cgbuild.trust import keygen
+    from cgbuild.store.trust import keygen
 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.pem"

@@ -18,8 +18,8 @@ import torch
 from cgbuild_rules.adopt import AdoptRefused, adopt, adopt_manifest, fit
 from test_mint import minted, session_dirs
 
-from cgbuild.seal import read_metadata, seal, unseal
-from cgbuild.store import Store
+from cgbuild.store.local import Store
+from cgbuild.store.seal import read_metadata, seal, unseal
 
 pytestmark = pytest.mark.slow
 

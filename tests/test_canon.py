@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from cgbuild.canon import NotCanonical, canonical_json, digest, digest_unguarded, hexfloats
-from cgbuild.keys import Axis, key_of
+from cgbuild.core.canon import NotCanonical, canonical_json, digest, digest_unguarded, hexfloats
+from cgbuild.identity.keys import Axis, key_of
 
 
 def test_rendering_is_sorted_compact_ascii() -> None:
@@ -54,7 +54,7 @@ def test_key_needs_exactly_the_four_axes() -> None:
 
 
 def test_key_is_the_digest_of_the_canonical_axes_block() -> None:
-    from cgbuild.keys import AXES, KEY_SCHEME
+    from cgbuild.identity.keys import AXES, KEY_SCHEME
 
     axes = {name: Axis({"v": name, "n": 1}, {}) for name in AXES}
     assert key_of(axes) == digest({"scheme": KEY_SCHEME, **{n: axes[n].identity for n in AXES}})

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from cgbuild import cgfile
-from cgbuild.errors import UserError
-from cgbuild.tomlpos import KeyLines
+from cgbuild.config import cgfile
+from cgbuild.config.tomlpos import KeyLines
+from cgbuild.core.errors import UserError
 
 GOOD = """\
 [workspace]
@@ -177,7 +177,9 @@ def test_no_family_refused(tmp_path: Path) -> None:
 def test_cli_bad_cgfile_exits_2_without_traceback(tmp_path: Path) -> None:
     write(tmp_path, GOOD.replace('skus = ["cpu", "h200"]', 'skus = ["cpu", "h100"]'))
     proc = subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(tmp_path), "plan"], capture_output=True, text=True
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(tmp_path), "plan"],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from cgbuild.keys import AXES, IDENTITY_FIELDS, Axis, key_of
-from cgbuild.seal import read_metadata
-from cgbuild.store import Store
+from cgbuild.identity.keys import AXES, IDENTITY_FIELDS, Axis, key_of
+from cgbuild.store.local import Store
+from cgbuild.store.seal import read_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -24,16 +24,17 @@ import pytest
 from conftest import copy_toy
 from s3server import BUCKET, S3, keypair, serve
 
-from cgbuild import cgfile, fleet
-from cgbuild.errors import UserError
-from cgbuild.labels import parse_selector
-from cgbuild.mint import MintKey, approved
-from cgbuild.planner import Workspace, make_plan
-from cgbuild.remote import Remote
-from cgbuild.seal import read_metadata
-from cgbuild.store import Store
-from cgbuild.targets import expand
-from cgbuild.trust import SIGNING_KEY_ENV, key_id, public_key_bytes
+from cgbuild.config import cgfile
+from cgbuild.config.labels import parse_selector
+from cgbuild.config.targets import expand
+from cgbuild.core.errors import UserError
+from cgbuild.exec import fleet
+from cgbuild.exec.mint import MintKey, approved
+from cgbuild.plan.planner import Workspace, make_plan
+from cgbuild.store.local import Store
+from cgbuild.store.s3 import Remote
+from cgbuild.store.seal import read_metadata
+from cgbuild.store.trust import SIGNING_KEY_ENV, key_id, public_key_bytes
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402

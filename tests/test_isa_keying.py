@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cgbuild import compiler, policy
+from cgbuild.identity import compiler, policy
 
 
 def fake_torch(root: Path, config_text: str) -> str:

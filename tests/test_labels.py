@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from cgbuild import cgfile
-from cgbuild.errors import UserError
-from cgbuild.labels import parse_label, parse_selector
-from cgbuild.targets import expand, select
+from cgbuild.config import cgfile
+from cgbuild.config.labels import parse_label, parse_selector
+from cgbuild.config.targets import expand, select
+from cgbuild.core.errors import UserError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -23,7 +23,7 @@ import torch
 from conftest import copy_toy
 from test_mint import request_for, session_dirs
 
-from cgbuild.seal import read_metadata, unseal
+from cgbuild.store.seal import read_metadata, unseal
 
 ENTRY = textwrap.dedent(
     '''
@@ -184,7 +184,16 @@ def test_the_mint_refuses_a_switch_that_does_not_carry_the_spec(
 # ---- lanes are not a key axis ----------------------------------------------------------------------
 def _plan(ws: Path) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), "plan", "//toy/mlp/8x64-b1@fp32:cpu", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "cgbuild.cli.main",
+            "-C",
+            str(ws),
+            "plan",
+            "//toy/mlp/8x64-b1@fp32:cpu",
+            "--json",
+        ],
         capture_output=True,
         text=True,
     )

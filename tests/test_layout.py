@@ -17,9 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from cgbuild import cgfile, keys
-from cgbuild.errors import UserError
-from cgbuild.layout import (
+from cgbuild.config import cgfile
+from cgbuild.core.errors import UserError
+from cgbuild.identity import keys
+from cgbuild.identity.layout import (
     QUANT_RULES,
     compute_dtype,
     floor_refusal,

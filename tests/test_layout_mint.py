@@ -18,9 +18,9 @@ import pytest
 import torch
 from conftest import copy_toy
 
-from cgbuild import cgfile
-from cgbuild.seal import read_metadata
-from cgbuild.store import Store
+from cgbuild.config import cgfile
+from cgbuild.store.local import Store
+from cgbuild.store.seal import read_metadata
 
 pytestmark = pytest.mark.slow
 INT8 = "//toy/mlp/8x64-b1@int8:cpu"
@@ -51,8 +51,8 @@ def live_module(ws: Path, label: str, seed: int) -> tuple[torch.nn.Module, tuple
     own (seeded differently from the mint's), no quantization applied yet."""
     from cgbuild_rules import trace
 
-    from cgbuild.planner import Workspace, trace_job
-    from cgbuild.targets import expand
+    from cgbuild.config.targets import expand
+    from cgbuild.plan.planner import Workspace, trace_job
 
     cg = cgfile.load(ws / "Cgfile")
     target = next(t for t in expand(cg) if t.label == label)
@@ -127,9 +127,9 @@ def test_adopt_a_quantized_live_module_and_refuse_others(minted: tuple[Path, dic
 def test_a_moved_layout_is_refused_before_compiling(
     minted: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:
-    from cgbuild.labels import parse_selector
-    from cgbuild.mint import approved, request_for
-    from cgbuild.planner import Workspace, make_plan
+    from cgbuild.config.labels import parse_selector
+    from cgbuild.exec.mint import approved, request_for
+    from cgbuild.plan.planner import Workspace, make_plan
 
     ws, _ = minted
     w = Workspace(cgfile.load(ws / "Cgfile"))

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from cgbuild import keys, toolchain
-from cgbuild.seal import read_metadata, unseal
+from cgbuild.identity import keys, toolchain
+from cgbuild.store.seal import read_metadata, unseal
 
 ENTRY = textwrap.dedent(
     '''

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from conftest import copy_toy
 
-from cgbuild.seal import read_metadata
-from cgbuild.store import Store
+from cgbuild.store.local import Store
+from cgbuild.store.seal import read_metadata
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
@@ -28,7 +28,10 @@ pytestmark = pytest.mark.slow
 
 def cli(ws: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args],
+        capture_output=True,
+        text=True,
+        env=env,
     )
 
 
@@ -189,7 +192,7 @@ def _toy_mlp() -> Any:
 
 def test_toy_lanes_verdict_evidence_and_inspect(minted_toy: Path) -> None:
     from cgbuild import lanes
-    from cgbuild.mint import evidence_host
+    from cgbuild.exec.mint import evidence_host
 
     store = Store(minted_toy / ".cgbuild" / "store")
     plan = json.loads(cli(minted_toy, "plan", "@fp32", "--json").stdout)
@@ -231,7 +234,7 @@ def test_toy_lanes_each_match_eager_and_refit_reasons(minted_toy: Path, tmp_path
     from cgbuild_rules.adopt import adopt
     from cgbuild_rules.lanes import set_lanes
 
-    from cgbuild.seal import seal, unseal
+    from cgbuild.store.seal import seal, unseal
 
     store = Store(minted_toy / ".cgbuild" / "store")
     key = json.loads(cli(minted_toy, "plan", MLP8, "--json").stdout)["targets"][0]["key"]

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 from conftest import copy_toy
 
-from cgbuild import cgfile
-from cgbuild.diff import diff_plans, render
-from cgbuild.labels import parse_selector
-from cgbuild.planner import Workspace, make_plan
-from cgbuild.store import Store
+from cgbuild.config import cgfile
+from cgbuild.config.labels import parse_selector
+from cgbuild.plan.diff import diff_plans, render
+from cgbuild.plan.planner import Workspace, make_plan
+from cgbuild.store.local import Store
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
@@ -64,7 +64,10 @@ def keys(p: dict[str, Any]) -> dict[str, str | None]:
 
 def cli(ws: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args],
+        capture_output=True,
+        text=True,
+        env=env,
     )
 
 
@@ -166,7 +169,7 @@ def _topology(p: dict[str, Any], label: str) -> dict[str, tuple[str, list[int]]]
     inputs = by_label(p)[label]["trace_inputs"]
     (facts,) = db.execute("SELECT facts FROM traces WHERE inputs=?", (inputs,)).fetchone()
     db.close()
-    from cgbuild.layout import from_trace
+    from cgbuild.identity.layout import from_trace
 
     return {n: (d, s) for n, d, s in from_trace(json.loads(facts)["topology"])}
 
@@ -308,12 +311,12 @@ def _cuda_facts_from_cpu(toy: Path) -> None:
     """
     import sqlite3
 
-    from cgbuild import environment
-    from cgbuild.canon import digest
-    from cgbuild.planner import resolve_toolchains, trace_job
-    from cgbuild.sources import SourceHasher
-    from cgbuild.targets import expand
-    from cgbuild.tracecache import trace_inputs
+    from cgbuild.config.targets import expand
+    from cgbuild.core.canon import digest
+    from cgbuild.plan import environment
+    from cgbuild.plan.inputs import SourceHasher
+    from cgbuild.plan.planner import resolve_toolchains, trace_job
+    from cgbuild.plan.tracecache import trace_inputs
 
     cg = cgfile.load(toy / "Cgfile")
     ws = Workspace(cg)
@@ -426,7 +429,7 @@ def test_cuda_target_with_cpu_torch_is_blocked(toy: Path) -> None:
 def test_warm_plan_does_not_import_torch(toy: Path) -> None:
     assert cli(toy, "plan").returncode == 0
     code = (
-        "import sys; from cgbuild.cli import main; rc = main(['-C', sys.argv[1], 'plan', '--json']); "
+        "import sys; from cgbuild.cli.main import main; rc = main(['-C', sys.argv[1], 'plan', '--json']); "
         "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(toy)], capture_output=True, text=True)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from cgbuild.cmd_plan import ROW_LIMIT, show
+from cgbuild.cli.plan import ROW_LIMIT, show
 
 
 def _plan(pending: int, fresh: int) -> dict[str, Any]:

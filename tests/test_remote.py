@@ -24,13 +24,13 @@ from typing import Any
 import pytest
 from s3server import BUCKET, S3, Proxy, child_env, keypair, serve
 
-from cgbuild import cgfile
-from cgbuild.canon import canonical_json
-from cgbuild.errors import UserError
-from cgbuild.remote import FAULT_ENV, MULTIPART_ENV, Remote, RemoteError
-from cgbuild.shared import SEEN_TTL_S, PublishRefused, SharedStore, Untrusted
-from cgbuild.store import Corrupt, Store, StoreError
-from cgbuild.trust import SIGNING_KEY_ENV, TrustError, load_signer, public_key_bytes
+from cgbuild.config import cgfile
+from cgbuild.core.canon import canonical_json
+from cgbuild.core.errors import UserError
+from cgbuild.store.local import Corrupt, Store, StoreError
+from cgbuild.store.s3 import FAULT_ENV, MULTIPART_ENV, Remote, RemoteError
+from cgbuild.store.shared import SEEN_TTL_S, PublishRefused, SharedStore, Untrusted
+from cgbuild.store.trust import SIGNING_KEY_ENV, TrustError, load_signer, public_key_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -270,7 +270,7 @@ def test_publish_then_pull_verifies_and_keeps_the_signature_locally(
 
 def _forge(shared: SharedStore, key: str, art: Path, signature: Any, *, size: int | None = None) -> None:
     """Put `art` and a ref for it with this signature record, straight through the S3 API."""
-    from cgbuild.canon import sha256_file
+    from cgbuild.core.canon import sha256_file
 
     sha = sha256_file(str(art))
     shared.remote.upload(art, sha)
@@ -284,8 +284,8 @@ def _forge(shared: SharedStore, key: str, art: Path, signature: Any, *, size: in
 def test_untrusted_remote_artifacts_are_refused_and_never_cached(
     s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], case: str, request: pytest.FixtureRequest
 ) -> None:
-    from cgbuild import trust
-    from cgbuild.canon import sha256_file
+    from cgbuild.core.canon import sha256_file
+    from cgbuild.store import trust
 
     shared = shared_at(tmp_path / "s", prefix_of(request), keys)
     key, art = new_key(), artifact(tmp_path)
@@ -476,10 +476,10 @@ _KILLED_UPLOAD = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from cgbuild.remote import Remote
-    from cgbuild.shared import SharedStore
-    from cgbuild.store import Store
-    from cgbuild.trust import public_key_bytes
+    from cgbuild.store.s3 import Remote
+    from cgbuild.store.shared import SharedStore
+    from cgbuild.store.local import Store
+    from cgbuild.store.trust import public_key_bytes
     name, _, pub = sys.argv[3].partition(":")
     shared = SharedStore(Store(sys.argv[1]), Remote(sys.argv[2]), {name: public_key_bytes(pub)}, "h")
     shared.admit(sys.argv[4], Path(sys.argv[5]), metadata={})
@@ -674,7 +674,7 @@ def test_a_workspace_with_a_remote_travels_to_another_process(
 ) -> None:
     import pickle
 
-    from cgbuild.planner import Workspace
+    from cgbuild.plan.planner import Workspace
 
     url = f"s3://{BUCKET}/{prefix_of(request)}"
     cg = load_ws(tmp_path, f'remote = "{url}"\ntrusted = ["{keys["ci"][1]}"]')
@@ -727,7 +727,10 @@ MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
 
 def cli(ws: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args],
+        capture_output=True,
+        text=True,
+        env=env,
     )
 
 
@@ -875,8 +878,8 @@ def test_fetch_reports_a_key_the_store_refuses_and_goes_on(
 
 
 def _toy_module(ws_path: Path) -> Any:
-    from cgbuild.planner import Workspace, trace_job
-    from cgbuild.targets import expand
+    from cgbuild.config.targets import expand
+    from cgbuild.plan.planner import Workspace, trace_job
 
     ws = Workspace(cgfile.load(ws_path / "Cgfile"))
     job = trace_job(ws, next(t for t in expand(ws.cg) if t.label == MLP8))
@@ -895,7 +898,7 @@ def test_adopt_pulls_verified_artifacts_and_refuses_untrusted_ones(
     import torch
     from cgbuild_rules.adopt import AdoptRefused, adopt
 
-    from cgbuild import trust
+    from cgbuild.store import trust
 
     ws_path, url, key = published
     module = _toy_module(ws_path)
@@ -915,7 +918,7 @@ def test_adopt_pulls_verified_artifacts_and_refuses_untrusted_ones(
     swapped.write_bytes(bytes(flipped))
     ci = load_signer({SIGNING_KEY_ENV: str(keys["ci"][0])})
     assert ci is not None
-    from cgbuild.canon import sha256_file
+    from cgbuild.core.canon import sha256_file
 
     signed_good = ci.sign(trust.artifact_statement(key, sha256_file(str(good)), good.stat().st_size))
     for name, source, signature, code in (
@@ -960,10 +963,11 @@ def test_a_mint_that_loses_the_race_is_told_which_artifact_stands(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Another machine published first, between this machine's plan and its publish."""
-    from cgbuild import mint, trust
-    from cgbuild.canon import sha256_file
-    from cgbuild.labels import parse_selector
-    from cgbuild.planner import Workspace, make_plan
+    from cgbuild.config.labels import parse_selector
+    from cgbuild.core.canon import sha256_file
+    from cgbuild.exec import mint
+    from cgbuild.plan.planner import Workspace, make_plan
+    from cgbuild.store import trust
 
     monkeypatch.setenv(SIGNING_KEY_ENV, str(keys["ci"][0]))
     ws_path, url, _ = published

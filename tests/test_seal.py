@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cgbuild.seal import SealError, compare_artifacts, diff_artifacts, read_metadata, seal, unseal
+from cgbuild.store.seal import SealError, compare_artifacts, diff_artifacts, read_metadata, seal, unseal
 
 META = {"key": "ab12", "graph": {"digest": "00ff"}, "torch": "2.13.0+cpu", "facets": ["8x64-b1"]}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cgbuild.store import Corrupt, Missing, Quarantined, Store, StoreError
+from cgbuild.store.local import Corrupt, Missing, Quarantined, Store, StoreError
 
 
 def _blob(path: Path, data: bytes) -> Path:
@@ -67,7 +67,7 @@ def test_admit_resolve_already_conflict(tmp_path: Path) -> None:
 _RACER = textwrap.dedent(
     """
     import json, os, sys, time
-    from cgbuild.store import Store
+    from cgbuild.store.local import Store
     root, tag, go, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     store = Store(root)
     blobs = []
@@ -106,7 +106,7 @@ def test_two_processes_one_key_exactly_one_wins(tmp_path: Path) -> None:
 _WRITER = textwrap.dedent(
     """
     import os, sys
-    from cgbuild.store import Store
+    from cgbuild.store.local import Store
     root, scratch = sys.argv[1], sys.argv[2]
     store = Store(root)
     i = 0

@@ -1,0 +1,100 @@
+"""`cgbuild` command line: parse, dispatch, and turn bad input into one line and exit code 2.
+
+Exit codes: 0 success; 1 `diff --exit-code` found work, or a mint/verify failed; 2 bad input
+(Cgfile, label, lock, plan file); 3 an internal error (a bug: the traceback is printed).
+Each command lives in its own `cmd_*` module, imported only when it runs, so `cgbuild plan`
+never pays for what `mint` needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from cgbuild.core.errors import UserError
+
+COMMANDS = {
+    "plan": ("cgbuild.cli.plan", "what must be minted, and why"),
+    "why": ("cgbuild.cli.why", "the derivation of one target's key and the root cause of its status"),
+    "diff": ("cgbuild.cli.diff", "compare two plan JSON files (e.g. across a toolchain bump)"),
+    "query": ("cgbuild.cli.query", "targets and the rule graph"),
+    "toolchain": ("cgbuild.cli.toolchain", "show or lock the toolchain components"),
+    "mint": ("cgbuild.cli.mint", "compile, verify, seal and admit what a label selects"),
+    "verify": ("cgbuild.cli.verify", "re-hash stored artifacts (and run them against eager)"),
+    "inspect": ("cgbuild.cli.inspect", "show an artifact's metadata and evidence"),
+    "gc": ("cgbuild.cli.gc", "remove store objects no ref reaches"),
+    "fetch": ("cgbuild.cli.fetch", "pull the selection's shared artifacts into the local store, verified"),
+    "trust": ("cgbuild.cli.trust", "make a publisher signing key for a shared store"),
+}
+
+
+def find_cgfile(start: Path) -> Path:
+    """The nearest `Cgfile` at or above `start`."""
+    for folder in (start, *start.parents):
+        candidate = folder / "Cgfile"
+        if candidate.is_file():
+            return candidate
+    raise UserError(f"no Cgfile in {start} or any folder above it (use -C DIR or --cgfile PATH)")
+
+
+def add_workspace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cgfile", type=Path, help="the Cgfile (default: nearest Cgfile at or above -C/cwd)")
+    p.add_argument(
+        "--toolchain",
+        metavar="LOCK",
+        help="toolchain lock file (overrides the Cgfile's lock and probing this environment)",
+    )
+
+
+def workspace(args: argparse.Namespace):  # -> planner.Workspace (import deferred)
+    from cgbuild.config import cgfile
+    from cgbuild.plan.planner import Workspace
+
+    path = args.cgfile or find_cgfile(Path(args.directory or ".").resolve())
+    return Workspace(cgfile.load(path), toolchain_lock=getattr(args, "toolchain", None))
+
+
+def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+    parser = argparse.ArgumentParser(prog="cgbuild", description=__doc__.splitlines()[0])
+    parser.add_argument("-C", dest="directory", metavar="DIR", help="run as if started in DIR")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    modules: dict[str, object] = {}
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen or chosen is None:
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as exc:
+                if exc.name != module_name:
+                    raise
+                continue
+            module.add_arguments(p)  # type: ignore[attr-defined]
+            modules[name] = module
+    return parser, modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, modules = build_parser(argv)
+    args = parser.parse_args(argv)
+    module = modules.get(args.command)
+    if module is None:
+        parser.error(f"'{args.command}' is not available in this build")
+    try:
+        return int(module.run(args) or 0)  # type: ignore[attr-defined]
+    except UserError as exc:
+        print(f"cgbuild: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("cgbuild: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

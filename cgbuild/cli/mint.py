@@ -1,0 +1,276 @@
+"""`cgbuild mint LABEL`: compile, verify, seal and admit every key the label selects that must be minted.
+
+`--plan PLAN.json` mints exactly the keys a recorded plan approved (a key that moved since is
+refused, not minted under the new identity). `--check` re-mints stored keys in a fresh sandbox
+and compares the bytes member by member. `--executor ray[://HOST:PORT]` sends each key to a node
+of a Ray cluster that advertises its sm (docs/fleet.md); the summary and records are the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from cgbuild.cli.main import add_workspace_args, workspace
+from cgbuild.cli.render import console, print_json, progress_bar
+from cgbuild.config.labels import parse_selector
+from cgbuild.core.errors import UserError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("label", nargs="?", help="label or selector (required unless --plan)")
+    add_workspace_args(p)
+    p.add_argument("--plan", metavar="PLAN.json", help="mint exactly the keys this recorded plan approved")
+    p.add_argument(
+        "--check", action="store_true", help="re-mint stored keys in a fresh sandbox; compare bytes"
+    )
+    p.add_argument(
+        "-j",
+        "--jobs",
+        type=int,
+        help="keys minted at once by the local executor (default: by cores and memory)",
+    )
+    p.add_argument(
+        "--executor",
+        default="local",
+        metavar="local|ray[://HOST:PORT]",
+        help="where keys are minted: this machine (default) or the Ray cluster at HOST:PORT (docs/fleet.md)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON summary")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cgbuild.exec import fleet, mint
+    from cgbuild.plan.planner import make_plan
+
+    if not args.label and not args.plan:
+        raise UserError("name a label (e.g. //toy:cpu) or --plan PLAN.json", field="label")
+    executor = fleet.parse_executor(args.executor)
+    if executor.kind == "ray":
+        if args.check:
+            raise UserError(
+                "--check compares bytes on this machine: run it without --executor", field="--check"
+            )
+        fleet.connect(executor)  # before planning: an unreachable cluster fails at once
+    ws = workspace(args)
+    update, close = progress_bar("tracing")
+    try:
+        plan = make_plan(ws, parse_selector(args.label or "//..."), progress=update)
+    finally:
+        close()
+    refused: list[dict[str, Any]] = []
+    if args.plan:
+        recorded = mint.recorded_plan_keys(args.plan)
+        for t in plan["targets"]:
+            if t["label"] in recorded and t["key"] != recorded[t["label"]]:
+                refused.append(
+                    {
+                        "label": t["label"],
+                        "code": "plan-stale",
+                        "detail": f"key moved since the plan was approved "
+                        f"({recorded[t['label']][:12]} → {(t['key'] or 'unknown')[:12]})",
+                    }
+                )
+        plan = {**plan, "targets": [t for t in plan["targets"] if recorded.get(t["label"]) == t["key"]]}
+    for t in plan["targets"]:
+        if t["status"] in ("blocked", "trace"):
+            r = t["reasons"][0]
+            refused.append({"label": t["label"], "code": r["code"], "detail": r["detail"]})
+
+    if args.check:
+        return _check(args, ws, plan, refused)
+    keys = mint.approved(plan, ws)
+    fresh = sum(1 for t in plan["targets"] if t["status"] == "fresh")
+    started = time.perf_counter()
+    published = mint.publish_unpublished(ws, plan)
+    if executor.kind == "ray":
+        keys, blocked = fleet.admission(keys, fleet.offered())
+        refused.extend(blocked)
+        results = fleet.Fleet().mint_keys(ws, keys, on_event=_events(len(keys)))
+    else:
+        results = mint.mint_keys(ws, keys, jobs=args.jobs or mint.default_jobs(), on_event=_events(len(keys)))
+    shared = ws.shared()
+    if shared is not None:
+        shared.save_seen()  # the keys published here: the next plan need not list them
+    failed = [mk for mk in results if not mk.result.get("ok")]
+    summary = {
+        "schema": "cgbuild.mint-summary/1",
+        "minted": [
+            {
+                "key": mk.key,
+                "labels": mk.labels,
+                "admission": mk.result.get("admission"),
+                "phases": mk.result.get("phases"),
+            }
+            for mk in results
+            if mk.result.get("ok")
+        ],
+        "failed": [
+            {
+                "key": mk.key,
+                "labels": mk.labels,
+                **{k: mk.result.get(k) for k in ("code", "retryable", "phase", "detail")},
+            }
+            for mk in failed
+        ],
+        "refused": refused,
+        "published": published,
+        "fresh": fresh,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    if args.json:
+        print_json(summary)
+    else:
+        _show(summary, ws)
+    unpublished = [p for p in published if p["publish"] in ("failed", "conflict")]
+    return 1 if failed or refused or unpublished else 0
+
+
+def _events(total: int):  # -> Callable[[MintKey, str], None]
+    """Per-key phase rows and an overall bar with ETA on a terminal; one line per event otherwise."""
+    import sys
+
+    if total == 0:
+        return lambda mk, phase: None
+    if not sys.stderr.isatty():
+
+        def plain(mk: Any, phase: str) -> None:
+            print(f"mint {mk.key[:12]} {mk.labels[0]}: {phase}", file=sys.stderr, flush=True)
+
+        return plain
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from cgbuild.cli.render import console
+
+    board = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[phase]}"),
+        console=console(stderr=True),
+    )
+    overall = board.add_task("all keys", total=total, phase="")
+    rows: dict[str, Any] = {}
+    steps = {
+        "starting": 0,
+        "retrying": 0,
+        "compile": 1,
+        "verify": 2,
+        "seal": 3,
+        "admitting": 4,
+        "done": 5,
+        "failed": 5,
+    }
+    board.start()
+
+    def on_event(mk: Any, phase: str) -> None:
+        if mk.key not in rows:
+            more = f" +{len(mk.labels) - 1}" if len(mk.labels) > 1 else ""
+            rows[mk.key] = board.add_task(f"{mk.labels[0]}{more}", total=5, phase="")
+        board.update(rows[mk.key], completed=steps.get(phase, 0), phase=phase)
+        if phase in ("done", "failed"):
+            board.advance(overall)
+            if board.tasks[overall].finished:
+                board.stop()
+
+    return on_event
+
+
+def _show(summary: dict[str, Any], ws: Any) -> None:
+    out = console()
+    n_min, n_fail, n_ref = len(summary["minted"]), len(summary["failed"]), len(summary["refused"])
+    out.print(
+        f"{n_min} minted, {summary['fresh']} already fresh, {n_fail} failed, {n_ref} refused "
+        f"({summary['seconds']:.1f} s) into {ws.cg.store_dir}"
+    )
+    for m in summary["minted"]:
+        phases = ", ".join(
+            f"{k} {v:.1f}s" for k, v in (m["phases"] or {}).items() if isinstance(v, int | float)
+        )
+        out.print(f"  [green]minted[/] {m['key'][:12]} {' '.join(m['labels'])} ({phases})")
+    for f in summary["failed"]:
+        kind = "retryable" if f["retryable"] else "deterministic"
+        out.print(
+            f"  [red]failed[/] {f['key'][:12]} {' '.join(f['labels'])}: {f['code']} ({kind}, "
+            f"phase {f['phase']}): {f['detail']}"
+        )
+    for r in summary["refused"]:
+        out.print(f"  [red]refused[/] {r['label']}: {r['code']}: {r['detail']}")
+    for p in summary["published"]:
+        if p["publish"] == "failed":
+            out.print(f"  [red]not published[/] {p['key'][:12]}: {p['code']}: {p['detail']}")
+        elif p["publish"] == "conflict":
+            out.print(f"  [red]not published[/] {p['key'][:12]}: the shared store holds {p['standing']}")
+        else:
+            out.print(f"  [green]published[/] {p['key'][:12]} from this machine's cache")
+
+
+def _check(args: argparse.Namespace, ws: Any, plan: dict[str, Any], refused: list[dict[str, Any]]) -> int:
+    from cgbuild.exec import mint
+
+    keys = mint.approved(plan, ws, statuses=("fresh",))
+    if not keys:
+        raise UserError(
+            "nothing to check: no selected target has a stored artifact (mint it first)", field="label"
+        )
+    bad = 0
+    reports = []
+    for mk in keys:
+        result = mint.check_key(ws, mk)
+        same = bool(result.get("ok") and result.get("reproducible"))
+        bad += not same
+        moved = result.get("verdict_moved")
+        if moved:
+            measured = (result.get("lane_evidence") or {}).get("measured") or {}
+            moved = {**moved, "measured_ns": {lane: run["median_ns"] for lane, run in measured.items()}}
+        reports.append(
+            {
+                "key": mk.key,
+                "labels": mk.labels,
+                "reproducible": same,
+                "differing": result.get("differing"),
+                "fields": result.get("fields"),
+                "verdict_moved": moved,
+                "error": None if result.get("ok") else result,
+            }
+        )
+    if args.json:
+        print_json({"schema": "cgbuild.mint-check/1", "checks": reports, "refused": refused})
+    else:
+        out = console()
+        for r in reports:
+            if r["reproducible"] and r["verdict_moved"]:
+                rec, now = r["verdict_moved"]["recorded"] or {}, r["verdict_moved"]["now"] or {}
+                timings = ", ".join(
+                    f"{lane} {ns / 1000:.0f} µs" for lane, ns in r["verdict_moved"]["measured_ns"].items()
+                )
+                out.print(
+                    f"[green]build byte-identical[/] {r['key'][:12]} {' '.join(r['labels'])}; "
+                    f"[yellow]lane verdict moved[/]: recorded {rec.get('winner')} ({rec.get('binding')}), "
+                    f"now {now.get('winner')} ({now.get('binding')}) on {timings or 'no measurement'}: "
+                    "the lanes sit near the tie band's edge on this machine, so timing noise decides "
+                    "(docs/lanes.md)"
+                )
+            elif r["reproducible"]:
+                out.print(f"[green]byte-identical[/] {r['key'][:12]} {' '.join(r['labels'])}")
+            elif r["error"]:
+                out.print(
+                    f"[red]re-mint failed[/] {r['key'][:12]}: {r['error'].get('code')}: "
+                    f"{r['error'].get('detail')}"
+                )
+            else:
+                fields = f"; metadata fields {', '.join(r['fields'])}" if r["fields"] else ""
+                out.print(
+                    f"[red]differs[/] {r['key'][:12]}: members {', '.join(r['differing'] or [])}{fields}"
+                )
+    return 1 if bad else 0

@@ -1,0 +1,1 @@
+"""Layer: what a workspace declares (the Cgfile, its TOML positions, labels, targets)."""

@@ -1,0 +1,458 @@
+"""The Cgfile: what a workspace declares, validated with file:line:field errors.
+
+A declaration either takes effect or is refused: unknown keys, wrong types, bad names, dangling
+SKU/layout references, empty envelopes and lane values the family's entry does not provide all
+stop the run with exit code 2 and one line that says where.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cgbuild.config.tomlpos import KeyLines
+from cgbuild.core.errors import UserError
+from cgbuild.identity.layout import QUANT_RULES, compute_dtype
+from cgbuild.lanes import LaneTableError, Needs, read_lane_table
+from cgbuild.store.trust import public_key_bytes
+
+NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+SM = re.compile(r"^(cpu|sm_[0-9]{2,3}[a-z]?)$")
+SHAPE = re.compile(r"^([1-9][0-9]*)x([1-9][0-9]*)$")
+ENTRY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
+REMOTE = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/([A-Za-z0-9._/-]*))?$")
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Sku:
+    name: str
+    sm: str
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    quant: str
+    reference: Path | None
+    dtype: str = "float32"
+    """The compute dtype: the one the rule fixes (plain.*) or the one declared (quantized rules)."""
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The declared serving region of one module; graph classes are its static buckets."""
+
+    shapes: tuple[tuple[int, int], ...]
+    text_lengths: tuple[int, ...] | None
+    batch_sizes: tuple[int, ...]
+    guidance: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    component: str
+    envelope: Envelope
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    entry: str
+    config: dict[str, Any]
+    sources: tuple[str, ...]
+    skus: tuple[str, ...]
+    layouts: tuple[str, ...]
+    modules: dict[str, Module]
+    lanes: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Declared lane axes in declaration order: (axis, values). Not a key axis (docs/lanes.md)."""
+    lane_table: dict[str, dict[str, Needs]] = field(default_factory=dict)
+    """The entry's implementations of the declared axes, in the entry's order, with their needs."""
+
+
+@dataclass
+class Cgfile:
+    path: Path
+    root: Path
+    state_dir: Path
+    store_dir: Path
+    toolchain_lock: Path | None
+    cxx: str | None
+    skus: dict[str, Sku]
+    layouts: dict[str, Layout]
+    families: dict[str, Family]
+    lines: KeyLines = field(repr=False)
+    remote: str | None = None
+    """The shared store, `s3://bucket/prefix` (docs/store.md); None: the local store only."""
+    trusted: dict[str, bytes] = field(default_factory=dict)
+    """Publisher name → raw ed25519 public key whose signatures adopt and fetch accept."""
+
+    def error(self, message: str, *path: str) -> UserError:
+        return UserError(message, file=str(self.path), line=self.lines.line(*path), field=".".join(path))
+
+
+class _Reader:
+    """Typed access to one TOML table that reports the exact field on failure."""
+
+    def __init__(self, path: Path, lines: KeyLines) -> None:
+        self.path = path
+        self.lines = lines
+
+    def fail(self, message: str, *where: str) -> UserError:
+        return UserError(message, file=str(self.path), line=self.lines.line(*where), field=".".join(where))
+
+    def table(self, value: Any, where: tuple[str, ...], allowed: set[str]) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(f"expected a table, got {_kind(value)}", *where)
+        for key in value:
+            if key not in allowed:
+                hint = f" (known: {', '.join(sorted(allowed))})" if allowed else ""
+                raise self.fail(f"unknown key '{key}'{hint}", *where, key)
+        return value
+
+    def get(
+        self,
+        table: dict[str, Any],
+        where: tuple[str, ...],
+        key: str,
+        check: Callable[[Any], bool],
+        expected: str,
+        *,
+        required: bool = False,
+        default: Any = None,
+    ) -> Any:
+        if key not in table:
+            if required:
+                raise self.fail(f"missing required key '{key}'", *where, key)
+            return default
+        value = table[key]
+        if not check(value):
+            raise self.fail(f"expected {expected}, got {_kind(value)} {value!r}", *where, key)
+        return value
+
+    def name(self, value: str, *where: str) -> str:
+        if not NAME.match(value):
+            raise self.fail(
+                f"bad name '{value}': names use [a-z0-9._-] and start with a letter or digit", *where
+            )
+        return value
+
+
+def _kind(value: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "float", str: "string", list: "array", dict: "table"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, int | float)) and not isinstance(v, bool)
+
+
+def _is_str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _is_int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(x) for x in v)
+
+
+def _is_num_list(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_num(x) for x in v)
+
+
+TOP_KEYS = {"workspace", "toolchain", "sku", "layout", "family"}
+MODULE_LANE_KEYS = {"lanes", "lane"}
+
+
+def load(path: str | Path) -> Cgfile:
+    """Parse and validate a Cgfile; raises UserError naming file, line and field."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError("no such Cgfile", file=str(path)) from None
+    except OSError as exc:
+        raise UserError(f"cannot read Cgfile: {exc.strerror}", file=str(path)) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        at = re.search(r"\(at line (\d+), column \d+\)", str(exc))
+        line = int(at.group(1)) if at else None
+        msg = str(exc)[: at.start()].strip() if at else str(exc)
+        raise UserError(f"TOML syntax error: {msg}", file=str(path), line=line) from None
+    return parse(data, path, KeyLines(text))
+
+
+def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
+    r = _Reader(path, lines)
+    root = path.resolve().parent
+    r.table(data, (), TOP_KEYS)
+
+    ws = r.table(data.get("workspace", {}), ("workspace",), {"state", "store", "remote", "trusted"})
+    state_dir = root / r.get(ws, ("workspace",), "state", _is_str, "a path string", default=".cgbuild")
+    store = r.get(ws, ("workspace",), "store", _is_str, "a path string")
+    store_dir = root / store if store else state_dir / "store"
+    remote, trusted = _shared_store(r, ws)
+
+    tc = r.table(data.get("toolchain", {}), ("toolchain",), {"lock", "cxx"})
+    lock = r.get(tc, ("toolchain",), "lock", _is_str, "a path string")
+    cxx = r.get(tc, ("toolchain",), "cxx", _is_str, "a compiler path or name")
+
+    skus: dict[str, Sku] = {}
+    for name, raw in r.table(data.get("sku", {}), ("sku",), set(data.get("sku", {}))).items():
+        where = ("sku", name)
+        r.name(name, *where)
+        t = r.table(raw, where, {"sm", "memory_gib"})
+        sm = r.get(t, where, "sm", _is_str, "a string like 'sm_90' or 'cpu'", required=True)
+        if not SM.match(sm):
+            raise r.fail(f"bad sm '{sm}': expected 'cpu' or 'sm_<digits>' (e.g. sm_90, sm_120)", *where, "sm")
+        gib = r.get(t, where, "memory_gib", _is_num, "a number of GiB", required=True)
+        if gib <= 0:
+            raise r.fail("memory_gib must be positive", *where, "memory_gib")
+        skus[name] = Sku(name, sm, int(gib * GIB))
+
+    layouts: dict[str, Layout] = {}
+    for name, raw in r.table(data.get("layout", {}), ("layout",), set(data.get("layout", {}))).items():
+        where = ("layout", name)
+        r.name(name, *where)
+        t = r.table(raw, where, {"quant", "reference", "dtype"})
+        quant = r.get(t, where, "quant", _is_str, "a quant rule name", required=True)
+        if quant not in QUANT_RULES:
+            raise r.fail(
+                f"unknown quant rule '{quant}' (known: {', '.join(sorted(QUANT_RULES))})", *where, "quant"
+            )
+        ref = r.get(t, where, "reference", _is_str, "a path to a safetensors checkpoint (file or folder)")
+        declared = r.get(t, where, "dtype", _is_str, "a compute dtype ('float32', 'bfloat16', 'float16')")
+        try:
+            dtype = compute_dtype(QUANT_RULES[quant], declared)
+        except ValueError as exc:
+            raise r.fail(str(exc), *where, "dtype" if declared else "quant") from None
+        layouts[name] = Layout(name, quant, root / ref if ref else None, dtype)
+
+    families: dict[str, Family] = {}
+    for name, raw in r.table(data.get("family", {}), ("family",), set(data.get("family", {}))).items():
+        families[name] = _family(r, name, raw, skus, layouts)
+    if not families:
+        raise r.fail("no [family.*] declared: nothing to build", "family")
+
+    return Cgfile(
+        path=path,
+        root=root,
+        state_dir=state_dir,
+        store_dir=store_dir,
+        toolchain_lock=root / lock if lock else None,
+        cxx=cxx,
+        skus=skus,
+        layouts=layouts,
+        families=families,
+        lines=lines,
+        remote=remote,
+        trusted=trusted,
+    )
+
+
+def _shared_store(r: _Reader, ws: dict[str, Any]) -> tuple[str | None, dict[str, bytes]]:
+    """`remote = "s3://bucket/prefix"` and `trusted = ["name:<base64 ed25519 public key>", ...]`.
+
+    Each needs the other: a remote nobody is trusted on would refuse every pulled artifact, and
+    trusted keys without a remote would verify nothing.
+    """
+    where = ("workspace",)
+    remote = r.get(ws, where, "remote", _is_str, "an 's3://bucket/prefix' string")
+    if remote is not None:
+        remote = remote.rstrip("/")
+        if not REMOTE.match(remote):
+            raise r.fail(
+                f"bad remote '{remote}': expected 's3://bucket/prefix' (bucket: 3-63 of [a-z0-9.-]; "
+                "prefix: [A-Za-z0-9._/-])",
+                *where,
+                "remote",
+            )
+    entries = r.get(ws, where, "trusted", _is_str_list, "an array of 'name:<base64 public key>' strings")
+    trusted: dict[str, bytes] = {}
+    for entry in entries or []:
+        name, sep, text = entry.partition(":")
+        if not sep:
+            raise r.fail(
+                f"bad trusted entry '{entry}': expected 'name:<base64 public key>'", *where, "trusted"
+            )
+        r.name(name, *where, "trusted")
+        try:
+            public = public_key_bytes(text)
+        except ValueError as e:
+            raise r.fail(f"trusted '{name}': {e}", *where, "trusted") from None
+        if name in trusted or public in trusted.values():
+            raise r.fail(f"trusted '{name}': duplicate name or key", *where, "trusted")
+        trusted[name] = public
+    if remote and not trusted:
+        raise r.fail(
+            'a remote needs trusted publisher keys (trusted = ["name:<key>"]; `cgbuild trust keygen` '
+            "makes one): without them every shared artifact would be refused",
+            *where,
+            "remote",
+        )
+    if trusted and not remote:
+        raise r.fail(
+            "trusted keys without a remote verify nothing: declare remote or drop them", *where, "trusted"
+        )
+    return remote, trusted
+
+
+FAMILY_KEYS = {"entry", "config", "sources", "skus", "layouts", "module", "lanes"}
+
+
+def _family(r: _Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict[str, Layout]) -> Family:
+    where = ("family", name)
+    r.name(name, *where)
+    t = r.table(raw, where, FAMILY_KEYS)
+    entry = r.get(t, where, "entry", _is_str, "'module:function'", required=True)
+    if not ENTRY.match(entry):
+        raise r.fail(f"bad entry '{entry}': expected 'package.module:function'", *where, "entry")
+    config = r.get(t, where, "config", lambda v: isinstance(v, dict), "a table", default={})
+    sources = r.get(t, where, "sources", _is_str_list, "an array of glob strings", default=[])
+    fam_skus = r.get(t, where, "skus", _is_str_list, "an array of SKU names", required=True)
+    fam_layouts = r.get(t, where, "layouts", _is_str_list, "an array of layout names", required=True)
+    for key, values, known in (("skus", fam_skus, skus), ("layouts", fam_layouts, layouts)):
+        if not values:
+            raise r.fail(f"'{key}' is empty: a family needs at least one", *where, key)
+        if len(set(values)) != len(values):
+            dup = next(v for v in values if values.count(v) > 1)
+            raise r.fail(f"duplicate name '{dup}'", *where, key)
+        for v in values:
+            if v not in known:
+                kind = key[:-1]
+                raise r.fail(
+                    f"unknown {kind} '{v}' (declared: {', '.join(sorted(known)) or 'none'})", *where, key
+                )
+    modules_raw = r.table(t.get("module", {}), (*where, "module"), set(t.get("module", {})))
+    if not modules_raw:
+        raise r.fail("no [family.<name>.module.*] declared", *where, "module")
+    modules = {m: _module(r, (*where, "module", m), m, spec) for m, spec in modules_raw.items()}
+    lanes, table = _lanes(r, where, t["lanes"], entry) if "lanes" in t else ((), {})
+    return Family(
+        name, entry, config, tuple(sources), tuple(fam_skus), tuple(fam_layouts), modules, lanes, table
+    )
+
+
+def _lanes(
+    r: _Reader, where: tuple[str, ...], raw: Any, entry: str
+) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], dict[str, dict[str, Needs]]]:
+    """`[family.<name>.lanes]`: axis = [values], each value a real implementation of the entry.
+
+    The entry's `LANES` literal is read from its source (never imported) to check every value
+    exists and to learn what each needs; every axis must keep one value with no needs, so every
+    target of the family can build at least one implementation of it.
+    """
+    here = (*where, "lanes")
+    declared = r.table(raw, here, set(raw) if isinstance(raw, dict) else set())
+    if not declared:
+        raise r.fail('empty lanes table: declare at least one axis, e.g. linear = ["baseline", ...]', *here)
+    root = r.path.resolve().parent
+    try:
+        table = read_lane_table(root, entry)
+    except LaneTableError as e:
+        raise UserError(e.message, file=e.file, line=e.line, field=e.field) from None
+    if table is None:
+        raise r.fail(
+            f"entry '{entry}' declares no LANES table in its source under {root.name or root}/ "
+            "(axis -> value -> needs, a literal): lanes must name implementations the entry provides",
+            *here,
+        )
+    axes: list[tuple[str, tuple[str, ...]]] = []
+    needs: dict[str, dict[str, Needs]] = {}
+    for axis, values in declared.items():
+        at = (*here, axis)
+        r.name(axis, *at)
+        if not _is_str_list(values):
+            raise r.fail(f"expected an array of lane values, got {_kind(values)} {values!r}", *at)
+        if not values:
+            raise r.fail(f"empty lane axis '{axis}': declare at least one value", *at)
+        if len(set(values)) != len(values):
+            dup = next(v for v in values if values.count(v) > 1)
+            raise r.fail(f"duplicate lane value '{dup}'", *at)
+        provided = table.axes.get(axis)
+        if provided is None:
+            raise r.fail(
+                f"unknown lane axis '{axis}' for entry '{entry}' (it provides: {', '.join(table.axes)})", *at
+            )
+        for v in values:
+            if v not in provided:
+                raise r.fail(
+                    f"unknown lane value '{v}' for axis '{axis}' (entry '{entry}' provides: "
+                    f"{', '.join(provided)})",
+                    *at,
+                )
+        if all(provided[v].to_json() for v in values):
+            raise r.fail(
+                f"lane axis '{axis}' declares no value that builds everywhere (each of "
+                f"{', '.join(values)} needs something): add one with no needs, e.g. the reference",
+                *at,
+            )
+        axes.append((axis, tuple(values)))
+        needs[axis] = {v: n for v, n in provided.items() if v in values}
+    return tuple(axes), needs
+
+
+MODULE_KEYS = {"component", "shapes", "text_lengths", "batch_sizes", "guidance"}
+
+
+def _module(r: _Reader, where: tuple[str, ...], name: str, raw: Any) -> Module:
+    r.name(name, *where)
+    if isinstance(raw, dict):
+        for lane_key in MODULE_LANE_KEYS & set(raw):
+            raise r.fail(
+                "lanes are declared per family ([family.<name>.lanes]), not per module", *where, lane_key
+            )
+    t = r.table(raw, where, MODULE_KEYS)
+    component = r.get(
+        t, where, "component", _is_str, "a checkpoint component name", default=name.split(".")[0]
+    )
+    shapes_raw = r.get(t, where, "shapes", _is_str_list, "an array of 'HxW' strings", required=True)
+    shapes: list[tuple[int, int]] = []
+    for s in shapes_raw:
+        m = SHAPE.match(s)
+        if not m:
+            raise r.fail(
+                f"bad shape '{s}': expected 'HxW' with positive integers, e.g. '1024x768'", *where, "shapes"
+            )
+        shapes.append((int(m.group(1)), int(m.group(2))))
+    texts = r.get(t, where, "text_lengths", _is_int_list, "an array of integers")
+    batches = r.get(t, where, "batch_sizes", _is_int_list, "an array of integers", default=[1])
+    guidance = r.get(t, where, "guidance", _is_num_list, "an array of numbers", default=[])
+    for key, values in (("shapes", shapes_raw), ("text_lengths", texts), ("batch_sizes", batches)):
+        if values is not None and not values:
+            raise r.fail(f"empty envelope: '{key}' declares no values", *where, key)
+        if values is not None and len(set(values)) != len(values):
+            raise r.fail(f"duplicate value in '{key}'", *where, key)
+    for key, values in (("text_lengths", texts or []), ("batch_sizes", batches)):
+        if any(v <= 0 for v in values):
+            raise r.fail(f"'{key}' values must be positive", *where, key)
+    return Module(
+        name,
+        component,
+        Envelope(
+            tuple(shapes),
+            tuple(texts) if texts is not None else None,
+            tuple(batches),
+            tuple(_num_text(g) for g in guidance),
+        ),
+    )
+
+
+def _num_text(value: float | int) -> str:
+    """Guidance values are facets, not identity; keep them as exact decimal text (no floats in JSON)."""
+    return repr(float(value)) if isinstance(value, float) else str(value)

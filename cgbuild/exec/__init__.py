@@ -1,0 +1,1 @@
+"""Layer: doing what a plan approved (local mint, fleet)."""

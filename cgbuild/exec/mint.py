@@ -1,0 +1,358 @@
+"""Minting what a plan approved: one child per key, parallel within the machine, durable records.
+
+Targets that share a key mint once; the artifact covers every facet of them. Each key runs in
+its own `python -m cgbuild_rules.mint` child (a crash there is a typed failure here), its stderr
+goes to a log beside its record, and the record (`<state>/mint/<key>.json`: labels, phases with
+timings, failure class, log path) is written atomically when the key starts and when it ends, so
+a killed run leaves an honest trail and a re-run resumes: admitted keys read `fresh` and are
+skipped. Admission is mint-once: a different artifact for an admitted key is reported, never
+written over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cgbuild.config.targets import Target, expand
+from cgbuild.core.errors import UserError
+from cgbuild.plan.diff import load_plan
+from cgbuild.plan.planner import Workspace, trace_job
+from cgbuild.store.local import Store, StoreError
+from cgbuild.store.s3 import RemoteError
+from cgbuild.store.shared import PublishRefused, SharedStore
+
+RECORD_SCHEMA = "cgbuild.mint-record/1"
+RETRYABLE = {"oom", "worker-killed", "worker-signal", "timeout", "worker-crashed"}
+GIB = 1 << 30
+
+
+@dataclass
+class MintKey:
+    """One key to mint and every plan target it serves."""
+
+    key: str
+    entries: list[dict[str, Any]]
+    target: Target
+    toolchain: dict[str, Any]
+    result: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def labels(self) -> list[str]:
+        return [e["label"] for e in self.entries]
+
+
+def default_jobs() -> int:
+    """Parallel mints: a compile wants ~2 cores and a few GiB; never more than the machine has."""
+    cores = os.cpu_count() or 1
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        avail = 8 * GIB
+    return max(1, min(cores // 2, int(avail // (4 * GIB))))
+
+
+def approved(plan: dict[str, Any], ws: Workspace, statuses: tuple[str, ...] = ("mint",)) -> list[MintKey]:
+    """Group the plan's targets of these statuses by key (one mint per key)."""
+    targets = {t.label: t for t in expand(ws.cg)}
+    groups: dict[str, MintKey] = {}
+    for entry in plan["targets"]:
+        if entry["status"] not in statuses or not entry["key"]:
+            continue
+        target = targets.get(entry["label"])
+        if target is None:
+            raise UserError(f"{entry['label']} is in the plan but not in the Cgfile", field="targets")
+        platform = target.device
+        tc = plan["toolchains"][platform]
+        mk = groups.setdefault(
+            entry["key"],
+            MintKey(
+                entry["key"],
+                [],
+                target,
+                {"platform": platform, "fold": tc["fold"], "components": tc["components"]},
+            ),
+        )
+        mk.entries.append(entry)
+    return list(groups.values())
+
+
+def recorded_plan_keys(path: str) -> dict[str, str]:
+    """label → key of the targets a recorded plan marked `mint`."""
+    plan = load_plan(path)
+    return {t["label"]: t["key"] for t in plan["targets"] if t.get("status") == "mint" and t.get("key")}
+
+
+def evidence_host() -> str:
+    """The name lane evidence is filed under: this host's name, safe as a file name."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()).lstrip(".")
+    return name or "host"
+
+
+def _evidence_run(result: dict[str, Any], how: str) -> dict[str, Any]:
+    """One measured run for `<store>/evidence/<key>/<host>.json`: raw timings never sealed."""
+    return {
+        "how": how,
+        "recorded": int(time.time()),
+        "artifact_sha256": result.get("sha256"),
+        "reproducible": result.get("reproducible"),
+        **result["lane_evidence"],
+    }
+
+
+def _write_record(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f, sort_keys=True, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _layout_request(ws: Workspace, t: Target, readable: dict[str, Any]) -> dict[str, Any]:
+    """What the worker needs to re-derive the layout axis (and refuse drift): the rule, the
+    component, the reference it was read from (a path for this machine only: never sealed)."""
+    lay = ws.cg.layouts[t.id.layout]
+    return {
+        "quant": lay.quant,
+        "dtype": lay.dtype,
+        "component": t.module.component,
+        "reference": str(lay.reference) if lay.reference else None,
+        "topology": readable["topology"],
+        "quant_digest": readable["quant"],
+    }
+
+
+def _lanes_request(ws: Workspace, mk: MintKey) -> dict[str, Any] | None:
+    """The family's declared lanes and their needs, and the SKU the mint's verdict is fitted to.
+
+    That SKU is the largest-memory card the key's targets declare for this sm: the verdict is
+    then the best lane for the roomiest card, and every smaller card of the same sm re-fits at
+    adopt down the recorded fallback order (docs/lanes.md).
+    """
+    fam = mk.target.family
+    if not fam.lanes:
+        return None
+    skus = [ws.cg.skus[name] for name in sorted({s for e in mk.entries for s in e["skus"]})]
+    fit = max(skus, key=lambda s: s.memory_bytes)  # the first by name among equals
+    return {
+        "axes": [[axis, list(values)] for axis, values in fam.lanes],
+        "needs": {a: {v: n.to_json() for v, n in vals.items()} for a, vals in fam.lane_table.items()},
+        "sku": {"name": fit.name, "memory_bytes": fit.memory_bytes},
+    }
+
+
+def request_for(ws: Workspace, mk: MintKey, out: Path, **extra: Any) -> dict[str, Any]:
+    first = mk.entries[0]
+    lanes = _lanes_request(ws, mk)
+    return {
+        "schema": "cgbuild.mint-request/1",
+        "id": mk.key,
+        "key": mk.key,
+        "labels": mk.labels,
+        "job": {**trace_job(ws, mk.target, mk.toolchain.get("components")), "id": mk.key},
+        **({"lanes": lanes} if lanes else {}),
+        "sm": mk.target.id.sm,
+        "graph_digest": first["axes"]["graph"]["digest"],
+        "toolchain": mk.toolchain,
+        # the toolchain source may be a lock path: a machine fact, not one for sealed bytes
+        "axes": {
+            **first["axes"],
+            "toolchain": {k: v for k, v in first["axes"]["toolchain"].items() if k != "source"},
+        },
+        "facets": [e["envelope"] for e in mk.entries],
+        "stamp": first["stamp"],
+        "layout": _layout_request(ws, mk.target, first["axes"]["layout"]),
+        "cxx": ws.cg.cxx,
+        "out": str(out),
+        **extra,
+    }
+
+
+def run_worker(
+    request: dict[str, Any], log: Path, on_progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """One mint child; its stderr goes to `log`; a child that dies still yields a typed result.
+
+    The child announces each phase on its protocol stream (`{"progress": "compile"}`) before
+    its one result line.
+    """
+    log.parent.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] | None = None
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cgbuild_rules.mint"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+        assert proc.stdin and proc.stdout
+        proc.stdin.write(json.dumps(request))
+        proc.stdin.close()
+        for line in proc.stdout:
+            try:
+                message = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(message, dict):
+                continue
+            if "progress" in message:
+                if on_progress:
+                    on_progress(str(message["progress"]))
+            elif "ok" in message:
+                result = message
+        code = proc.wait()
+    if result is not None:
+        return result
+    how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
+    return {
+        "ok": False,
+        "code": "worker-crashed",
+        "retryable": True,
+        "phase": "worker",
+        "detail": f"mint worker {how} without a result (log: {log})",
+    }
+
+
+def mint_one(
+    ws: Workspace, mk: MintKey, store: Store, on_event: Callable[[MintKey, str], None] | None = None
+) -> MintKey:
+    """Mint, admit and record one key on this machine; returns it with `result` filled.
+
+    The unit both executors run: the local pool calls it per key, a fleet worker calls it on
+    the node that holds the key's sm.
+    """
+    records = ws.state / "mint"
+    record_path = records / f"{mk.key}.json"
+    log = records / f"{mk.key}.log"
+    record = {
+        "schema": RECORD_SCHEMA,
+        "key": mk.key,
+        "labels": mk.labels,
+        "state": "running",
+        "started": time.time(),
+        "log": str(log),
+    }
+    _write_record(record_path, record)
+    if on_event:
+        on_event(mk, "starting")
+
+    def progress(phase: str) -> None:
+        if on_event:
+            on_event(mk, phase)
+
+    shared = ws.shared(store)
+    try:
+        if shared is not None:
+            shared.check_publishable()  # before the compile: an unpublishable mint is wasted
+        result = run_worker(request_for(ws, mk, ws.state / "build"), log, progress)
+        if result.get("ok"):
+            if on_event:
+                on_event(mk, "admitting")
+            _admit(mk, result, store, shared)
+    except StoreError as e:  # PublishRefused (no signing key, no create-only writes), local refusals
+        phase = "publish" if isinstance(e, PublishRefused) else "admit"
+        result = {"ok": False, "code": e.code, "retryable": False, "phase": phase, "detail": e.detail}
+    except RemoteError as e:
+        retry = e.code in ("remote-unavailable", "upload-failed")
+        result = {"ok": False, "code": e.code, "retryable": retry, "phase": "publish", "detail": e.detail}
+    if not result.get("ok"):
+        result.setdefault("retryable", result.get("code") in RETRYABLE)
+    mk.result = result
+    record.update(
+        state="ok" if result.get("ok") else "failed",
+        finished=time.time(),
+        result={k: v for k, v in result.items() if k not in ("members", "lane_evidence")},
+    )
+    _write_record(record_path, record)
+    if on_event:
+        on_event(mk, "done" if result.get("ok") else "failed")
+    return mk
+
+
+def _admit(mk: MintKey, result: dict[str, Any], store: Store, shared: SharedStore | None) -> None:
+    """Admit a sealed artifact: locally, and with a remote also signed and published (mint-once
+    across machines: a conflict names the artifact that stands, and this mint is told)."""
+    labels = {"labels": mk.labels}
+    where = "the store"
+    try:
+        if shared is None:
+            admission = store.admit(mk.key, result["artifact"], metadata=labels)
+        else:
+            where = f"the shared store {shared.remote.url}"
+            admission = shared.admit(mk.key, result["artifact"], metadata=labels)
+        result["admission"] = admission.status
+        if admission.ok and result.get("lane_evidence"):
+            run = _evidence_run(result, "mint")
+            if shared is None:
+                store.add_evidence(mk.key, evidence_host(), run)
+            elif (why := shared.add_evidence(mk.key, run)) is not None:
+                result["evidence"] = f"kept on this machine only: {why}"
+        if admission.status == "conflict":
+            result.update(
+                ok=False,
+                code="conflict",
+                retryable=False,
+                phase="admit",
+                standing=admission.existing,
+                detail=f"{where} already holds a different artifact for {mk.key[:12]} "
+                f"({admission.existing}); it stands (mint-once)",
+            )
+    finally:
+        Path(result["artifact"]).unlink(missing_ok=True)
+
+
+def publish_unpublished(ws: Workspace, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """Publish the plan's fresh keys that only this machine's cache holds (a publish that failed
+    after the local admission, or keys minted before the remote was declared)."""
+    shared = ws.shared()
+    if shared is None:
+        return []
+    fresh = {t["key"] for t in plan["targets"] if t["status"] == "fresh" and t["key"]}
+    out: list[dict[str, Any]] = []
+    for key in shared.unpublished(fresh):
+        try:
+            status, standing = shared.republish(key)
+        except (StoreError, RemoteError) as e:
+            out.append({"key": key, "publish": "failed", "code": e.code, "detail": e.detail})
+            continue
+        entry = {"key": key, "publish": status}
+        out.append({**entry, "standing": standing} if status == "conflict" else entry)
+    return out
+
+
+def mint_keys(
+    ws: Workspace, keys: list[MintKey], *, jobs: int, on_event: Callable[[MintKey, str], None] | None = None
+) -> list[MintKey]:
+    """Mint, admit and record each key, `jobs` at once; returns them with `result` filled."""
+    store = Store(ws.cg.store_dir)
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(lambda mk: mint_one(ws, mk, store, on_event), keys))
+
+
+def check_key(ws: Workspace, mk: MintKey) -> dict[str, Any]:
+    """Re-mint a stored key in a fresh sandbox and compare with the stored artifact, member by member."""
+    store = Store(ws.cg.store_dir)
+    resolved = store.resolve(mk.key, verify=True)
+    with tempfile.TemporaryDirectory(prefix="cgbuild-check-") as tmp:
+        req = request_for(ws, mk, Path(tmp), fresh=True, compare_with=str(resolved.path))
+        result = run_worker(req, ws.state / "mint" / f"{mk.key}.check.log")
+        if result.get("ok") and result.get("lane_evidence"):
+            store.add_evidence(mk.key, evidence_host(), _evidence_run(result, "check"))
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result

@@ -1,0 +1,448 @@
+"""The `layout` key axis: quant(topology), identified by a digest pair.
+
+TOPOLOGY is which tensors a module has (name, dtype, shape), read mechanically from a reference
+checkpoint's safetensors HEADER (never its data) or, when no reference is declared, from the
+traced module's own state dict. Both sources render the same canonical rows, so a reference that
+agrees with the traced module gives the same digest as the trace. QUANT RULE is a versioned record
+whose convention facts are its identity: the digest covers the facts alone, never the name or the
+version number, so renaming a rule or bumping its display version moves nothing while changing
+what its bytes mean moves every key that uses it. Display names
+(`flux2-klein.transformer@1+int8-rowwise@1`) are for people and never parsed.
+
+A rule may have a floor: the smallest sm whose hardware can run its matmul, and a capability
+check of the toolchain's torch on that sm (`scaled_mm_rowwise`). Both are decided here, without
+torch, so a plan says `blocked` before anything is traced or compiled; a mint on a real device
+probes the kernel as well (`cgbuild_rules.quant.probe`).
+
+This module never imports torch: the torch side of every rule (the module transform that
+produces the emitted tensors) lives in `cgbuild_rules.quant`, keyed by the same names.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cgbuild.core.canon import digest
+from cgbuild.core.errors import UserError
+
+TOPOLOGY_SCHEME = 1
+QUANT_SCHEME = "cgbuild.quant/2"
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class QuantRule:
+    """One quant rule. `facts` is the whole identity; `name` and `version` are for display."""
+
+    name: str
+    version: int
+    facts: dict[str, Any]
+
+    @property
+    def display(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    @functools.cached_property
+    def digest(self) -> str:
+        return digest({"scheme": QUANT_SCHEME, "facts": self.facts})
+
+    @property
+    def compute(self) -> tuple[str, ...]:
+        """Compute dtypes (torch names) the rule allows; the first is the default when it is the only one."""
+        return tuple(self.facts["compute"])
+
+    @property
+    def dtype(self) -> str | None:
+        """The compute dtype when the rule fixes it (plain rules), else None: the layout says."""
+        return self.compute[0] if len(self.compute) == 1 else None
+
+    @property
+    def min_sm(self) -> str | None:
+        return self.facts.get("min_sm")
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(self.facts["devices"])
+
+
+def _plain(element: str, compute: str) -> dict[str, Any]:
+    return {
+        "element": element,
+        "compute": [compute],
+        "eligible": "none",
+        "emits": [],
+        "scale": "none",
+        "packing": "none",
+        "activations": "unquantized",
+        "matmul": "as traced",
+        "min_sm": None,
+        "devices": ["cpu", "cuda"],
+        "capability": None,
+    }
+
+
+# Both quantized rules quantize the same modules and emit the same two tensors per module; they
+# differ in element type, in what happens to activations and in the matmul. Scales are fp32 in
+# both: one scale per output row costs 4 bytes per row (nothing next to the row's `in` bytes),
+# keeps a bf16 checkpoint's scales exact for an fp32 compute and is what torch._scaled_mm takes.
+_ELIGIBLE = {"module": "torch.nn.Linear", "weight_rank": 2, "dims_multiple_of": 16}
+
+INT8_ROWWISE: dict[str, Any] = {
+    "element": "I8",
+    "compute": ["float32", "bfloat16", "float16"],
+    "eligible": _ELIGIBLE,
+    "emits": [["{fqn}.weight", "I8", "[out, in]"], ["{fqn}.weight_scale", "F32", "[out]"]],
+    "scale": {
+        "dtype": "F32",
+        "granularity": "per-output-row",
+        "value": "absmax(row) / 127, floored at the smallest normal fp32",
+        "zero_point": "none (symmetric)",
+    },
+    "rounding": "round half to even, clamp to [-127, 127]",
+    "packing": "none (row-major, one byte per element)",
+    "activations": "unquantized",
+    "matmul": "dequantize in graph: "
+    "linear(x, (weight.to(float32) * weight_scale[:, None]).to(compute), bias)",
+    "min_sm": None,
+    "devices": ["cpu", "cuda"],
+    "capability": None,
+}
+
+FP8_ROWWISE: dict[str, Any] = {
+    "element": "F8_E4M3",
+    "compute": ["bfloat16"],
+    "eligible": _ELIGIBLE,
+    "emits": [["{fqn}.weight", "F8_E4M3", "[out, in]"], ["{fqn}.weight_scale", "F32", "[out]"]],
+    "scale": {
+        "dtype": "F32",
+        "granularity": "per-output-row",
+        "value": "absmax(row) / 448, floored at the smallest normal fp32",
+        "zero_point": "none (symmetric)",
+    },
+    "rounding": "clamp to [-448, 448], then round to nearest float8_e4m3fn",
+    "packing": "none (row-major, one byte per element)",
+    "activations": "dynamic per row of x, in graph: fp32 scale absmax(row) / 448 floored at 1e-12, "
+    "x clamped to [-448, 448] and cast to float8_e4m3fn",
+    "matmul": "torch._scaled_mm(x_fp8, weight.t(), scale_a=[M, 1], scale_b=weight_scale[None, :], "
+    "out_dtype=compute) + bias; no dequantize fallback",
+    "min_sm": "sm_89",
+    "devices": ["cuda"],
+    "capability": "scaled_mm-rowwise",
+}
+
+QUANT_RULES: dict[str, QuantRule] = {
+    r.name: r
+    for r in (
+        QuantRule("plain.bf16", 1, _plain("BF16", "bfloat16")),
+        QuantRule("plain.fp16", 1, _plain("F16", "float16")),
+        QuantRule("plain.fp32", 1, _plain("F32", "float32")),
+        QuantRule("int8-rowwise", 1, INT8_ROWWISE),
+        QuantRule("fp8-rowwise", 1, FP8_ROWWISE),
+    )
+}
+
+
+def compute_dtype(rule: QuantRule, declared: str | None) -> str:
+    """The compute dtype of a layout: the rule's own, or the declared one if the rule allows it.
+
+    Raises ValueError with a sentence for the Cgfile error.
+    """
+    allowed = rule.compute
+    if declared is None:
+        if rule.dtype is None:
+            raise ValueError(
+                f"quant rule '{rule.name}' computes in {' or '.join(allowed)}: declare the layout's dtype"
+            )
+        return rule.dtype
+    if declared not in allowed:
+        raise ValueError(f"quant rule '{rule.name}' computes in {' or '.join(allowed)}, not {declared}")
+    return declared
+
+
+# ---- floors: the sm a rule needs, and what the toolchain's torch can run there --------------------
+# First torch release whose CUDA build runs torch._scaled_mm with row-wise scales on an sm, from
+# torch's own history: a CUTLASS row-wise kernel for sm_90 (2024, torch 2.5); built for sm_89 from
+# torch 2.7 but launched on the wrong stream until 2.12 (hangs when called from a side stream:
+# AOTInductor calls on the caller's stream, so older torch is refused on sm_89); sm_100 builds
+# from 2.8 and sm_120 from 2.9. Unlisted sms are refused: fail toward `blocked`, never toward a
+# mint that cannot run. A mint on a device also probes the kernel itself.
+SCALED_MM_ROWWISE_FIRST_TORCH: dict[int, tuple[int, int]] = {
+    89: (2, 12),
+    90: (2, 5),
+    100: (2, 8),
+    120: (2, 9),
+}
+_SM = re.compile(r"^sm_(\d+)[a-z]?$")
+_VERSION = re.compile(r"^(\d+)\.(\d+)")
+
+
+def sm_number(sm: str) -> int | None:
+    """`sm_90` → 90, `sm_90a` → 90, `cpu` → None."""
+    m = _SM.match(sm)
+    return int(m.group(1)) if m else None
+
+
+def torch_release(version: str) -> tuple[int, int] | None:
+    m = _VERSION.match(version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def scaled_mm_rowwise(torch_version: str, sm: str) -> tuple[bool, str]:
+    """Can this torch run row-wise-scaled fp8 `torch._scaled_mm` on this sm? A pure function of the
+    two facts, so a plan on a machine without a GPU answers it; (supported, why)."""
+    number = sm_number(sm)
+    release = torch_release(torch_version)
+    if number is None:
+        return False, f"row-wise scaled_mm is a CUDA kernel; {sm} is not a CUDA architecture"
+    if release is None:
+        return False, f"cannot read a torch release from {torch_version!r}"
+    first = SCALED_MM_ROWWISE_FIRST_TORCH.get(number)
+    if first is None:
+        known = ", ".join(f"sm_{n}" for n in sorted(SCALED_MM_ROWWISE_FIRST_TORCH))
+        return False, f"no record of a row-wise scaled_mm kernel for {sm} (known: {known})"
+    if release < first:
+        return False, (
+            f"torch {torch_version} has no usable row-wise scaled_mm on {sm} "
+            f"(first usable: torch {first[0]}.{first[1]})"
+        )
+    return True, f"torch {torch_version} runs row-wise scaled_mm on {sm}"
+
+
+CAPABILITIES = {"scaled_mm-rowwise": scaled_mm_rowwise}
+
+
+def floor_refusal(rule: QuantRule, sm: str, torch_version: str | None) -> tuple[str, str] | None:
+    """(reason code, detail) when a target of this rule on this sm must not be minted, else None.
+
+    `layout-below-sm-floor`: the device kind or the sm is below what the rule's matmul needs (a
+    fact of the rule). `layout-toolchain-unsupported`: the sm is high enough but the toolchain's
+    torch has no kernel for it there. An unknown torch decides nothing here (the graph is
+    unknown then anyway, and a mint probes the device).
+    """
+    device = "cpu" if sm == "cpu" else "cuda"
+    if device not in rule.devices:
+        return "layout-below-sm-floor", (
+            f"{rule.display} runs only on {' and '.join(rule.devices)}; {sm} targets are never minted"
+        )
+    floor = rule.min_sm
+    number, need = sm_number(sm), sm_number(floor) if floor else None
+    if need is not None and number is not None and number < need:
+        return "layout-below-sm-floor", f"{rule.display} needs {floor} or newer; {sm} is below its floor"
+    check = CAPABILITIES.get(rule.facts.get("capability") or "")
+    if check is not None and torch_version is not None:
+        ok, why = check(torch_version, sm)
+        if not ok:
+            return "layout-toolchain-unsupported", f"{rule.display}: {why}"
+    return None
+
+
+# ---- topology -------------------------------------------------------------------------------------
+# torch dtype names as the trace reports them → safetensors dtype codes as headers spell them.
+SAFETENSORS_DTYPE = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+
+def safetensors_dtype(torch_name: str) -> str:
+    return SAFETENSORS_DTYPE.get(torch_name, torch_name.upper())
+
+
+def topology_digest(tensors: list[list[Any]]) -> str:
+    """Digest of a canonical topology: sorted [name, dtype code, shape] rows."""
+    return digest({"scheme": f"cgbuild.topology/{TOPOLOGY_SCHEME}", "tensors": sorted(tensors)})
+
+
+def from_trace(rows: list[list[Any]]) -> list[list[Any]]:
+    """Trace topology rows ([fqn, torch dtype, shape]) in safetensors spelling."""
+    return [[n, safetensors_dtype(d), list(s)] for n, d, s in rows]
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """The JSON header of one safetensors file, read directly: 8 bytes of little-endian length,
+    then that many bytes of JSON. A short or missing data region is fine (safetensors' own
+    `safe_open` refuses one), so a reference can be a header-only stub of a huge checkpoint."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise UserError("not a safetensors file (shorter than 8 bytes)", file=str(path))
+            (length,) = struct.unpack("<Q", head)
+            if length > 100 * 1024 * 1024:
+                raise UserError(f"safetensors header of {length} bytes is implausible", file=str(path))
+            raw = f.read(length)
+    except OSError as exc:
+        raise UserError(f"cannot read checkpoint: {exc.strerror}", file=str(path)) from None
+    if len(raw) != length:
+        raise UserError("safetensors header is truncated", file=str(path))
+    try:
+        header = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"safetensors header is not JSON: {exc.msg}", file=str(path)) from None
+    if not isinstance(header, dict):
+        raise UserError("safetensors header is not a JSON object", file=str(path))
+    return header
+
+
+def _index_files(index: Path) -> tuple[list[Path], dict[str, str]]:
+    """The shard files a `*.safetensors.index.json` names (relative to its folder), and its map."""
+    try:
+        data = json.loads(index.read_text())
+        weight_map = data["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map must map tensor names to file names")
+    except OSError as exc:
+        raise UserError(f"cannot read checkpoint index: {exc.strerror}", file=str(index)) from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"not a safetensors index: {exc}", file=str(index)) from None
+    files = []
+    for name in sorted(set(weight_map.values())):
+        shard = index.parent / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise UserError(f"index names a shard outside its folder: {name!r}", file=str(index))
+        if not shard.is_file():
+            raise UserError(f"index names a missing shard {name!r}", file=str(index))
+        files.append(shard)
+    return files, weight_map
+
+
+def component_files(reference: Path, component: str) -> tuple[list[Path], Path | None]:
+    """The safetensors files of one component and the index that named them, if any.
+
+    Looked for in order: the reference itself when it is a file (an index or one checkpoint);
+    `<ref>/<component>/` holding one `*.safetensors.index.json` (its shards) or else every
+    `*.safetensors` in it (shards without an index); `<ref>/<component>.safetensors.index.json`;
+    `<ref>/<component>.safetensors`.
+    """
+    if reference.is_file():
+        if reference.name.endswith(INDEX_SUFFIX):
+            return _index_files(reference)[0], reference
+        return [reference], None
+    if not reference.exists():
+        raise UserError(
+            "reference checkpoint does not exist (example references are written by "
+            "`python -m cgbuild_rules.reference -C <Cgfile folder>`)",
+            file=str(reference),
+        )
+    folder = reference / component
+    if folder.is_dir():
+        indexes = sorted(folder.glob(f"*{INDEX_SUFFIX}"))
+        if len(indexes) > 1:
+            raise UserError(
+                f"component '{component}' has {len(indexes)} index files; which shards belong to it "
+                "is ambiguous",
+                file=str(folder),
+            )
+        if indexes:
+            return _index_files(indexes[0])[0], indexes[0]
+        files = sorted(folder.glob("*.safetensors"))
+        if files:
+            return files, None
+    index = reference / f"{component}{INDEX_SUFFIX}"
+    if index.is_file():
+        return _index_files(index)[0], index
+    single = reference / f"{component}.safetensors"
+    if single.is_file():
+        return [single], None
+    raise UserError(
+        f"reference checkpoint has no component '{component}' (looked for {component}/*.safetensors, "
+        f"{component}/*{INDEX_SUFFIX}, {component}{INDEX_SUFFIX} and {component}.safetensors)",
+        file=str(reference),
+    )
+
+
+_HEADER_CACHE: dict[tuple[str, int, int], list[list[Any]]] = {}
+
+
+def _header_rows(path: Path) -> list[list[Any]]:
+    """A file's [name, dtype, shape] rows, memoised by (path, mtime, size): a plan asks once per target."""
+    st = os.stat(path)
+    sig = (str(path), st.st_mtime_ns, st.st_size)
+    rows = _HEADER_CACHE.get(sig)
+    if rows is None:
+        rows = []
+        for name, info in read_header(path).items():
+            if name == "__metadata__":
+                continue
+            try:
+                rows.append([name, str(info["dtype"]), [int(d) for d in info["shape"]]])
+            except (KeyError, TypeError, ValueError):
+                raise UserError(f"tensor {name!r} has no dtype/shape in the header", file=str(path)) from None
+        _HEADER_CACHE[sig] = rows
+    return rows
+
+
+def topology_from_reference(reference: Path, component: str) -> list[list[Any]]:
+    """One component's topology rows from its checkpoint's headers (shards merged).
+
+    A tensor in two shards, or an index whose map disagrees with the shards' headers, is refused:
+    the checkpoint does not say which tensors the component has.
+    """
+    files, index = component_files(reference, component)
+    rows: list[list[Any]] = []
+    seen: dict[str, Path] = {}
+    for path in files:
+        for row in _header_rows(path):
+            if row[0] in seen:
+                raise UserError(f"tensor {row[0]!r} is in two shards ({seen[row[0]].name})", file=str(path))
+            seen[row[0]] = path
+            rows.append(row)
+    if index is not None:
+        weight_map = _index_files(index)[1]
+        for name in sorted(set(weight_map) | set(seen)):
+            where = seen.get(name)
+            if where is None or weight_map.get(name) != where.name:
+                raise UserError(
+                    f"index and shards disagree on tensor {name!r} (index: {weight_map.get(name)}, "
+                    f"shards: {where.name if where else 'absent'})",
+                    file=str(index),
+                )
+    return rows
+
+
+def topology_mismatch(layout_rows: list[list[Any]], bound_rows: list[list[Any]]) -> str | None:
+    """The first tensor (by name) on which a layout's topology and the traced module's tensors
+    disagree, as a sentence; None when they are the same table.
+
+    Equality both ways, not inclusion: adopt checks the live module against the whole layout
+    table, so a tensor the checkpoint has and the module lacks would refuse every adopt too.
+    """
+    table = {name: (dtype, list(shape)) for name, dtype, shape in layout_rows}
+    bound = {name: (dtype, list(shape)) for name, dtype, shape in bound_rows}
+    for name in sorted(table.keys() | bound.keys()):
+        have, traced = table.get(name), bound.get(name)
+        if have == traced:
+            continue
+        if have is None:
+            return f"{name}: the traced module has it, the layout's topology does not"
+        if traced is None:
+            return f"{name}: the layout's topology has it, the traced module does not"
+        return f"{name}: layout has {have[0]}{have[1]}, the traced module {traced[0]}{traced[1]}"
+    return None
+
+
+def layout_axis(
+    family: str, component: str, quant: QuantRule, topology: str, source: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(identity, readable) blocks of the layout axis; identity holds digests only."""
+    identity = {"topology": topology, "quant": quant.digest}
+    stamp = f"{family}.{component}@{TOPOLOGY_SCHEME}+{quant.display}"
+    readable = {**identity, "stamp": stamp, "topology_source": source, "quant_rule": quant.display}
+    return identity, readable

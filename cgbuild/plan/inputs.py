@@ -1,0 +1,60 @@
+"""Family inputs: the digest of what a family's code is made of, for over-keyed trace inputs.
+
+Source files are hashed by content, with each file's digest cached on (mtime_ns, size, inode) so a
+warm plan reads no source it has read before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from cgbuild.config.cgfile import Cgfile, Family
+from cgbuild.core.canon import digest, hexfloats
+
+
+class SourceHasher:
+    def __init__(self, cache: Path) -> None:
+        self._cache_path = cache
+        try:
+            self._cache: dict[str, list[Any]] = json.loads(cache.read_text())
+        except (OSError, ValueError):
+            self._cache = {}
+        self._dirty = False
+
+    def file_digest(self, path: Path) -> str:
+        st = path.stat()
+        stamp = [st.st_mtime_ns, st.st_size, st.st_ino]
+        hit = self._cache.get(str(path))
+        if hit and hit[:3] == stamp:
+            return str(hit[3])
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        self._cache[str(path)] = [*stamp, sha]
+        self._dirty = True
+        return sha
+
+    def family_inputs(self, cg: Cgfile, fam: Family) -> tuple[str, dict[str, str]]:
+        """(digest, {relative path: sha256}) over entry, config and the family's source files.
+
+        The entry's own module file is always included, globs or not: a missed input is a wrong key.
+        """
+        files: set[Path] = set()
+        for pattern in fam.sources:
+            files.update(p for p in cg.root.glob(pattern) if p.is_file())
+        module_path = fam.entry.split(":")[0].replace(".", "/")
+        for candidate in (cg.root / f"{module_path}.py", cg.root / module_path / "__init__.py"):
+            if candidate.is_file():
+                files.add(candidate)
+        shas = {p.relative_to(cg.root).as_posix(): self.file_digest(p) for p in sorted(files)}
+        return digest({"entry": fam.entry, "config": hexfloats(fam.config), "files": shas}), shas
+
+    def save(self) -> None:
+        if not self._dirty:
+            return
+        self._cache_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._cache_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self._cache))
+        os.replace(tmp, self._cache_path)

@@ -1,0 +1,540 @@
+"""The embedded local store: content-addressed objects, one ref per key, mint-once, quarantine.
+
+Layout under the store root::
+
+    objects/sha256/<aa>/<rest>        immutable object files (mode 0444), named by their sha256
+    refs/<key[:2]>/<key>.json         {"schema": "cgbuild.ref/1", "key", "object", "size", "metadata"}
+    quarantine/<key>.json             why a key's artifact was pulled, plus the ref it had
+    quarantine/objects/<sha256>       the pulled object, kept for forensics
+    tmp/                              writers' temporaries (swept by gc)
+    evidence/<key>/<host>.json        lane evidence: raw timings per mint, beside the artifact
+    lock                              flock: shared for admission, exclusive for gc and quarantine
+
+Why it is built this way:
+
+- Crash safety. Every file is written to `tmp/`, fsynced, then installed with `os.link`, which
+  never clobbers, and the directory is fsynced. A reader therefore sees a whole object or none, and
+  an object is durable before the ref that names it exists: a kill -9 at any point leaves at most
+  a stray temp or an unreferenced object (both swept by gc), never a torn object or a ref without
+  its object.
+- Mint-once without a lock between writers. The ref is created by `os.link(temp, ref)`: exactly
+  one concurrent writer of a key gets the link, the others get EEXIST and read the winner's ref:
+  same object → `already`, different object → `conflict`. An admitted key is never overwritten;
+  it is retired only by quarantine (corruption), repaired only by a new verified admission.
+- Refs change in two ways only: created by link while absent, removed by quarantine or gc under
+  the exclusive lock. Holding the exclusive lock therefore freezes every existing ref, so
+  quarantine and gc can judge and act without a race; admissions take the lock shared so gc never
+  deletes an object between its install and its ref.
+- Cost. `ref_state` is what `plan` asks for every target: one small read of the ref and one
+  `stat` of the object (present, recorded size). It never hashes: a flipped byte inside an object
+  is found by `verify`/`resolve(verify=True)`, which re-hash and quarantine on mismatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Literal
+
+from cgbuild.core.canon import NotCanonical, canonical_json, file_digest
+
+REF_SCHEMA = "cgbuild.ref/1"
+QUARANTINE_SCHEMA = "cgbuild.quarantine/1"
+_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,199}$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+_HOST_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
+EVIDENCE_SCHEMA = "cgbuild.lane-evidence/1"
+_CHUNK = 1 << 20
+
+RefState = Literal["fresh", "missing", "quarantined"]
+
+
+class StoreError(Exception):
+    """The store cannot do what was asked; `code` is stable and machine-readable."""
+
+    code = "store-error"
+
+    def __init__(self, key: str | None, detail: str) -> None:
+        super().__init__(f"{key}: {detail}" if key else detail)
+        self.key = key
+        self.detail = detail
+
+
+class Missing(StoreError):
+    """No ref for the key, or its object is gone: the key must be minted."""
+
+    code = "missing"
+
+
+class Quarantined(StoreError):
+    """The key's artifact was pulled for corruption; only a new verified admission repairs it."""
+
+    code = "quarantined"
+
+
+class Corrupt(StoreError):
+    """The bytes do not hash to their name (found on verify/resolve); the key is now quarantined."""
+
+    code = "corrupt"
+
+
+@dataclass(frozen=True)
+class Ref:
+    """One key's entry: which object holds its artifact, and a small summary for listings."""
+
+    key: str
+    object: str
+    size: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": REF_SCHEMA,
+            "key": self.key,
+            "object": self.object,
+            "size": self.size,
+            "metadata": self.metadata,
+        }
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Typed outcome of `admit`: `admitted` (this call created the ref), `already` (the key holds
+    this very object), `conflict` (the key holds a different object, which stands)."""
+
+    status: Literal["admitted", "already", "conflict"]
+    key: str
+    object: str
+    size: int
+    existing: str | None = None  # the standing object, on conflict
+
+    @property
+    def ok(self) -> bool:
+        return self.status != "conflict"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A key's artifact, found and (when asked) re-hashed: `path` is the read-only object file."""
+
+    ref: Ref
+    path: Path
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Result of verifying one key: `ok`, or why not (`missing`, `quarantined`, `corrupt`)."""
+
+    key: str
+    status: Literal["ok", "missing", "quarantined", "corrupt"]
+    detail: str = ""
+
+
+@dataclass
+class GCReport:
+    """What gc removed (or, with dry_run, would remove)."""
+
+    dry_run: bool
+    refs_dropped: list[str] = field(default_factory=list)
+    objects_removed: list[str] = field(default_factory=list)
+    bytes_freed: int = 0
+    temps_removed: int = 0
+    objects_kept: int = 0
+    evidence_removed: list[str] = field(default_factory=list)
+    """Keys whose lane evidence went: no ref and no quarantine record names them any more."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_key(key: str) -> str:
+    """Keys name files: refuse anything that could escape `refs/` or hide as a dotfile."""
+    if not isinstance(key, str) or not _KEY_RE.match(key):
+        raise StoreError(key if isinstance(key, str) else None, f"not a valid key: {key!r}")
+    return key
+
+
+class Store:
+    """A local store rooted at `root` (created on first use). Safe for concurrent processes."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self._root_s = os.fspath(self.root)
+        for sub in ("objects/sha256", "refs", "quarantine/objects", "tmp"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self._lock_path = self.root / "lock"
+        self._lock_path.touch(exist_ok=True)
+
+    # ---- paths -------------------------------------------------------------------------------
+    def object_path(self, sha: str) -> Path:
+        return self.root / "objects" / "sha256" / sha[:2] / sha[2:]
+
+    def ref_path(self, key: str) -> Path:
+        return self.root / "refs" / key[:2] / f"{key}.json"
+
+    def quarantine_path(self, key: str) -> Path:
+        return self.root / "quarantine" / f"{key}.json"
+
+    @contextlib.contextmanager
+    def _locked(self, exclusive: bool) -> Iterator[None]:
+        fd = os.open(self._lock_path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock; so does the death of the process
+
+    def _temp(self) -> tuple[Path, BinaryIO]:
+        path = self.root / "tmp" / f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        return path, os.fdopen(fd, "wb")
+
+    # ---- writing -----------------------------------------------------------------------------
+    def _install_object(self, src: Path, expected_sha: str | None) -> tuple[str, int]:
+        """Copy `src` into the store; return (sha256, size). Idempotent for identical content."""
+        tmp, out = self._temp()
+        try:
+            h = hashlib.sha256()
+            size = 0
+            with out, open(src, "rb") as f:
+                while block := f.read(_CHUNK):
+                    h.update(block)
+                    out.write(block)
+                    size += len(block)
+                out.flush()
+                os.fsync(out.fileno())
+            sha = h.hexdigest()
+            if expected_sha is not None and sha != expected_sha:
+                raise StoreError(None, f"{src}: sha256 {sha} is not the expected {expected_sha}")
+            # Verify on admission: re-read what is on disk, not what we meant to write.
+            if file_digest(tmp) != (sha, size):
+                raise StoreError(None, f"{src}: the written copy does not hash back to {sha}")
+            os.chmod(tmp, 0o444)
+            dest = self.object_path(sha)
+            dest.parent.mkdir(exist_ok=True)
+            try:
+                os.link(tmp, dest)
+            except FileExistsError:
+                if file_digest(dest) != (sha, size):
+                    os.replace(tmp, dest)  # a corrupt resident is repaired by verified bytes
+            _fsync_dir(dest.parent)
+            return sha, size
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def _write_new(self, dest: Path, data: bytes) -> bool:
+        """Create `dest` with `data` unless it exists (no clobber). True when this call created it."""
+        tmp, out = self._temp()
+        try:
+            with out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            dest.parent.mkdir(exist_ok=True)
+            try:
+                os.link(tmp, dest)
+            except FileExistsError:
+                return False
+            _fsync_dir(dest.parent)
+            return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def admit(
+        self,
+        key: str,
+        artifact: str | os.PathLike[str],
+        *,
+        metadata: dict[str, Any] | None = None,
+        expected_sha256: str | None = None,
+    ) -> Admission:
+        """Admit `artifact` as the one artifact of `key` (mint-once: first writer wins).
+
+        `metadata` is a small canonical-JSON summary kept in the ref for listings (never the
+        sealed metadata itself). A different object for an admitted key is refused as
+        `conflict`, never overwritten. A key whose ref has lost its object (or that was
+        quarantined) is repaired by this admission.
+        """
+        check_key(key)
+        summary = dict(metadata or {})
+        try:
+            canonical_json(summary)  # refuse floats and foreign types before touching the disk
+        except NotCanonical as e:
+            raise StoreError(key, f"ref metadata: {e}") from e
+        for _ in range(3):
+            with self._locked(exclusive=False):
+                sha, size = self._install_object(Path(artifact), expected_sha256)
+                ref = Ref(key, sha, size, summary)
+                if self._write_new(self.ref_path(key), (canonical_json(ref.to_json()) + "\n").encode()):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.quarantine_path(key))  # repaired by a verified admission
+                    return Admission("admitted", key, sha, size)
+                standing = self.read_ref(key)
+            if standing is None:
+                continue  # removed by gc/quarantine between our link and our read: try again
+            if self._object_intact_stat(standing):
+                if standing.object == sha:
+                    return Admission("already", key, sha, size)
+                return Admission("conflict", key, sha, size, existing=standing.object)
+            # The standing ref names an object that is gone or truncated: retire it, then retry.
+            self._quarantine(key, standing, "object missing or truncated at admission")
+        raise StoreError(key, "admission kept racing with removals; giving up")
+
+    # ---- reading -----------------------------------------------------------------------------
+    def read_ref(self, key: str) -> Ref | None:
+        """The key's ref, or None. Never blocks and never hashes."""
+        try:
+            raw = self.ref_path(check_key(key)).read_bytes()
+        except FileNotFoundError:
+            return None
+        doc = json.loads(raw)
+        well_formed = doc.get("schema") == REF_SCHEMA and doc.get("key") == key
+        if not well_formed or not _SHA_RE.match(doc.get("object", "")):
+            raise StoreError(key, f"malformed ref {self.ref_path(key)}")
+        return Ref(doc["key"], doc["object"], int(doc["size"]), doc.get("metadata") or {})
+
+    def _object_intact_stat(self, ref: Ref) -> bool:
+        try:
+            return self.object_path(ref.object).stat().st_size == ref.size
+        except FileNotFoundError:
+            return False
+
+    def ref_state(self, key: str) -> RefState:
+        """`fresh` | `missing` | `quarantined`, cheaply: one small read and one or two stats.
+
+        `fresh` means a ref exists and its object exists with the recorded size. It does not
+        re-hash (plan asks this for every target); `resolve(verify=True)` and `verify` do.
+        A ref whose object vanished reads `missing` (the key must be minted again).
+        """
+        # Plain strings, not pathlib: this runs 10,000 times in a warm plan, and pathlib was
+        # two thirds of its cost.
+        root = self._root_s
+        try:
+            with open(f"{root}/refs/{key[:2]}/{check_key(key)}.json", "rb") as f:
+                doc = json.loads(f.read())
+            sha = doc["object"]
+            if os.stat(f"{root}/objects/sha256/{sha[:2]}/{sha[2:]}").st_size == doc["size"]:
+                return "fresh"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return "quarantined" if os.path.exists(f"{root}/quarantine/{key}.json") else "missing"
+
+    def iter_refs(self) -> Iterator[Ref]:
+        """Every ref, in key order."""
+        for path in sorted((self.root / "refs").glob("*/*.json")):
+            ref = self.read_ref(path.name[: -len(".json")])
+            if ref is not None:
+                yield ref
+
+    def quarantine_record(self, key: str) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.quarantine_path(check_key(key)).read_bytes())
+        except FileNotFoundError:
+            return None
+
+    def resolve(self, key: str, *, verify: bool = True) -> Resolved:
+        """The key's artifact. With `verify` (the default) the object is re-hashed; a mismatch
+        quarantines the key and raises `Corrupt`. Raises `Missing` / `Quarantined` otherwise."""
+        ref = self.read_ref(key)
+        if ref is None:
+            record = self.quarantine_record(key)
+            if record is not None:
+                raise Quarantined(key, f"quarantined: {record.get('reason')}")
+            raise Missing(key, "no artifact in the store")
+        path = self.object_path(ref.object)
+        if not self._object_intact_stat(ref):
+            raise Missing(key, f"ref names object {ref.object[:12]} which is missing or truncated")
+        if verify:
+            found, size = file_digest(path)
+            if (found, size) != (ref.object, ref.size):
+                self._quarantine(key, ref, f"object hashes to {found}, not {ref.object}")
+                raise Corrupt(key, f"object {ref.object[:12]} hashes to {found[:12]}: quarantined")
+        return Resolved(ref, path)
+
+    def verify(self, key: str) -> Verdict:
+        """Re-hash one key's object; corruption quarantines it."""
+        try:
+            self.resolve(key, verify=True)
+        except StoreError as e:
+            return Verdict(key, e.code, e.detail)  # type: ignore[arg-type]
+        return Verdict(key, "ok")
+
+    def verify_all(self) -> list[Verdict]:
+        """Verify every ref, and every object against its own name (quarantining bad ones)."""
+        verdicts = [self.verify(ref.key) for ref in list(self.iter_refs())]
+        for obj in sorted((self.root / "objects" / "sha256").glob("*/*")):
+            sha = obj.parent.name + obj.name
+            if _SHA_RE.match(sha) and file_digest(obj)[0] != sha:
+                with self._locked(exclusive=True):
+                    self._move_to_quarantine(sha)
+                verdicts.append(Verdict(f"object:{sha}", "corrupt", "object bytes do not match its name"))
+        return verdicts
+
+    # ---- retiring ----------------------------------------------------------------------------
+    def _move_to_quarantine(self, sha: str) -> None:
+        src = self.object_path(sha)
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(src, self.root / "quarantine" / "objects" / sha)
+            _fsync_dir(src.parent)
+
+    def _quarantine(self, key: str, seen: Ref, reason: str) -> None:
+        """Pull `key`'s artifact: record why, move the object aside, drop the ref.
+
+        Runs under the exclusive lock and acts only if the ref is still the one judged, so a
+        racing repair that already replaced it is left alone.
+        """
+        with self._locked(exclusive=True):
+            if self.read_ref(key) != seen:
+                return
+            record = {"schema": QUARANTINE_SCHEMA, "key": key, "reason": reason, "ref": seen.to_json()}
+            tmp, out = self._temp()
+            with out:
+                out.write((canonical_json(record) + "\n").encode())
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, self.quarantine_path(key))
+            _fsync_dir(self.quarantine_path(key).parent)
+            obj = self.object_path(seen.object)
+            if not self._object_intact_stat(seen) or file_digest(obj)[0] != seen.object:
+                self._move_to_quarantine(seen.object)
+            os.unlink(self.ref_path(key))
+            _fsync_dir(self.ref_path(key).parent)
+
+    def retire(self, key: str, reason: str) -> None:
+        """Quarantine a key for a reason found outside this store (e.g. a shared store holds
+        another artifact for it): the same record, and the same repair by a new admission."""
+        ref = self.read_ref(key)
+        if ref is not None:
+            self._quarantine(key, ref, reason)
+
+    def gc(self, *, keep: Collection[str] | None = None, dry_run: bool = False) -> GCReport:
+        """Collect by reachability: refs are the roots; objects no ref names are removed.
+
+        With `keep`, refs whose key is not in it are dropped first (the caller's live set, e.g.
+        the keys of a plan). Stray temps are swept. `dry_run` reports without removing.
+        """
+        report = GCReport(dry_run=dry_run)
+        with self._locked(exclusive=True):
+            live: set[str] = set()
+            live_keys: set[str] = set()
+            for ref in list(self.iter_refs()):
+                if keep is not None and ref.key not in keep:
+                    report.refs_dropped.append(ref.key)
+                    if not dry_run:
+                        os.unlink(self.ref_path(ref.key))
+                else:
+                    live.add(ref.object)
+                    live_keys.add(ref.key)
+            evidence = self.root / "evidence"
+            for folder in sorted(evidence.iterdir()) if evidence.is_dir() else []:
+                # raw lane timings explain an artifact; kept while a ref or a quarantine names it
+                if folder.name in live_keys or self.quarantine_path(folder.name).exists():
+                    continue
+                report.evidence_removed.append(folder.name)
+                if not dry_run:
+                    shutil.rmtree(folder, ignore_errors=True)
+            for obj in sorted((self.root / "objects" / "sha256").glob("*/*")):
+                sha = obj.parent.name + obj.name
+                if sha in live:
+                    report.objects_kept += 1
+                    continue
+                report.objects_removed.append(sha)
+                report.bytes_freed += obj.stat().st_size
+                if not dry_run:
+                    obj.unlink()
+            for tmp in (self.root / "tmp").iterdir():
+                report.temps_removed += 1
+                if not dry_run:
+                    with contextlib.suppress(FileNotFoundError):
+                        tmp.unlink()
+            if not dry_run:
+                for d in (self.root / "objects" / "sha256").iterdir():
+                    with contextlib.suppress(OSError):
+                        d.rmdir()  # only empty fan-out dirs go
+        return report
+
+    # ---- lane evidence (beside the artifact, never inside it) ------------------------------------
+    def evidence_path(self, key: str, host: str) -> Path:
+        if not _HOST_RE.match(host):
+            raise StoreError(key, f"not a valid evidence host name: {host!r}")
+        return self.root / "evidence" / check_key(key) / f"{host}.json"
+
+    def add_evidence(self, key: str, host: str, run: dict[str, Any]) -> Path:
+        """Append one measured run to `evidence/<key>/<host>.json` (accumulating, atomic).
+
+        Lane evidence is raw measurement (timings, samples, the device): it explains a sealed
+        verdict but is not part of the sealed bytes, so two mints still agree byte for byte.
+        Writers of one file serialize on its lock; a reader sees the old file or the new one.
+        """
+        path = self.evidence_path(key, host)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            doc: dict[str, Any] = {"schema": EVIDENCE_SCHEMA, "key": key, "host": host, "runs": []}
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                old = json.loads(path.read_text())
+                if old.get("schema") == EVIDENCE_SCHEMA:
+                    doc = old
+            doc["runs"].append(run)
+            tmp = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(4)}.tmp")
+            with open(tmp, "w") as out:
+                json.dump(doc, out, sort_keys=True, indent=1)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        finally:
+            os.close(fd)
+        return path
+
+    def read_evidence(self, key: str) -> dict[str, dict[str, Any]]:
+        """host → that host's evidence document for `key` (empty when none was recorded)."""
+        folder = self.root / "evidence" / check_key(key)
+        out: dict[str, dict[str, Any]] = {}
+        for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            with contextlib.suppress(ValueError, OSError):
+                out[p.stem] = json.loads(p.read_text())
+        return out
+
+    def purge_quarantine(self) -> int:
+        """Delete quarantined objects and records (after forensics); returns how many files went."""
+        n = 0
+        with self._locked(exclusive=True):
+            qdir = self.root / "quarantine"
+            for p in [*qdir.glob("*.json"), *(qdir / "objects").iterdir()]:
+                p.unlink()
+                n += 1
+        return n
+
+
+__all__ = [
+    "Admission",
+    "Corrupt",
+    "GCReport",
+    "Missing",
+    "Quarantined",
+    "Ref",
+    "RefState",
+    "Resolved",
+    "Store",
+    "StoreError",
+    "Verdict",
+    "check_key",
+]

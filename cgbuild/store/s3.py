@@ -1,0 +1,300 @@
+"""The S3 side of a shared store: layout under a bucket prefix, create-only writes, parts.
+
+Layout under `s3://bucket/prefix/`::
+
+    refs/<key>.json                  the key's ref: object, size, signature (create-only)
+    objects/sha256/<sha256>          immutable artifact bytes, named by their hash
+    evidence/<key>/<host>-<id>.json  one lane-evidence run per object (create-only, never rewritten)
+    facts/<trace inputs>.json        signed trace facts, so a clean clone need not re-trace
+    quarantine/<key>/<id>.json       why a key's shared artifact was pulled, with the ref it had
+    probe/<host>-<id>                the capability probe's scratch object (deleted after)
+
+Why: S3 has no rename and no lock, but it has create-only writes (`If-None-Match: *`, refused
+with 412). A ref is written that way, and only after its object is complete, so the first
+publisher of a key wins across machines and a reader never sees a ref without its object. An
+interrupted multipart upload is invisible until completed, and is aborted on failure. Endpoint
+and credentials come from boto3's own chain (AWS_* environment, config files, instance roles;
+`AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` for S3-compatible stores). boto3 is imported only
+when a remote is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from cgbuild.config.cgfile import REMOTE
+from cgbuild.core.errors import UserError
+
+MULTIPART_ENV = "CGBUILD_S3_MULTIPART_THRESHOLD"
+FAULT_ENV = "CGBUILD_REMOTE_FAULT"  # test-only: "fail-after-part" | "kill-after-part"
+DEFAULT_MULTIPART = 64 << 20
+MIN_PART = 5 << 20  # S3's smallest part but the last
+_CHUNK = 1 << 20
+
+
+class RemoteError(UserError):
+    """The shared store cannot do what was asked; `code` is stable and machine-readable.
+
+    A `UserError`: an unreachable endpoint, missing credentials or a missing bucket are the
+    workspace's configuration, reported in one line with exit code 2.
+    """
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}", field="workspace.remote")
+        self.code = code
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class RemoteRef:
+    """A ref as read from the remote: its document and the ETag it was read at."""
+
+    doc: dict[str, Any]
+    etag: str
+
+
+def _status(e: Exception) -> tuple[str, int]:
+    response = getattr(e, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    return code, int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+
+
+class Remote:
+    """One `s3://bucket/prefix`, reached through boto3's default endpoint and credential chain."""
+
+    def __init__(self, url: str, *, multipart_threshold: int | None = None) -> None:
+        m = REMOTE.match(url.rstrip("/"))
+        if not m:
+            raise ValueError(f"not an s3://bucket/prefix URL: {url!r}")
+        self.url = url.rstrip("/")
+        self.bucket = m.group(1)
+        prefix = (m.group(2) or "").strip("/")
+        self.prefix = f"{prefix}/" if prefix else ""
+        env = os.environ.get(MULTIPART_ENV)
+        self.multipart_threshold = multipart_threshold or int(env or DEFAULT_MULTIPART)
+        self.probed = False
+        """Set once `probe` has passed, so a process probes each store once."""
+        self.seen: set[str] | None = None
+        """The keys a recent listing or publish saw, as `SharedStore.seen_keys` read them."""
+        self.listed = False
+        """Set once this process has listed `refs/`: `seen` is then that listing, kept current
+        (the plan's listing serves the mint after it)."""
+        self.seen_unsaved = False
+        """Publishes added to `seen` since it was last written (`SharedStore.save_seen`)."""
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a Workspace travels to fleet workers: the client and its lock are rebuilt there
+        return {**self.__dict__, "_client": None, "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    # ---- names -------------------------------------------------------------------------------
+    def name(self, *parts: str) -> str:
+        return self.prefix + "/".join(parts)
+
+    def ref_name(self, key: str) -> str:
+        return self.name("refs", f"{key}.json")
+
+    def object_name(self, sha: str) -> str:
+        return self.name("objects", "sha256", sha)
+
+    def facts_name(self, inputs: str) -> str:
+        return self.name("facts", f"{inputs}.json")
+
+    # ---- client ------------------------------------------------------------------------------
+    @property
+    def client(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                import boto3
+                from botocore.config import Config
+
+                # its own session: boto3's default one caches credentials for the whole process
+                session = boto3.session.Session()
+                self._client = session.client("s3", config=Config(retries={"mode": "standard"}))
+                if os.environ.get(FAULT_ENV):
+                    _install_fault(self._client, os.environ[FAULT_ENV])
+            return self._client
+
+    def _call(self, op: str, **kw: Any) -> Any:
+        """One S3 call; transport and permission failures become `RemoteError`s naming the store."""
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+        try:
+            return getattr(self.client, op)(Bucket=self.bucket, **kw)
+        except ClientError:
+            raise
+        except NoCredentialsError:
+            raise RemoteError(
+                "no-credentials", f"{self.url}: boto3 found no credentials (AWS_* environment, config files)"
+            ) from None
+        except BotoCoreError as e:
+            raise RemoteError("remote-unavailable", f"{self.url}: {e}") from None
+
+    # ---- reading -----------------------------------------------------------------------------
+    def list_names(self, sub: str) -> Iterator[str]:
+        """Every object name under `prefix/sub/`, relative to it: one request per 1,000 names."""
+        from botocore.exceptions import ClientError
+
+        base = self.name(sub) + "/"
+        token: dict[str, str] = {}
+        while True:
+            try:
+                page = self._call("list_objects_v2", Prefix=base, **token)
+            except ClientError as e:  # a missing bucket, a denied listing: configuration, named
+                raise RemoteError("remote-error", f"{self.url}: list {base}: {e}") from None
+            for obj in page.get("Contents", []):
+                yield obj["Key"][len(base) :]
+            if not page.get("IsTruncated"):
+                return
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    def list_keys(self) -> set[str]:
+        """Keys that have a ref, by listing `refs/` (never one request per key)."""
+        return {n[: -len(".json")] for n in self.list_names("refs") if n.endswith(".json")}
+
+    def get_json(self, name: str) -> RemoteRef | None:
+        """A small JSON object and its ETag, or None when absent (or not JSON)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            got = self._call("get_object", Key=name)
+        except ClientError as e:
+            if _status(e)[1] == 404:
+                return None
+            raise RemoteError("remote-error", f"{self.url}: get {name}: {e}") from None
+        try:
+            doc = json.loads(got["Body"].read())
+        except ValueError:
+            return None
+        return RemoteRef(doc, got.get("ETag", "")) if isinstance(doc, dict) else None
+
+    def has_object(self, sha: str, size: int) -> bool:
+        """The object is there, of this size, and was uploaded as these bytes (its sha tag)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self._call("head_object", Key=self.object_name(sha))
+        except ClientError as e:
+            if _status(e)[1] == 404:
+                return False
+            raise RemoteError("remote-error", f"{self.url}: head object {sha[:12]}: {e}") from None
+        return bool(head["ContentLength"] == size and head.get("Metadata", {}).get("sha256") == sha)
+
+    def download(self, sha: str, out: BinaryIO) -> tuple[str, int]:
+        """Stream an object into `out`; returns the (sha256, size) of what arrived."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            body = self._call("get_object", Key=self.object_name(sha))["Body"]
+        except ClientError as e:
+            raise RemoteError("remote-error", f"{self.url}: get object {sha[:12]}: {e}") from None
+        h = hashlib.sha256()
+        size = 0
+        with contextlib.closing(body):
+            try:
+                for block in body.iter_chunks(_CHUNK):
+                    h.update(block)
+                    out.write(block)
+                    size += len(block)
+            except BotoCoreError as e:  # the connection broke mid-body
+                raise RemoteError("remote-unavailable", f"{self.url}: get object {sha[:12]}: {e}") from None
+        return h.hexdigest(), size
+
+    # ---- writing -----------------------------------------------------------------------------
+    def create(self, name: str, body: bytes) -> bool:
+        """Create-only write: True when this call created `name`, False when it already existed."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._call("put_object", Key=name, Body=body, IfNoneMatch="*", ContentType="application/json")
+        except ClientError as e:
+            code, http = _status(e)
+            if http == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            raise RemoteError("remote-error", f"{self.url}: create {name}: {e}") from None
+        return True
+
+    def upload(self, path: Path, sha: str) -> None:
+        """Put an object's bytes under its hash; large ones in parts, aborted on failure.
+
+        The object name carries no meaning until a ref names it, so a re-upload of the same
+        bytes is harmless; the `sha256` tag lets `has_object` skip what is already there.
+        """
+        from boto3.s3.transfer import TransferConfig
+
+        part = max(MIN_PART, min(self.multipart_threshold, DEFAULT_MULTIPART))
+        config = TransferConfig(multipart_threshold=self.multipart_threshold, multipart_chunksize=part)
+        try:
+            self.client.upload_file(
+                str(path),
+                self.bucket,
+                self.object_name(sha),
+                ExtraArgs={"Metadata": {"sha256": sha}},
+                Config=config,
+            )
+        except Exception as e:  # s3transfer has aborted the multipart upload by now
+            raise RemoteError("upload-failed", f"{self.url}: upload {sha[:12]}: {e}") from None
+
+    def delete(self, name: str, *, etag: str | None = None) -> bool:
+        """Delete `name` (only while its ETag is `etag`, when given); False when it had changed."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._call("delete_object", Key=name, **({"IfMatch": etag} if etag else {}))
+        except ClientError as e:
+            if _status(e)[1] == 412:
+                return False
+            raise RemoteError("remote-error", f"{self.url}: delete {name}: {e}") from None
+        return True
+
+    def probe(self, host: str) -> None:
+        """Prove the store honours create-only writes: the second create of one name must fail.
+
+        A store that ignores `If-None-Match: *` would let two machines each believe they
+        admitted a key, so it is refused rather than shared (docs/store.md).
+        """
+        name = self.name("probe", f"{host}-{secrets.token_hex(8)}")
+        try:
+            first = self.create(name, b"{}")
+            second = self.create(name, b"{}")
+        finally:
+            with contextlib.suppress(RemoteError):
+                self.delete(name)
+        if not first or second:
+            raise RemoteError(
+                "no-conditional-write",
+                f"{self.url} does not honour create-only writes (If-None-Match: *): two creates of "
+                f"{name} were answered {first} and {second}, not True and False; a shared store "
+                "without them cannot keep mint-once, so cgbuild will not publish to it",
+            )
+
+
+def _install_fault(client: Any, mode: str) -> None:
+    """Test-only: fail (or kill this process) when the second part of an upload is sent."""
+    seen = {"parts": 0}
+    lock = threading.Lock()
+
+    def on_part(**_: Any) -> None:
+        with lock:
+            seen["parts"] += 1
+            hit = seen["parts"] == 2
+        if hit and mode == "kill-after-part":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if hit and mode == "fail-after-part":
+            raise RuntimeError(f"injected fault ({FAULT_ENV}={mode})")
+
+    client.meta.events.register("before-call.s3.UploadPart", on_part)
