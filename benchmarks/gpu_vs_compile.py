@@ -57,11 +57,12 @@ def _plan_entry(ws: Path, label: str) -> dict[str, Any]:
 def _job(ws: Path, label: str) -> dict[str, Any]:
     from cgbuild.config import cgfile
     from cgbuild.config.targets import expand
-    from cgbuild.plan.planner import Workspace, trace_job
+    from cgbuild.plan.planner import Workspace
+    from cgbuild.protocol.trace import job_for
 
     w = Workspace(cgfile.load(ws / "Cgfile"))
     target = next(t for t in expand(w.cg) if t.label == label)
-    return {**trace_job(w, target), "id": "bench"}
+    return job_for(w.cg, target).with_id("bench").to_json()
 
 
 def _built(ws: Path, label: str) -> Any:

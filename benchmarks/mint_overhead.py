@@ -62,6 +62,7 @@ from cgbuild_rules.mint import DEFAULT_SANDBOX
 from plan_scale import machine  # one description of the box for every benchmark
 
 import cgbuild
+from cgbuild.core.platform import normalize_arch
 from cgbuild.identity import compiler, policy
 from cgbuild.store.local import Store
 from cgbuild.store.seal import PACKAGE, read_metadata, unseal
@@ -117,7 +118,7 @@ def child_bare(arg: Mapping[str, Any]) -> dict[str, Any]:
     with torch.no_grad():
         ep = torch.export.export(module, (x,), strict=False)
     t1 = time.perf_counter()
-    configs: dict[str, Any] = dict(policy.inductor_configs(compiler.normalize_arch(platform.machine())))
+    configs: dict[str, Any] = dict(policy.inductor_configs(normalize_arch(platform.machine())))
     configs["cpp.cxx"] = (None, arg["cxx"])
     torch._inductor.aoti_compile_and_package(
         ep, package_path=str(Path(arg["out"]) / PACKAGE), inductor_configs=configs
@@ -530,7 +531,7 @@ def summarize(
         "round_seconds": facts["round_seconds"],
         "stopped_early": stopped or None,
         "settings": {
-            "inductor_configs": policy.inductor_configs(compiler.normalize_arch(platform.machine())),
+            "inductor_configs": policy.inductor_configs(normalize_arch(platform.machine())),
             "bare_cold": "mint environment (identity.policy.mint_environment) with a fresh TMPDIR and "
             "Inductor/Triton cache per round; cpp.cxx = the host compiler the mint chooses",
             "bare_warm": "the same, in a new process reusing the cold run's TMPDIR and caches (Inductor's "

@@ -46,6 +46,7 @@ import torch  # noqa: E402
 from cgbuild_rules.quant import convert, probe  # noqa: E402
 from torch import nn  # noqa: E402
 
+from cgbuild.core.platform import normalize_arch  # noqa: E402
 from cgbuild.identity import compiler, policy  # noqa: E402
 from cgbuild.identity.layout import QUANT_RULES, floor_refusal, scaled_mm_rowwise  # noqa: E402
 
@@ -141,7 +142,7 @@ def main() -> int:
         from cgbuild_rules.loader import Package
 
         configs: dict[str, Any] = {}
-        for knob, value in policy.inductor_configs(compiler.normalize_arch(platform.machine())).items():
+        for knob, value in policy.inductor_configs(normalize_arch(platform.machine())).items():
             try:
                 torch._inductor.config.__getattr__(knob)
                 configs[knob] = value

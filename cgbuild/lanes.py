@@ -30,6 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cgbuild.core.entry import entry_files
+from cgbuild.core.errors import UserError
+from cgbuild.core.platform import device_of, sm_number
+
 LANES_SCHEMA = "cgbuild.lanes/1"
 RULE = "fit-constrained-speed/1"
 GIB = 1 << 30
@@ -44,18 +48,6 @@ TIE_BAND_PERCENT = 5
 TABLE_NAME = "LANES"
 NEED_KEYS = ("device", "triton", "min_sm")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
-_SM = re.compile(r"^sm_([0-9]{2,3})[a-z]?$")
-
-
-class LaneTableError(ValueError):
-    """An entry's `LANES` table is missing, not a literal, or malformed; names file, line, field."""
-
-    def __init__(self, message: str, *, file: str, line: int | None = None, field: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.file = file
-        self.line = line
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -71,12 +63,11 @@ class Needs:
 
     def refusal(self, sm: str, triton: bool) -> str | None:
         """Why this implementation cannot be built for `sm` with this toolchain, or None."""
-        device = "cpu" if sm == "cpu" else "cuda"
-        if self.device is not None and self.device != device:
+        if self.device is not None and self.device != device_of(sm):
             return f"needs a {self.device} device"
         if self.min_sm is not None:
-            m = _SM.match(sm)
-            if m is None or int(m.group(1)) < self.min_sm:
+            number = sm_number(sm)
+            if number is None or number < self.min_sm:
                 return f"needs sm_{self.min_sm} or newer"
         if self.triton and not triton:
             return "needs triton in the toolchain"
@@ -112,11 +103,8 @@ class LaneTable:
 
 def entry_source(root: Path, entry: str) -> Path | None:
     """The source file of an entry's module under the Cgfile's folder, or None."""
-    parts = entry.partition(":")[0].split(".")
-    for candidate in (root.joinpath(*parts).with_suffix(".py"), root.joinpath(*parts, "__init__.py")):
-        if candidate.is_file():
-            return candidate
-    return None
+    files = entry_files(root, entry)
+    return files[0] if files else None
 
 
 def _needs(raw: Any, where: str, fail: Any) -> Needs:
@@ -144,7 +132,7 @@ def parse_lane_table(source: str, file: str) -> LaneTable | None:
     try:
         tree = ast.parse(source, filename=file)
     except SyntaxError as e:
-        raise LaneTableError(f"cannot parse the entry: {e.msg}", file=file, line=e.lineno) from None
+        raise UserError(f"cannot parse the entry: {e.msg}", file=file, line=e.lineno) from None
     node: ast.expr | None = None
     line = 0
     for stmt in tree.body:
@@ -156,8 +144,8 @@ def parse_lane_table(source: str, file: str) -> LaneTable | None:
     if node is None:
         return None
 
-    def fail(message: str) -> LaneTableError:
-        return LaneTableError(message, file=file, line=line, field=TABLE_NAME)
+    def fail(message: str) -> UserError:
+        return UserError(message, file=file, line=line, field=TABLE_NAME)
 
     try:
         raw = ast.literal_eval(node)

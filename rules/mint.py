@@ -83,20 +83,20 @@ from pathlib import Path
 from typing import Any
 
 import cgbuild
+from cgbuild.core.codes import RETRYABLE
+from cgbuild.core.platform import normalize_arch
 from cgbuild.identity import compiler, policy
+from cgbuild.identity.toolchain import TRACE_ONLY
+from cgbuild.protocol.mint import BadRequest, MintRequest
 from cgbuild.store.seal import LITERALS, PACKAGE, compare_artifacts, member_digests, read_metadata, seal
 
-REQUEST_SCHEMA = "cgbuild.mint-request/1"
 ARTIFACT_SCHEMA = "cgbuild.artifact/1"
 ARTIFACT_KIND = "aot-inductor"
 DEFAULT_SANDBOX = "/tmp/cgbuild-sandbox"
-RETRYABLE = frozenset({"oom", "worker-killed", "worker-signal", "timeout"})
 FAULT_ENV = "CGBUILD_MINT_FAULT"  # test hook: "<stage>:<SIGNAL>" makes that stage kill itself
-TRACE_ONLY = ("diffusers", "transformers", "peft")
 # Relative RMS error allowed against eager, by output dtype (as text: identity blocks hold no
 # floats). fp32 compiles measured ~1e-7; klein-4B bf16 measured 2.3% from rounding alone.
 TOLERANCE = {"float32": "1e-4", "float64": "1e-9", "float16": "1e-2", "bfloat16": "5e-2"}
-_REQUIRED = ("id", "key", "job", "sm", "graph_digest", "toolchain", "out")
 
 
 class MintFailure(Exception):
@@ -122,18 +122,10 @@ class MintFailure(Exception):
 
 # ---- the worker (no torch) ---------------------------------------------------------------------
 def _check_request(req: Any) -> None:
-    if not isinstance(req, dict) or req.get("schema") != REQUEST_SCHEMA:
-        raise MintFailure("bad-request", f"schema must be {REQUEST_SCHEMA!r}")
-    missing = [k for k in _REQUIRED if k not in req]
-    if missing:
-        raise MintFailure("bad-request", f"missing {', '.join(missing)}")
-    device = (req["job"].get("spec") or {}).get("device")
-    platform_ = req["toolchain"].get("platform")
-    if (req["sm"] == "cpu") != (device == "cpu") or platform_ != device:
-        raise MintFailure(
-            "bad-request",
-            f"sm {req['sm']!r}, job device {device!r} and toolchain platform {platform_!r} disagree",
-        )
+    try:
+        MintRequest.from_json(req)
+    except BadRequest as e:
+        raise MintFailure("bad-request", str(e)) from None
 
 
 @contextlib.contextmanager
@@ -486,7 +478,7 @@ def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] |
     if rule is None:
         raise MintFailure("layout-drift", f"this worker has no quant rule {want['quant']!r}")
     rows = layout.from_trace(traced)
-    here = {"topology": layout.topology_digest(rows), "quant": rule.digest}
+    here = layout.layout_identity(layout.topology_digest(rows), rule)
     asked = {"topology": want.get("topology"), "quant": want.get("quant_digest")}
     if here != asked:
         if want.get("reference") and here["topology"] != asked["topology"]:
@@ -536,7 +528,7 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
             new=facts["graph_digest"],
         )
     layout_block = _layout(req, facts["topology"])
-    arch = compiler.normalize_arch(platform.machine())
+    arch = normalize_arch(platform.machine())
     # A torch without `cpp.march` builds -march=native; the toolchain then keys this host's level.
     clamps = tc["components"]["isa"].get("keyed") != "host"
     configs: dict[str, Any] = policy.inductor_configs(arch, clamps=clamps)

@@ -134,9 +134,13 @@ def convert(module: nn.Module, rule: str, dtype: torch.dtype) -> tuple[nn.Module
     name = str(dtype).removeprefix("torch.")
     if name not in record.compute:
         raise QuantError(f"quant rule {rule!r} computes in {' or '.join(record.compute)}, not {name}")
+    if not record.transforms:
+        return module, []
     cls = MODULES.get(rule)
     if cls is None:
-        return module, []
+        raise QuantError(
+            f"quant rule {rule!r} rewrites modules but has no transform here (rules/quant.py MODULES)"
+        )
     if eligible(module):
         return cls.from_linear(module, dtype), [""]  # type: ignore[arg-type]
     done: list[str] = []

@@ -31,10 +31,11 @@ from cgbuild_rules import trace
 from safetensors.torch import save
 
 from cgbuild.config import cgfile
+from cgbuild.config.cgfile import Cgfile
 from cgbuild.config.targets import Target, expand
 from cgbuild.core.errors import UserError
 from cgbuild.identity.layout import INDEX_SUFFIX
-from cgbuild.plan.planner import Workspace, trace_job
+from cgbuild.protocol.trace import job_for
 
 
 def _write_if_changed(path: Path, data: bytes) -> bool:
@@ -47,10 +48,10 @@ def _write_if_changed(path: Path, data: bytes) -> bool:
     return True
 
 
-def state_tensors(target: Target, ws: Workspace) -> dict[str, torch.Tensor]:
+def state_tensors(target: Target, cg: Cgfile) -> dict[str, torch.Tensor]:
     """The module's state dict as the layout stores it: built for real on the CPU, quantized."""
-    job = trace_job(ws, target)
-    job = {**job, "id": target.label, "spec": {**job["spec"], "device": "cpu"}}
+    job = job_for(cg, target).with_id(target.label).to_json()
+    job["spec"]["device"] = "cpu"
     built = trace.build(trace.parse_job(job), "real")
     return {k: v.detach().contiguous() for k, v in built.module.state_dict().items()}
 
@@ -99,7 +100,6 @@ def write_references(
 ) -> list[dict[str, Any]]:
     """Write every declared reference of the workspace at `root` (or of the named layouts)."""
     cg = cgfile.load(root / "Cgfile")
-    ws = Workspace(cg)
     unknown = sorted(set(layouts) - set(cg.layouts))
     if unknown:
         raise UserError(f"no layout {unknown[0]!r} in the Cgfile", file=str(cg.path), field="layout")
@@ -123,7 +123,7 @@ def write_references(
                 field=f"layout.{name}.reference",
             )
         owners[where] = f"{family}/{module}"
-        tensors = state_tensors(t, ws)
+        tensors = state_tensors(t, cg)
         files = write_component(reference, t.module.component, tensors, shard_bytes)
         written.append(
             {

@@ -52,15 +52,14 @@ from torch.export import ExportedProgram
 from torch.utils._pytree import tree_map
 
 from cgbuild.identity.layout import QUANT_RULES
+from cgbuild.protocol.trace import REQUEST_SCHEMA, SPEC_KEYS, BadJob, TraceJob
 
-REQUEST_SCHEMA = "cgbuild.trace-request/1"
 CODES = ("no-cuda-torch", "entry-error", "trace-failed", "literal-hidden")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-DEVICES = ("cpu", "cuda")
 Mode = Literal["fake", "empty", "real"]
 MODES: tuple[str, ...] = ("fake", "empty", "real")
 
@@ -133,41 +132,21 @@ class Job:
         return DTYPES[self.spec["dtype"]]
 
 
-SPEC_KEYS = ("family", "module", "graph_class", "height", "width", "text_len", "batch", "dtype", "device")
-
-
 def parse_job(raw: Mapping[str, Any]) -> Job:
     """Validate one job of a trace request; malformed jobs are `trace-failed` with a 'bad job' detail."""
     try:
-        spec_in = raw["spec"]
-        missing = [k for k in ("id", "entry", "root", "quant") if k not in raw]
-        missing += [f"spec.{k}" for k in SPEC_KEYS if k not in spec_in]
-        if missing:
-            raise TraceError(f"bad job: missing {', '.join(missing)}")
-        config = raw.get("config") or {}
-        if not isinstance(config, dict):
-            raise TraceError("bad job: config must be an object")
-        lanes = spec_in.get("lanes") or {}
-        if not isinstance(lanes, dict) or not all(
-            isinstance(v, list) and v and all(isinstance(x, str) for x in v) for v in lanes.values()
-        ):
-            raise TraceError("bad job: spec.lanes must map each axis to a non-empty list of values")
-        # `lanes`: the values of each declared axis compiled into this program (docs/lanes.md);
-        # always present for the entry, {} when the family declares none.
-        spec = {k: spec_in[k] for k in SPEC_KEYS} | {"config": config, "lanes": lanes}
-        if spec["dtype"] not in DTYPES:
-            raise TraceError(f"bad job: dtype {spec['dtype']!r} not in {sorted(DTYPES)}")
-        if spec["device"] not in DEVICES:
-            raise TraceError(f"bad job: device {spec['device']!r} not in {list(DEVICES)}")
-        return Job(
-            id=str(raw["id"]),
-            entry=str(raw["entry"]),
-            root=str(raw["root"]),
-            spec=spec,
-            quant=str(raw["quant"]),
-        )
-    except (KeyError, TypeError) as e:
-        raise TraceError(f"bad job: {type(e).__name__}: {e}") from None
+        job = TraceJob.from_json(raw)
+    except BadJob as e:
+        raise TraceError(str(e)) from None
+    if job.spec["dtype"] not in DTYPES:
+        raise TraceError(f"bad job: dtype {job.spec['dtype']!r} not in {sorted(DTYPES)}")
+    # `lanes`: the values of each declared axis compiled into this program (docs/lanes.md);
+    # always present for the entry, {} when the family declares none.
+    spec = {k: job.spec[k] for k in SPEC_KEYS} | {
+        "config": dict(job.config),
+        "lanes": dict(job.spec.get("lanes") or {}),
+    }
+    return Job(id=str(job.id), entry=job.entry, root=job.root, spec=spec, quant=job.quant)
 
 
 def check_device(device: str) -> None:

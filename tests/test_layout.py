@@ -365,3 +365,23 @@ def test_reference_command(tmp_path: Path, toy_reference: Path) -> None:
     (ws / "Cgfile").write_text(text)
     bad = subprocess.run(cmd, capture_output=True, text=True)
     assert bad.returncode == 2 and "would both write component 'mlp'" in bad.stderr
+
+
+def test_every_rewriting_quant_rule_has_a_transform_and_every_transform_a_rule() -> None:
+    from cgbuild_rules import quant
+
+    rewriting = {name for name, rule in QUANT_RULES.items() if rule.transforms}
+    assert rewriting == set(quant.MODULES)
+    assert all(not QUANT_RULES[n].transforms for n in QUANT_RULES if n.startswith("plain."))
+
+
+def test_a_half_registered_quant_rule_refuses_instead_of_tracing_plain_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record without a transform would key and seal plain weights under a quantized layout."""
+    from cgbuild_rules import quant
+
+    half = dataclasses.replace(QUANT_RULES["int8-rowwise"], name="int4-rowwise")
+    monkeypatch.setitem(QUANT_RULES, "int4-rowwise", half)
+    with pytest.raises(quant.QuantError, match="no transform"):
+        quant.convert(nn.Sequential(nn.Linear(64, 64)), "int4-rowwise", torch.float32)

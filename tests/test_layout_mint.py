@@ -52,11 +52,11 @@ def live_module(ws: Path, label: str, seed: int) -> tuple[torch.nn.Module, tuple
     from cgbuild_rules import trace
 
     from cgbuild.config.targets import expand
-    from cgbuild.plan.planner import Workspace, trace_job
+    from cgbuild.protocol.trace import job_for
 
     cg = cgfile.load(ws / "Cgfile")
     target = next(t for t in expand(cg) if t.label == label)
-    built = trace.build(trace.parse_job({**trace_job(Workspace(cg), target), "id": label}), "real")
+    built = trace.build(trace.parse_job(job_for(cg, target).with_id(label).to_json()), "real")
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in built.module.parameters():

@@ -192,7 +192,7 @@ def _toy_mlp() -> Any:
 
 def test_toy_lanes_verdict_evidence_and_inspect(minted_toy: Path) -> None:
     from cgbuild import lanes
-    from cgbuild.exec.mint import evidence_host
+    from cgbuild.core.platform import host_name
 
     store = Store(minted_toy / ".cgbuild" / "store")
     plan = json.loads(cli(minted_toy, "plan", "@fp32", "--json").stdout)
@@ -212,7 +212,7 @@ def test_toy_lanes_verdict_evidence_and_inspect(minted_toy: Path) -> None:
         assert all(p % lanes.QUANTUM == 0 and p > 0 for p in verdict["peaks"].values())
         assert verdict["sku"] == {"name": "cpu", "memory_bytes": 24 << 30}
         # raw timings live BESIDE the artifact, never in it
-        path = store.root / "evidence" / t["key"] / f"{evidence_host()}.json"
+        path = store.root / "evidence" / t["key"] / f"{host_name()}.json"
         run = json.loads(path.read_text())["runs"][0]
         assert run["how"] == "mint" and run["verdict"] == verdict
         for lane in ("baseline", "chunked"):
@@ -224,9 +224,9 @@ def test_toy_lanes_verdict_evidence_and_inspect(minted_toy: Path) -> None:
     assert ran["status"] == "ok" and set(ran["run"]["lanes"]["checked"]) == {"baseline", "chunked"}
     proc = cli(minted_toy, "inspect", MLP8)
     assert proc.returncode == 0, proc.stderr
-    assert "lanes: winner" in proc.stdout and f"evidence {evidence_host()} (mint)" in proc.stdout
+    assert "lanes: winner" in proc.stdout and f"evidence {host_name()} (mint)" in proc.stdout
     doc = json.loads(cli(minted_toy, "inspect", MLP8, "--json").stdout)
-    assert doc["lane_evidence"][evidence_host()]["runs"][0]["measured"].keys() == {"baseline", "chunked"}
+    assert doc["lane_evidence"][host_name()]["runs"][0]["measured"].keys() == {"baseline", "chunked"}
 
 
 def test_toy_lanes_each_match_eager_and_refit_reasons(minted_toy: Path, tmp_path: Path) -> None:

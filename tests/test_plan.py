@@ -1,6 +1,6 @@
 """The plan end to end: real traces of the toy family, real locks, a real store on disk.
 
-Key membership (DESIGN §3): a moved member moves the key; a moved non-member does not; an unknown
+Key membership (docs/identity.md): a moved member moves the key; a moved non-member does not; an unknown
 toolchain component does. Each test works on its own copy of the toy workspace, sharing one trace
 cache so only traces whose inputs really moved run again.
 """
@@ -315,8 +315,9 @@ def _cuda_facts_from_cpu(toy: Path) -> None:
     from cgbuild.core.canon import digest
     from cgbuild.plan import environment
     from cgbuild.plan.inputs import SourceHasher
-    from cgbuild.plan.planner import resolve_toolchains, trace_job
+    from cgbuild.plan.planner import resolve_toolchains
     from cgbuild.plan.tracecache import trace_inputs
+    from cgbuild.protocol.trace import job_for
 
     cg = cgfile.load(toy / "Cgfile")
     ws = Workspace(cg)
@@ -326,7 +327,7 @@ def _cuda_facts_from_cpu(toy: Path) -> None:
     torch = environment.torch_build()["version"]  # type: ignore[index]
 
     def inputs(t: Any) -> str:
-        job = trace_job(ws, t, toolchains[t.device]["components"])
+        job = job_for(ws.cg, t, toolchains[t.device]["components"]).to_json()
         return trace_inputs(
             family_inputs=fam,
             module=t.id.module,

@@ -879,10 +879,11 @@ def test_fetch_reports_a_key_the_store_refuses_and_goes_on(
 
 def _toy_module(ws_path: Path) -> Any:
     from cgbuild.config.targets import expand
-    from cgbuild.plan.planner import Workspace, trace_job
+    from cgbuild.plan.planner import Workspace
+    from cgbuild.protocol.trace import job_for
 
     ws = Workspace(cgfile.load(ws_path / "Cgfile"))
-    job = trace_job(ws, next(t for t in expand(ws.cg) if t.label == MLP8))
+    job = job_for(ws.cg, next(t for t in expand(ws.cg) if t.label == MLP8)).to_json()
     sys.path.insert(0, str(ws_path))
     try:
         import toy_models

@@ -85,7 +85,7 @@ def test_diff_names_differing_package_entries(tmp_path: Path) -> None:
 
 
 def test_a_moved_lane_verdict_is_reported_apart_from_the_build(tmp_path: Path) -> None:
-    """Timing noise near the tie band moves a verdict (DESIGN §4): reported, not a build difference."""
+    """Timing noise near the tie band moves a verdict (docs/lanes.md): reported, not a build difference."""
     pkg = _pt2(tmp_path / "m.pt2", {"data/aotinductor/model/k.cpp": b"int k;"})
     speed = {"winner": "baseline", "binding": "speed", "peaks": {"baseline": 1, "chunked": 1}}
     tie = {**speed, "binding": "tie-peak"}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from cgbuild.cli.main import add_workspace_args, workspace
@@ -23,13 +22,7 @@ def run(args: argparse.Namespace) -> int:
     ws = workspace(args)
     toolchains, source = resolve_toolchains(ws, ws.state / "cache")
     if args.action == "lock":
-        doc = {
-            "schema": toolchain.LOCK_SCHEMA,
-            "platforms": {
-                p: {"fold": b["fold"], "components": b["components"]} for p, b in toolchains.items()
-            },
-        }
-        sys.stdout.write(json.dumps(doc, sort_keys=True, indent=2) + "\n")
+        sys.stdout.write(toolchain.lock_text(toolchain.lock_document(toolchains)))
         return 0
     if args.json:
         print_json({"source": source, "platforms": toolchains})

@@ -41,11 +41,11 @@ def run_artifact(
     is checked on EVERY lane it carries, each against eager with the same lane.
     """
     from cgbuild.config.targets import expand
-    from cgbuild.plan.planner import trace_job
+    from cgbuild.protocol.trace import job_for
     from cgbuild.store.seal import unseal
 
     target = next(t for t in expand(ws.cg) if t.label == label)
-    request: dict[str, Any] = {"job": {**trace_job(ws, target, components), "id": key}}
+    request: dict[str, Any] = {"job": job_for(ws.cg, target, components).with_id(key).to_json()}
     rows = ((meta or {}).get("lanes") or {}).get("axes") or []
     if rows:
         request["lanes"] = {"axes": [[r["axis"], r["values"]] for r in rows]}

@@ -13,6 +13,7 @@ from cgbuild.cli.main import add_workspace_args, workspace
 from cgbuild.cli.render import STATUS_STYLE, console, print_json
 from cgbuild.config.labels import parse_label, parse_selector
 from cgbuild.core.errors import UserError
+from cgbuild.core.platform import device_of
 from cgbuild.identity.keys import AXES, KEY_SCHEME
 
 
@@ -31,8 +32,7 @@ def explain(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     entry = next((t for t in plan["targets"] if t["label"] == tid.label), None)
     if entry is None:
         raise UserError(f"no target {tid.label} in the Cgfile", field="label")
-    platform = "cpu" if entry["sm"] == "cpu" else "cuda"
-    return entry, plan["toolchains"][platform]
+    return entry, plan["toolchains"][device_of(entry["sm"])]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,9 +16,9 @@ from typing import Any
 
 from cgbuild.config.tomlpos import KeyLines
 from cgbuild.core.errors import UserError
+from cgbuild.core.publickey import public_key_bytes
 from cgbuild.identity.layout import QUANT_RULES, compute_dtype
-from cgbuild.lanes import LaneTableError, Needs, read_lane_table
-from cgbuild.store.trust import public_key_bytes
+from cgbuild.lanes import Needs, read_lane_table
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 SM = re.compile(r"^(cpu|sm_[0-9]{2,3}[a-z]?)$")
@@ -362,10 +362,7 @@ def _lanes(
     if not declared:
         raise r.fail('empty lanes table: declare at least one axis, e.g. linear = ["baseline", ...]', *here)
     root = r.path.resolve().parent
-    try:
-        table = read_lane_table(root, entry)
-    except LaneTableError as e:
-        raise UserError(e.message, file=e.file, line=e.line, field=e.field) from None
+    table = read_lane_table(root, entry)
     if table is None:
         raise r.fail(
             f"entry '{entry}' declares no LANES table in its source under {root.name or root}/ "

@@ -13,6 +13,7 @@ from typing import Any
 from cgbuild.config.cgfile import Cgfile, Family, Module
 from cgbuild.config.labels import Selector, TargetId
 from cgbuild.core.errors import UserError
+from cgbuild.core.platform import device_of
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,6 @@ class Target:
     @property
     def facet(self) -> dict[str, Any]:
         return self.graph_class.facet(self.module.envelope.guidance)
-
-
-def device_of(sm: str) -> str:
-    return "cpu" if sm == "cpu" else "cuda"
 
 
 def graph_classes(module: Module) -> list[GraphClass]:

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,15 +26,18 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild.config.targets import Target, expand
+from cgbuild.core.codes import RETRYABLE
 from cgbuild.core.errors import UserError
+from cgbuild.core.platform import host_name
 from cgbuild.plan.diff import load_plan
-from cgbuild.plan.planner import Workspace, trace_job
+from cgbuild.plan.planner import Workspace
+from cgbuild.protocol.mint import MintRequest
+from cgbuild.protocol.trace import job_for
 from cgbuild.store.local import Store, StoreError
 from cgbuild.store.s3 import RemoteError
 from cgbuild.store.shared import PublishRefused, SharedStore
 
 RECORD_SCHEMA = "cgbuild.mint-record/1"
-RETRYABLE = {"oom", "worker-killed", "worker-signal", "timeout", "worker-crashed"}
 GIB = 1 << 30
 
 
@@ -96,12 +97,6 @@ def recorded_plan_keys(path: str) -> dict[str, str]:
     return {t["label"]: t["key"] for t in plan["targets"] if t.get("status") == "mint" and t.get("key")}
 
 
-def evidence_host() -> str:
-    """The name lane evidence is filed under: this host's name, safe as a file name."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()).lstrip(".")
-    return name or "host"
-
-
 def _evidence_run(result: dict[str, Any], how: str) -> dict[str, Any]:
     """One measured run for `<store>/evidence/<key>/<host>.json`: raw timings never sealed."""
     return {
@@ -157,30 +152,29 @@ def _lanes_request(ws: Workspace, mk: MintKey) -> dict[str, Any] | None:
 
 
 def request_for(ws: Workspace, mk: MintKey, out: Path, **extra: Any) -> dict[str, Any]:
+    """The worker's request for one key (`extra`: `fresh`, `compare_with`, ... of MintRequest)."""
     first = mk.entries[0]
-    lanes = _lanes_request(ws, mk)
-    return {
-        "schema": "cgbuild.mint-request/1",
-        "id": mk.key,
-        "key": mk.key,
-        "labels": mk.labels,
-        "job": {**trace_job(ws, mk.target, mk.toolchain.get("components")), "id": mk.key},
-        **({"lanes": lanes} if lanes else {}),
-        "sm": mk.target.id.sm,
-        "graph_digest": first["axes"]["graph"]["digest"],
-        "toolchain": mk.toolchain,
+    return MintRequest(
+        id=mk.key,
+        key=mk.key,
+        labels=mk.labels,
+        job=job_for(ws.cg, mk.target, mk.toolchain.get("components")).with_id(mk.key),
+        lanes=_lanes_request(ws, mk) or None,
+        sm=mk.target.id.sm,
+        graph_digest=first["axes"]["graph"]["digest"],
+        toolchain=mk.toolchain,
         # the toolchain source may be a lock path: a machine fact, not one for sealed bytes
-        "axes": {
+        axes={
             **first["axes"],
             "toolchain": {k: v for k, v in first["axes"]["toolchain"].items() if k != "source"},
         },
-        "facets": [e["envelope"] for e in mk.entries],
-        "stamp": first["stamp"],
-        "layout": _layout_request(ws, mk.target, first["axes"]["layout"]),
-        "cxx": ws.cg.cxx,
-        "out": str(out),
+        facets=[e["envelope"] for e in mk.entries],
+        stamp=first["stamp"],
+        layout=_layout_request(ws, mk.target, first["axes"]["layout"]),
+        cxx=ws.cg.cxx,
+        out=str(out),
         **extra,
-    }
+    ).to_json()
 
 
 def run_worker(
@@ -300,7 +294,7 @@ def _admit(mk: MintKey, result: dict[str, Any], store: Store, shared: SharedStor
         if admission.ok and result.get("lane_evidence"):
             run = _evidence_run(result, "mint")
             if shared is None:
-                store.add_evidence(mk.key, evidence_host(), run)
+                store.add_evidence(mk.key, host_name(), run)
             elif (why := shared.add_evidence(mk.key, run)) is not None:
                 result["evidence"] = f"kept on this machine only: {why}"
         if admission.status == "conflict":
@@ -353,6 +347,6 @@ def check_key(ws: Workspace, mk: MintKey) -> dict[str, Any]:
         req = request_for(ws, mk, Path(tmp), fresh=True, compare_with=str(resolved.path))
         result = run_worker(req, ws.state / "mint" / f"{mk.key}.check.log")
         if result.get("ok") and result.get("lane_evidence"):
-            store.add_evidence(mk.key, evidence_host(), _evidence_run(result, "check"))
+            store.add_evidence(mk.key, host_name(), _evidence_run(result, "check"))
         shutil.rmtree(tmp, ignore_errors=True)
     return result

@@ -24,6 +24,8 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
+from cgbuild.core import fs
+from cgbuild.core.platform import normalize_arch
 from cgbuild.identity import policy
 
 DEFAULT_CXX = "/usr/bin/g++"
@@ -81,12 +83,14 @@ def cxx_component(path: str) -> dict:
     the on-disk probe cache. The digest covers the whole `--version` output, so a patched
     distribution build (its banner names the package revision) moves it.
     """
-    st = os.stat(path)
-    return dict(_cxx_component(path, st.st_mtime_ns, st.st_size, st.st_ino))
+    stamp = fs.stat_stamp(path)
+    if stamp is None:
+        raise FileNotFoundError(path)
+    return dict(_cxx_component(path, tuple(stamp)))
 
 
 @functools.lru_cache(maxsize=8)
-def _cxx_component(path: str, _mtime: int, _size: int, _ino: int) -> tuple[tuple[str, str], ...]:
+def _cxx_component(path: str, _stamp: tuple[int, ...]) -> tuple[tuple[str, str], ...]:
     # LC_ALL=C: gcc translates its banner; the identity must not depend on the locale.
     env = {"PATH": os.environ.get("PATH", os.defpath), "LC_ALL": "C"}
     try:
@@ -137,10 +141,6 @@ def host_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
-
-
-def normalize_arch(machine: str) -> str:
-    return "x86_64" if machine in ("x86_64", "AMD64", "amd64") else machine
 
 
 def host_isa(machine: str | None = None, cpuinfo: str = "/proc/cpuinfo") -> str:

@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cgbuild.core import fs
 from cgbuild.core.canon import digest
 from cgbuild.core.errors import UserError
+from cgbuild.core.platform import device_of, sm_number
 
 TOPOLOGY_SCHEME = 1
 QUANT_SCHEME = "cgbuild.quant/2"
@@ -62,6 +63,12 @@ class QuantRule:
     def dtype(self) -> str | None:
         """The compute dtype when the rule fixes it (plain rules), else None: the layout says."""
         return self.compute[0] if len(self.compute) == 1 else None
+
+    @property
+    def transforms(self) -> bool:
+        """Whether the rule rewrites modules before the trace (every rule but `plain.*`): such a
+        rule must have a transform in `cgbuild_rules.quant`, or it would key plain weights."""
+        return self.facts["eligible"] != "none"
 
     @property
     def min_sm(self) -> str | None:
@@ -179,14 +186,7 @@ SCALED_MM_ROWWISE_FIRST_TORCH: dict[int, tuple[int, int]] = {
     100: (2, 8),
     120: (2, 9),
 }
-_SM = re.compile(r"^sm_(\d+)[a-z]?$")
 _VERSION = re.compile(r"^(\d+)\.(\d+)")
-
-
-def sm_number(sm: str) -> int | None:
-    """`sm_90` → 90, `sm_90a` → 90, `cpu` → None."""
-    m = _SM.match(sm)
-    return int(m.group(1)) if m else None
 
 
 def torch_release(version: str) -> tuple[int, int] | None:
@@ -226,7 +226,7 @@ def floor_refusal(rule: QuantRule, sm: str, torch_version: str | None) -> tuple[
     torch has no kernel for it there. An unknown torch decides nothing here (the graph is
     unknown then anyway, and a mint probes the device).
     """
-    device = "cpu" if sm == "cpu" else "cuda"
+    device = device_of(sm)
     if device not in rule.devices:
         return "layout-below-sm-floor", (
             f"{rule.display} runs only on {' and '.join(rule.devices)}; {sm} targets are never minted"
@@ -368,13 +368,12 @@ def component_files(reference: Path, component: str) -> tuple[list[Path], Path |
     )
 
 
-_HEADER_CACHE: dict[tuple[str, int, int], list[list[Any]]] = {}
+_HEADER_CACHE: dict[tuple[str, ...], list[list[Any]]] = {}
 
 
 def _header_rows(path: Path) -> list[list[Any]]:
-    """A file's [name, dtype, shape] rows, memoised by (path, mtime, size): a plan asks once per target."""
-    st = os.stat(path)
-    sig = (str(path), st.st_mtime_ns, st.st_size)
+    """A file's [name, dtype, shape] rows, memoised by its stat stamp: a plan asks once per target."""
+    sig = (str(path), *map(str, fs.stat_stamp(path) or ()))
     rows = _HEADER_CACHE.get(sig)
     if rows is None:
         rows = []
@@ -438,11 +437,16 @@ def topology_mismatch(layout_rows: list[list[Any]], bound_rows: list[list[Any]])
     return None
 
 
+def layout_identity(topology: str, quant: QuantRule) -> dict[str, str]:
+    """The layout axis's identity block: the digest pair, and nothing else."""
+    return {"topology": topology, "quant": quant.digest}
+
+
 def layout_axis(
     family: str, component: str, quant: QuantRule, topology: str, source: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(identity, readable) blocks of the layout axis; identity holds digests only."""
-    identity = {"topology": topology, "quant": quant.digest}
+    identity = layout_identity(topology, quant)
     stamp = f"{family}.{component}@{TOPOLOGY_SCHEME}+{quant.display}"
     readable = {**identity, "stamp": stamp, "topology_source": source, "quant_rule": quant.display}
     return identity, readable

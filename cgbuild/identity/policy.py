@@ -38,6 +38,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
+from cgbuild.core.platform import normalize_arch
+
 SCHEME: Final = "cgbuild.policy/1"
 
 # The x86-64 psABI level host code is clamped to, and the Inductor knobs that enforce it. Above
@@ -124,7 +126,7 @@ class PolicyError(ValueError):
 
 def isa_clamp(arch: str) -> Mapping[str, str | int] | None:
     """The clamp declared for `arch` (a `platform.machine()` spelling), or None if there is none."""
-    return ISA_CLAMP.get("x86_64" if arch in ("x86_64", "AMD64", "amd64") else arch)
+    return ISA_CLAMP.get(normalize_arch(arch))
 
 
 def inductor_configs(arch: str = "x86_64", *, clamps: bool = True) -> dict[str, bool | int | str]:

@@ -1,7 +1,7 @@
 """The toolchain key axis: what compiles a target, per platform, folded to one digest.
 
 A platform's toolchain is a flat map of named components, each a small readable block; the fold
-is the sha256 of their canonical JSON. Members (DESIGN §3, "Toolchain fold"):
+is the sha256 of their canonical JSON. Members (docs/identity.md, "Toolchain fold"):
 
 * cpu:  torch, cxx (host C++ compiler), isa (the clamped level), settings (`cgbuild.identity.policy`)
 * cuda: the same, plus triton, ptxas, and torch's native CUDA runtime closure (every installed
@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cgbuild.core import fs
 from cgbuild.core.canon import NotCanonical, canonical_json, digest
 from cgbuild.core.errors import UserError
 from cgbuild.identity import compiler, policy
@@ -274,11 +275,7 @@ _CODE = (__file__, compiler.__file__)
 
 
 def _stat(path: str) -> list[int] | None:
-    try:
-        st = os.stat(path or ".")  # "" on sys.path is the working directory
-    except OSError:
-        return None
-    return [st.st_mtime_ns, st.st_size, st.st_ino]
+    return fs.stat_stamp(path or ".")  # "" on sys.path is the working directory
 
 
 def _load_cache(cache_path: str) -> dict:
@@ -411,9 +408,14 @@ def lock_document(probe_result: Mapping[str, Any]) -> dict:
     }
 
 
+def lock_text(document: Mapping[str, Any]) -> str:
+    """A lock as sorted, indented JSON: reviewable in a diff, the same bytes wherever it is written."""
+    return json.dumps(document, sort_keys=True, indent=2, ensure_ascii=True) + "\n"
+
+
 def write_lock(path: str, document: Mapping[str, Any]) -> None:
-    """Write a lock as sorted, indented JSON (reviewable in a diff), atomically."""
-    text = json.dumps(document, sort_keys=True, indent=2, ensure_ascii=True) + "\n"
+    """Write a lock atomically."""
+    text = lock_text(document)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)

@@ -12,6 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 from cgbuild.core.errors import UserError
+from cgbuild.core.platform import device_of
 from cgbuild.identity import toolchain
 from cgbuild.identity.keys import AXES, IDENTITY_FIELDS
 
@@ -44,10 +45,6 @@ def _moved_axes(base: dict[str, Any], head: dict[str, Any]) -> list[str]:
         if any(a.get(f) != b.get(f) for f in IDENTITY_FIELDS[axis]):
             moved.append(axis)
     return moved
-
-
-def _platform(target: dict[str, Any]) -> str:
-    return "cpu" if target["sm"] == "cpu" else "cuda"
 
 
 def diff_plans(base: dict[str, Any], head: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +91,7 @@ def diff_plans(base: dict[str, Any], head: dict[str, Any]) -> dict[str, Any]:
             tc_b = (b.get("axes") or {}).get("toolchain") or {}
             tc_h = (h.get("axes") or {}).get("toolchain") or {}
             certain = tc_b.get("fold") != tc_h.get("fold")
-            detail = _toolchain_detail(comp_changes[_platform(h)]) if certain else "graph not yet known"
+            detail = _toolchain_detail(comp_changes[device_of(h["sm"])]) if certain else "graph not yet known"
             entries.append(
                 {
                     "label": label,
@@ -114,7 +111,7 @@ def diff_plans(base: dict[str, Any], head: dict[str, Any]) -> dict[str, Any]:
         details = []
         for axis in axes:
             if axis == "toolchain":
-                details.append(_toolchain_detail(comp_changes[_platform(h)]))
+                details.append(_toolchain_detail(comp_changes[device_of(h["sm"])]))
             else:
                 old = b["axes"][axis]
                 new = h["axes"][axis]

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild.config.cgfile import Cgfile, Family
+from cgbuild.core import fs
 from cgbuild.core.canon import digest, hexfloats
+from cgbuild.core.entry import entry_files
 
 
 class SourceHasher:
@@ -26,8 +28,9 @@ class SourceHasher:
         self._dirty = False
 
     def file_digest(self, path: Path) -> str:
-        st = path.stat()
-        stamp = [st.st_mtime_ns, st.st_size, st.st_ino]
+        stamp = fs.stat_stamp(path)
+        if stamp is None:
+            raise FileNotFoundError(path)
         hit = self._cache.get(str(path))
         if hit and hit[:3] == stamp:
             return str(hit[3])
@@ -44,10 +47,7 @@ class SourceHasher:
         files: set[Path] = set()
         for pattern in fam.sources:
             files.update(p for p in cg.root.glob(pattern) if p.is_file())
-        module_path = fam.entry.split(":")[0].replace(".", "/")
-        for candidate in (cg.root / f"{module_path}.py", cg.root / module_path / "__init__.py"):
-            if candidate.is_file():
-                files.add(candidate)
+        files.update(entry_files(cg.root, fam.entry))
         shas = {p.relative_to(cg.root).as_posix(): self.file_digest(p) for p in sorted(files)}
         return digest({"entry": fam.entry, "config": hexfloats(fam.config), "files": shas}), shas
 

@@ -1,4 +1,4 @@
-"""The plan: every selected target's key, status and the reasons for it (plan JSON, DESIGN §3b).
+"""The plan: every selected target's key, status and the reasons for it (plan JSON, docs/plan.md).
 
 DAG per target: sources → trace (graph digest, cached by over-keyed inputs) → toolchain fold →
 key → store lookup. Traces run only on a cache miss, in child interpreters; a re-trace that
@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cgbuild import lanes
 from cgbuild.config.cgfile import Cgfile
 from cgbuild.config.labels import Selector
 from cgbuild.config.targets import Target, expand, select
@@ -28,6 +27,7 @@ from cgbuild.identity.keys import AXES, IDENTITY_FIELDS, Axis, graph_axis, key_o
 from cgbuild.plan import environment
 from cgbuild.plan.inputs import SourceHasher
 from cgbuild.plan.tracecache import TraceCache, trace_inputs
+from cgbuild.protocol.trace import TraceJob, job_for, request, target_lanes
 from cgbuild.store.local import Store
 
 if TYPE_CHECKING:
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 PLAN_SCHEMA = "cgbuild.plan/1"
 LAST_PLAN_SCHEMA = "cgbuild.last-plan/1"
-DETERMINISTIC_TRACE_FAILURES = {"entry-error", "trace-failed", "literal-hidden"}
 
 # Stable reason codes (documented in docs/plan.md).
 REASON_CODES = (
@@ -90,61 +89,17 @@ class Workspace:
         workspace without one never imports boto3 or cryptography."""
         if self.remote is None:
             return None
-        from cgbuild.exec.mint import evidence_host
+        from cgbuild.core.platform import host_name
         from cgbuild.store.shared import SharedStore
 
-        return SharedStore(local or self.store(), self.remote, self.cg.trusted, evidence_host())
+        return SharedStore(local or self.store(), self.remote, self.cg.trusted, host_name())
 
 
 @dataclass
 class TraceUnit:
     inputs: str
-    job: dict[str, Any]
+    job: TraceJob
     targets: list[Target] = field(default_factory=list)
-
-
-def target_lanes(t: Target, components: dict[str, Any] | None) -> dict[str, list[str]] | None:
-    """The lane values compiled into a target's program (None: the family declares no lanes).
-
-    Plan-time facts only (the sm and whether the platform's toolchain carries triton), so the
-    graph digest, and with it the key, stays computable before any mint (docs/lanes.md).
-    """
-    if not t.family.lanes:
-        return None
-    triton = lanes.has_triton(components or {})
-    return lanes.program_lanes(t.family.lanes, t.family.lane_table, t.id.sm, triton)
-
-
-def trace_job(ws: Workspace, t: Target, components: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The trace job for a target (the entry protocol's spec, DESIGN §3a); the mint reuses it.
-
-    `components` (the target platform's toolchain) decide which lane values are buildable; the
-    spec carries `lanes` only when the family declares some, so other jobs keep their inputs.
-    """
-    lay = ws.cg.layouts[t.id.layout]
-    quant = layout.QUANT_RULES[lay.quant]
-    gc = t.graph_class
-    spec = {
-        "family": t.id.family,
-        "module": t.id.module,
-        "graph_class": gc.name,
-        "height": gc.height,
-        "width": gc.width,
-        "text_len": gc.text_len,
-        "batch": gc.batch,
-        "dtype": lay.dtype,
-        "device": t.device,
-    }
-    program = target_lanes(t, components)
-    if program is not None:
-        spec["lanes"] = program
-    return {
-        "entry": t.family.entry,
-        "root": str(ws.cg.root),
-        "config": t.family.config,
-        "spec": spec,
-        "quant": quant.name,
-    }
 
 
 def resolve_toolchains(ws: Workspace, cache_dir: Path) -> tuple[dict[str, Any], str]:
@@ -207,7 +162,7 @@ def make_plan(
 
     units: dict[str, TraceUnit] = {}
     unit_of: dict[str, str] = {}
-    jobs: dict[str, dict[str, Any]] = {}
+    jobs: dict[str, TraceJob] = {}
     by_unit: dict[tuple[str, ...], str] = {}  # targets of one trace unit differ only in sm
     floors: dict[str, dict[str, Any]] = {}
     for t in targets:
@@ -218,12 +173,12 @@ def make_plan(
         unit_id = (t.id.family, t.id.module, t.id.graph_class, t.id.layout, t.device, tc_torch, lane_id)
         inputs = by_unit.get(unit_id, "")
         if not inputs:
-            job = trace_job(ws, t, tc_block.get("components"))
+            job = job_for(ws.cg, t, tc_block.get("components"))
             inputs = trace_inputs(
                 family_inputs=fam_inputs[t.id.family][0],
                 module=t.id.module,
-                spec=job["spec"],
-                quant=job["quant"],
+                spec=dict(job.spec),
+                quant=job.quant,
                 torch=tc_torch,
                 environment=env_digest,
             )
@@ -234,7 +189,7 @@ def make_plan(
         if floor is not None:
             floors[t.label] = dict(floor)  # never minted, so never traced for its sake
             continue
-        units.setdefault(inputs, TraceUnit(inputs, {**jobs[inputs], "id": inputs})).targets.append(t)
+        units.setdefault(inputs, TraceUnit(inputs, jobs[inputs].with_id(inputs))).targets.append(t)
 
     cache = TraceCache(ws.state / "traces.sqlite")
     facts = cache.get_many(list(units))
@@ -250,7 +205,7 @@ def make_plan(
     for inputs, unit in units.items():
         if inputs in facts:
             continue
-        device = unit.job["spec"]["device"]
+        device = unit.job.spec["device"]
         tc_torch = _torch_of(toolchains[device])
         if local_torch is None:
             graph_unknown[inputs] = reason(
@@ -336,7 +291,7 @@ def _run_traces(
 
     groups: dict[tuple[str, str], list[TraceUnit]] = {}
     for unit in todo:
-        groups.setdefault((unit.job["root"], unit.job["entry"]), []).append(unit)
+        groups.setdefault((unit.job.root, unit.job.entry), []).append(unit)
     done = 0
     total = len(todo)
     by_id = {u.inputs: u for u in todo}
@@ -362,10 +317,7 @@ def _run_traces(
         if progress:
             progress(done, total, unit.targets[0].label)
 
-    requests = [
-        ({"schema": "cgbuild.trace-request/1", "jobs": [u.job for u in units]}, [u.inputs for u in units])
-        for units in groups.values()
-    ]
+    requests = [(request([u.job for u in units]), [u.inputs for u in units]) for units in groups.values()]
     run_groups(
         "trace", requests, workers=workers or min(len(requests), os.cpu_count() or 1), on_result=on_result
     )
@@ -373,7 +325,7 @@ def _run_traces(
 
 @functools.cache
 def _floor(quant: str, sm: str, torch: str | None) -> dict[str, Any] | None:
-    """The floor reason of a quant rule on an sm under a toolchain torch (DESIGN §3b), or None."""
+    """The floor reason of a quant rule on an sm under a toolchain torch (docs/layouts.md), or None."""
     refusal = layout.floor_refusal(layout.QUANT_RULES[quant], sm, torch)
     return None if refusal is None else reason(refusal[0], refusal[1], root=True)
 

@@ -179,7 +179,7 @@ def compare_artifacts(recorded: str | os.PathLike[str], now: str | os.PathLike[s
     """Two mints of one key: is the BUILD reproducible, and did the measured lane verdict move?
 
     The lane verdict is the one sealed fact that comes from timings: near the tie band's edge
-    noise moves it (DESIGN §4), which says nothing about the compile. So a difference confined to
+    noise moves it (docs/lanes.md), which says nothing about the compile. So a difference confined to
     `lanes.verdict` keeps `reproducible` true and is reported under `verdict_moved`.
     """
     differing = diff_artifacts(recorded, now)

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cgbuild.core.canon import canonical_json, digest_unguarded
+from cgbuild.core.publickey import b64, key_id, public_key_bytes
 
 SIGNING_KEY_ENV = "CGBUILD_SIGNING_KEY"
 SIGNATURE_SCHEMA = "cgbuild.signature/1"
@@ -41,26 +41,6 @@ class TrustError(Exception):
         super().__init__(f"{code}: {detail}")
         self.code = code
         self.detail = detail
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def public_key_bytes(text: str) -> bytes:
-    """The 32 raw bytes of a base64 ed25519 public key; ValueError when it is not one."""
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except binascii.Error as e:
-        raise ValueError(f"not base64: {e}") from None
-    if len(raw) != 32:
-        raise ValueError(f"an ed25519 public key is 32 bytes, this decodes to {len(raw)}")
-    return raw
-
-
-def key_id(public: bytes) -> str:
-    """A short, stable name for a public key (shown in refusals and listings)."""
-    return hashlib.sha256(public).hexdigest()[:16]
 
 
 def artifact_statement(key: str, sha256: str, size: int) -> dict[str, Any]:

@@ -1,0 +1,63 @@
+"""One registry of codes (`cgbuild.core.codes`), one page (docs/codes.md), held to each other.
+
+The source scan is the guard against a code added as a bare string somewhere: every kebab-case
+string constant in cgbuild/ and rules/ is a registered code or one of the named non-codes.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from cgbuild.core.codes import RETRYABLE, Code
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "codes.md"
+
+# Kebab-case strings that are not codes: quant rule and ISA names, encodings, tool names, test
+# hooks, tolerances, artifact kinds, facts' values.
+NOT_CODES = {
+    "1e-2", "1e-4", "1e-9", "5e-2", "aot-inductor", "fail-after-part", "kill-after-part",
+    "fp8-rowwise", "int8-rowwise", "nvidia-smi", "per-output-row", "pytorch-triton", "rel-rms",
+    "utf-8", "x86-64-v1", "x86-64-v2", "x86-64-v3", "x86-64-v4",
+}  # fmt: skip
+
+
+def _page_codes() -> dict[str, str]:
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \| (.+) \|$", PAGE.read_text(), flags=re.M)
+    return dict(rows)
+
+
+def _source_strings() -> dict[str, str]:
+    found: dict[str, str] = {}
+    for path in [*ROOT.glob("cgbuild/**/*.py"), *ROOT.glob("rules/**/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            value = node.value if isinstance(node, ast.Constant) else None
+            if isinstance(value, str) and re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)+", value):
+                found.setdefault(value, str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_registered_code_is_on_the_page_and_back() -> None:
+    page = _page_codes()
+    assert sorted(set(Code) - set(page)) == []
+    assert sorted(set(page) - set(Code)) == []
+    assert all(meaning.strip() for meaning in page.values())
+
+
+def test_no_unregistered_code_in_the_source() -> None:
+    stray = {s: where for s, where in _source_strings().items() if s not in set(Code) | NOT_CODES}
+    assert stray == {}
+
+
+def test_the_scan_sees_the_codes_in_use() -> None:
+    """The scan reads the real source: codes the plan and adopt emit are found by it."""
+    found = _source_strings()
+    assert {"missing-from-store", "constant-table-mismatch", "layout-below-sm-floor"} <= set(found)
+
+
+def test_codes_are_their_strings_and_retryable_is_a_subset() -> None:
+    assert Code.MISSING_FROM_STORE == "missing-from-store"
+    assert set(Code) >= RETRYABLE
+    assert len({c.value for c in Code}) == len(Code)

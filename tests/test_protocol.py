@@ -1,0 +1,93 @@
+"""The engine <-> rules contract: requests round-trip through their one serialiser, and the
+rules refuse what the contract does not allow (the same types validate on both sides)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cgbuild.config import cgfile
+from cgbuild.config.targets import expand
+from cgbuild.protocol.mint import BadRequest, MintRequest
+from cgbuild.protocol.trace import BadJob, TraceJob, job_for, request
+
+TOY = Path(__file__).resolve().parents[1] / "examples" / "toy" / "Cgfile"
+
+
+@pytest.fixture(scope="module")
+def job() -> TraceJob:
+    cg = cgfile.load(TOY)
+    target = next(t for t in expand(cg) if t.label == "//toy/mlp/8x64-b1@fp32:cpu")
+    return job_for(cg, target).with_id("j1")
+
+
+def test_trace_job_round_trips(job: TraceJob) -> None:
+    doc = job.to_json()
+    assert TraceJob.from_json(doc) == job and TraceJob.from_json(doc).id == "j1"
+    assert set(doc) == {"entry", "root", "config", "spec", "quant", "id"}
+    assert request([job])["jobs"] == [doc]
+
+
+def test_the_trace_job_shape_is_a_trace_input(job: TraceJob) -> None:
+    """The spec is hashed into the trace inputs: its fields are pinned, so a change is deliberate."""
+    assert set(job.spec) == {
+        "family", "module", "graph_class", "height", "width", "text_len", "batch", "dtype", "device", "lanes",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.pop("entry"), "missing entry"),
+        (lambda d: d["spec"].pop("batch"), "missing spec.batch"),
+        (lambda d: d["spec"].update(device="tpu"), "device 'tpu'"),
+        (lambda d: d["spec"].update(lanes={"linear": []}), "spec.lanes"),
+        (lambda d: d.update(config=[1]), "config must be an object"),
+        (lambda d: d.update(quant=7), "quant must be a string"),
+    ],
+)
+def test_a_bad_trace_job_is_named(job: TraceJob, edit, message: str) -> None:
+    doc = job.to_json()
+    edit(doc)
+    with pytest.raises(BadJob, match=message):
+        TraceJob.from_json(doc)
+
+
+def _mint(job: TraceJob, **extra) -> MintRequest:
+    return MintRequest(
+        id="k",
+        key="k",
+        job=job,
+        sm="cpu",
+        graph_digest="g",
+        toolchain={"platform": "cpu", "fold": "f", "components": {}},
+        out="/out",
+        labels=["//toy/mlp/8x64-b1@fp32:cpu"],
+        **extra,
+    )
+
+
+def test_mint_request_round_trips(job: TraceJob) -> None:
+    req = _mint(job, fresh=True, compare_with="a.tar.gz", timeout_s=5.0)
+    doc = req.to_json()
+    assert doc["schema"] == "cgbuild.mint-request/1" and "cxx" not in doc
+    assert MintRequest.from_json(doc) == req
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.update(schema="cgbuild.mint-request/0"), "schema"),
+        (lambda d: d.pop("graph_digest"), "missing graph_digest"),
+        (lambda d: d.update(colour="red"), "unknown field 'colour'"),
+        (lambda d: d.update(sm="sm_90"), "disagree"),
+        (lambda d: d["toolchain"].update(platform="cuda"), "disagree"),
+        (lambda d: d["job"].pop("spec"), "missing spec"),
+    ],
+)
+def test_a_bad_mint_request_is_named(job: TraceJob, edit, message: str) -> None:
+    doc = _mint(job).to_json()
+    edit(doc)
+    with pytest.raises(BadRequest, match=message):
+        MintRequest.from_json(doc)
