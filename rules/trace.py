@@ -224,7 +224,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _weights_on_meta() -> Iterator[None]:
+def weights_on_meta() -> Iterator[None]:
     """Send parameters and persistent buffers to meta as they are registered.
 
     Leaves non-persistent buffers and plain tensor attributes real, so literals are computed
@@ -278,7 +278,7 @@ def _set_attribute(module: nn.Module, fqn: str, value: torch.Tensor) -> None:
         setattr(owner, name, value)
 
 
-def _call_entry(fn: Callable[[dict[str, Any]], Any], spec: dict[str, Any], quant: str) -> Built:
+def call_entry(fn: Callable[[dict[str, Any]], Any], spec: dict[str, Any], quant: str) -> Built:
     try:
         built = _unpack(fn(dict(spec)))
         built.module.eval()
@@ -308,7 +308,7 @@ def build(job: Job, mode: Mode, fn: Callable[[dict[str, Any]], Any] | None = Non
         else:
             torch.manual_seed(0)
             stack.enter_context(device)
-        built = _call_entry(fn, job.spec, job.quant)
+        built = call_entry(fn, job.spec, job.quant)
     if mode == "empty":
         with torch.no_grad():
             built.module.to_empty(device=device)
@@ -327,8 +327,8 @@ def literal_values(job: Job, fn: Callable[[dict[str, Any]], Any] | None = None) 
     """Real CPU values of the entry's literals, by FQN, with the weights kept on meta (seed 0)."""
     fn = fn or load_entry(job.entry, job.root)
     torch.manual_seed(0)
-    with default_dtype(job.dtype), torch.no_grad(), _weights_on_meta(), torch.device("cpu"):
-        built = _call_entry(fn, job.spec, job.quant)
+    with default_dtype(job.dtype), torch.no_grad(), weights_on_meta(), torch.device("cpu"):
+        built = call_entry(fn, job.spec, job.quant)
     return {
         fqn: t.detach().clone() for fqn, t in literal_attributes(built.module).items() if not is_hidden(t)
     }
