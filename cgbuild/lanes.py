@@ -75,7 +75,7 @@ class Needs:
         if self.device is not None and self.device != device:
             return f"needs a {self.device} device"
         if self.min_sm is not None:
-            m = _SM.match(sm)
+            m = _SM.fullmatch(sm)
             if m is None or int(m.group(1)) < self.min_sm:
                 return f"needs sm_{self.min_sm} or newer"
         if self.triton and not triton:
@@ -145,6 +145,8 @@ def parse_lane_table(source: str, file: str) -> LaneTable | None:
         tree = ast.parse(source, filename=file)
     except SyntaxError as e:
         raise LaneTableError(f"cannot parse the entry: {e.msg}", file=file, line=e.lineno) from None
+    except (ValueError, RecursionError, MemoryError) as e:  # a NUL byte; nesting too deep
+        raise LaneTableError(f"cannot parse the entry: {type(e).__name__}", file=file) from None
     node: ast.expr | None = None
     line = 0
     for stmt in tree.body:
@@ -161,19 +163,19 @@ def parse_lane_table(source: str, file: str) -> LaneTable | None:
 
     try:
         raw = ast.literal_eval(node)
-    except ValueError:
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):  # e.g. {[1]: 2}
         raise fail(f"{TABLE_NAME} must be a literal (cgbuild reads it without importing the entry)") from None
     if not isinstance(raw, dict) or not raw:
         raise fail(f"{TABLE_NAME} must be a non-empty dict: axis -> value -> needs")
     axes: dict[str, dict[str, Needs]] = {}
     for axis, values in raw.items():
-        if not isinstance(axis, str) or not _NAME.match(axis):
+        if not isinstance(axis, str) or not _NAME.fullmatch(axis):
             raise fail(f"bad axis name {axis!r}: names use [a-z0-9._-]")
         if not isinstance(values, dict) or not values:
             raise fail(f"{TABLE_NAME}[{axis!r}] must be a non-empty dict: value -> needs")
         axes[axis] = {}
         for value, needs in values.items():
-            if not isinstance(value, str) or not _NAME.match(value):
+            if not isinstance(value, str) or not _NAME.fullmatch(value):
                 raise fail(f"{TABLE_NAME}[{axis!r}]: bad value name {value!r}: names use [a-z0-9._-]")
             axes[axis][value] = _needs(needs, f"{TABLE_NAME}[{axis!r}][{value!r}]", fail)
     return LaneTable(file, line, axes)
@@ -184,7 +186,11 @@ def read_lane_table(root: Path, entry: str) -> LaneTable | None:
     path = entry_source(root, entry)
     if path is None:
         return None
-    return parse_lane_table(path.read_text(encoding="utf-8"), str(path))
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise LaneTableError(f"cannot read the entry: {e}", file=str(path)) from None
+    return parse_lane_table(source, str(path))
 
 
 # ---- what a target's program carries, and what its mint benchmarks --------------------------------

@@ -185,7 +185,7 @@ _VERSION = re.compile(r"^(\d+)\.(\d+)")
 
 def sm_number(sm: str) -> int | None:
     """`sm_90` → 90, `sm_90a` → 90, `cpu` → None."""
-    m = _SM.match(sm)
+    m = _SM.fullmatch(sm)
     return int(m.group(1)) if m else None
 
 
