@@ -133,6 +133,8 @@ def parse_lane_table(source: str, file: str) -> LaneTable | None:
         tree = ast.parse(source, filename=file)
     except SyntaxError as e:
         raise UserError(f"cannot parse the entry: {e.msg}", file=file, line=e.lineno) from None
+    except (ValueError, RecursionError, MemoryError) as e:  # a NUL byte; nesting too deep
+        raise UserError(f"cannot parse the entry: {type(e).__name__}", file=file) from None
     node: ast.expr | None = None
     line = 0
     for stmt in tree.body:
@@ -149,19 +151,19 @@ def parse_lane_table(source: str, file: str) -> LaneTable | None:
 
     try:
         raw = ast.literal_eval(node)
-    except ValueError:
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):  # e.g. {[1]: 2}
         raise fail(f"{TABLE_NAME} must be a literal (cgbuild reads it without importing the entry)") from None
     if not isinstance(raw, dict) or not raw:
         raise fail(f"{TABLE_NAME} must be a non-empty dict: axis -> value -> needs")
     axes: dict[str, dict[str, Needs]] = {}
     for axis, values in raw.items():
-        if not isinstance(axis, str) or not _NAME.match(axis):
+        if not isinstance(axis, str) or not _NAME.fullmatch(axis):
             raise fail(f"bad axis name {axis!r}: names use [a-z0-9._-]")
         if not isinstance(values, dict) or not values:
             raise fail(f"{TABLE_NAME}[{axis!r}] must be a non-empty dict: value -> needs")
         axes[axis] = {}
         for value, needs in values.items():
-            if not isinstance(value, str) or not _NAME.match(value):
+            if not isinstance(value, str) or not _NAME.fullmatch(value):
                 raise fail(f"{TABLE_NAME}[{axis!r}]: bad value name {value!r}: names use [a-z0-9._-]")
             axes[axis][value] = _needs(needs, f"{TABLE_NAME}[{axis!r}][{value!r}]", fail)
     return LaneTable(file, line, axes)
@@ -172,7 +174,11 @@ def read_lane_table(root: Path, entry: str) -> LaneTable | None:
     path = entry_source(root, entry)
     if path is None:
         return None
-    return parse_lane_table(path.read_text(encoding="utf-8"), str(path))
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read the entry: {e}", file=str(path)) from None
+    return parse_lane_table(source, str(path))
 
 
 # ---- what a target's program carries, and what its mint benchmarks --------------------------------

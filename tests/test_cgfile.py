@@ -215,3 +215,122 @@ def test_schema_accepts_examples() -> None:
             },
             schema,
         )
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "line", "field", "message"),
+    [
+        ("memory_gib = 24", "memory_gib = inf", 6, "sku.cpu.memory_gib", "not a finite number"),
+        ("memory_gib = 24", "memory_gib = nan", 6, "sku.cpu.memory_gib", "not a finite number"),
+        ("memory_gib = 24", "memory_gib = 1e300", 6, "sku.cpu.memory_gib", "out of range"),
+        ("memory_gib = 24", "memory_gib = 1e-300", 6, "sku.cpu.memory_gib", "less than a byte"),
+        ('sm = "sm_90"', 'sm = "sm_90\\n"', 9, "sku.h200.sm", "bad sm"),
+        ('sm = "cpu"', 'sm = "cpu "', 5, "sku.cpu.sm", "bad sm"),
+        ("[sku.h200]", '[sku."h200\\n"]', 8, "sku.h200\n", "bad name"),
+        ("[family.toy]", '[family."to y"]', 15, "family.to y", "bad name"),
+        ('entry = "toy_models:build"', 'entry = "toy_models:build\\n"', 16, "family.toy.entry", "bad entry"),
+        ('entry = "toy_models:build"', 'entry = "toy..models:build"', 16, "family.toy.entry", "bad entry"),
+        (
+            'shapes = ["8x64", "16x64"]',
+            'shapes = ["8x64\\n"]',
+            23,
+            "family.toy.module.mlp.shapes",
+            "bad shape",
+        ),
+        ('shapes = ["8x64", "16x64"]', 'shapes = ["8x9999999"]', 23, "family.toy.module.mlp.shapes", "range"),
+        (
+            "batch_sizes = [1, 2]",
+            "batch_sizes = [1, 99999999999]",
+            24,
+            "family.toy.module.mlp.batch_sizes",
+            "range",
+        ),
+        ("guidance = [3.5, 4]", "guidance = [3.5, inf]", 25, "family.toy.module.mlp.guidance", "finite"),
+        ("guidance = [3.5, 4]", "guidance = [nan]", 25, "family.toy.module.mlp.guidance", "finite"),
+        ("sku.cpu]", "sku]\ncpu = 5\n[sku.x]", 5, "sku.cpu", "expected a table"),
+        ('state = ".state"', 'state = "a\\u0000b"', 2, "workspace.state", "control character"),
+        ('state = ".state"', 'state = ""', 2, "workspace.state", "empty path"),
+        ('state = ".state"', f'state = "{"a" * 300}"', 2, "workspace.state", "too long"),
+        ('state = ".state"', f'store = "{"a/" * 2100}"', 2, "workspace.store", "too long"),
+        ('state = ".state"', 'state = "Cgfile"', 2, "workspace.state", "is not a folder"),
+        ('state = ".state"', 'state = "Cgfile/below"', 2, "workspace.state", "which is not a folder"),
+        ('state = ".state"', 'store = "/dev/null"', 2, "workspace.store", "is not a folder"),
+        ('sources = ["*.py"]', 'sources = ["**a.py"]', 17, "family.toy.sources", "whole path component"),
+        ('sources = ["*.py"]', 'sources = ["/etc/*"]', 17, "family.toy.sources", "relative"),
+        ('sources = ["*.py"]', 'sources = ["../*.py"]', 17, "family.toy.sources", "outside the workspace"),
+        ('sources = ["*.py"]', 'sources = [""]', 17, "family.toy.sources", "empty glob"),
+        ('sources = ["*.py"]', 'sources = ["./"]', 17, "family.toy.sources", "names no file"),
+        (
+            "config = { hidden = 8 }",
+            "config = { at = 1979-05-27T07:32:00Z }",
+            20,
+            "family.toy.config.at",
+            "datetime",
+        ),
+        ("config = { hidden = 8 }", "config = { at = 07:32:00 }", 20, "family.toy.config.at", "time"),
+        ("config = { hidden = 8 }", "config = { r = inf }", 20, "family.toy.config.r", "finite"),
+        (
+            "config = { hidden = 8 }",
+            f"config = {{ d = {'[' * 40}{']' * 40} }}",
+            20,
+            "family.toy.config.d",
+            "deeper",
+        ),
+        (
+            "batch_sizes = [1, 2]",
+            'component = "../x"',
+            24,
+            "family.toy.module.mlp.component",
+            "bad component",
+        ),
+        (
+            "[sku.cpu]",
+            '[toolchain]\ncxx = "g++\\u0007"\n[sku.cpu]',
+            5,
+            "toolchain.cxx",
+            "control",
+        ),
+    ],
+)
+def test_hostile_values_name_file_line_field(
+    tmp_path: Path, old: str, new: str, line: int, field: str, message: str
+) -> None:
+    assert old in GOOD
+    err = error_of(tmp_path, GOOD.replace(old, new, 1))
+    assert (err.line, err.field) == (line, field), str(err)
+    assert message in err.message, str(err)
+
+
+def test_a_table_of_the_wrong_type(tmp_path: Path) -> None:
+    err = error_of(tmp_path, 'sku = 5\n[family.a]\nentry = "m:f"\n')
+    assert (err.line, err.field) == (1, "sku") and "expected a table, got integer" in err.message
+
+
+def test_invalid_utf8_names_its_line(tmp_path: Path) -> None:
+    (tmp_path / "Cgfile").write_bytes(b'[family.a]\nentry="m:f"\n\xff\n')
+    with pytest.raises(UserError) as info:
+        cgfile.load(tmp_path / "Cgfile")
+    assert info.value.line == 3 and "not UTF-8" in info.value.message
+
+
+def test_deep_nesting_is_refused_not_a_recursion_error(tmp_path: Path) -> None:
+    err = error_of(tmp_path, "x = " + "[" * 5000 + "]" * 5000 + "\n" + GOOD)
+    assert "nested too deeply" in err.message
+
+
+def test_cgfile_path_that_is_a_folder_or_holds_nul(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="cannot read Cgfile"):
+        cgfile.load(tmp_path)
+    with pytest.raises(UserError, match="cannot read Cgfile"):
+        cgfile.load(str(tmp_path / "Cg\x00file"))
+
+
+def test_keylines_count_only_newlines() -> None:
+    """U+2028 and form feeds may sit in a comment or string; they do not start a TOML line."""
+    kl = KeyLines('a = 1 # one\u2028two\fthree\nb = "x\u2028y"\nc = 3\n')
+    assert (kl.line("b"), kl.line("c")) == (2, 3)
+
+
+def test_error_text_escapes_control_characters(tmp_path: Path) -> None:
+    err = error_of(tmp_path, GOOD.replace('sm = "cpu"', 'sm = "\\u001b[2Jcpu"', 1))
+    assert "\x1b" not in str(err) and "\\x1b[2Jcpu" in str(err)

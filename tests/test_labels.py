@@ -57,7 +57,24 @@ def test_sku_selector_means_targets_serving_that_sku(klein: cgfile.Cgfile) -> No
     assert all(label.endswith(":sm_120") for label in labels(klein, ":rtx5090"))
 
 
-@pytest.mark.parametrize("bad", ["flux2-klein", "//Flux", "//a/b/c/d", "@", "//x@y:z:w", ""])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "flux2-klein",
+        "//Flux",
+        "//a/b/c/d",
+        "@",
+        "//x@y:z:w",
+        "",
+        # whitespace and control characters are never part of a label, not even a final newline
+        "//flux2-klein\n",
+        " //flux2-klein",
+        "//flux2 klein",
+        ":cpu\n",
+        "@bf16\t",
+        "//a/b/c@d:cpu\x00",
+    ],
+)
 def test_bad_selectors(bad: str) -> None:
     with pytest.raises(UserError):
         parse_selector(bad)

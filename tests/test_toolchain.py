@@ -513,6 +513,12 @@ def _edit_fold(doc: dict) -> None:
         (_float_version, "platforms.cpu.components.torch"),
         (_edit_fold, "platforms.cpu.fold"),
         (lambda d: d["platforms"].update(cpu=[]), "platforms.cpu"),
+        (lambda d: b'{"schema": "\xff"}', "$"),
+        (lambda d: b"[" * 100_000 + b"]" * 100_000, "$"),
+        (lambda d: d["platforms"]["cpu"]["components"].update(deep=json.loads("[" * 80 + "]" * 80)), "$"),
+        (lambda d: b'{"schema": NaN}', "$"),
+        (lambda d: d["platforms"]["cpu"]["components"].update(triton=[]), "platforms.cpu.components.triton"),
+        (lambda d: d["platforms"]["cpu"].update(components=[]), "platforms.cpu.components"),
     ],
 )
 def test_malformed_lock_names_file_and_field(tmp_path: Path, gxx: Path, edit, field: str) -> None:

@@ -1,7 +1,8 @@
 """`cgbuild` command line: parse, dispatch, and turn bad input into one line and exit code 2.
 
 Exit codes: 0 success; 1 `diff --exit-code` found work, or a mint/verify failed; 2 bad input
-(Cgfile, label, lock, plan file); 3 an internal error (a bug: the traceback is printed).
+(Cgfile, label, lock, plan file, a flag); 3 an internal error (a bug: the traceback is printed);
+130 interrupted (Ctrl-C).
 Each command lives in its own `cmd_*` module, imported only when it runs, so `cgbuild plan`
 never pays for what `mint` needs.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 from pathlib import Path
 
 from cgbuild.core.errors import UserError
@@ -39,6 +41,17 @@ def find_cgfile(start: Path) -> Path:
     raise UserError(f"no Cgfile in {start} or any folder above it (use -C DIR or --cgfile PATH)")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a count such as `-j` (a positive integer, at most 4096)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if not 0 < value <= 4096:
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to 4096, got {value}")
+    return value
+
+
 def add_workspace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cgfile", type=Path, help="the Cgfile (default: nearest Cgfile at or above -C/cwd)")
     p.add_argument(
@@ -52,8 +65,17 @@ def workspace(args: argparse.Namespace):  # -> planner.Workspace (import deferre
     from cgbuild.config import cgfile
     from cgbuild.plan.planner import Workspace
 
+    if args.directory is not None and not _is_dir(args.directory):
+        raise UserError(f"not a folder: {args.directory!r}", field="-C")
     path = args.cgfile or find_cgfile(Path(args.directory or ".").resolve())
     return Workspace(cgfile.load(path), toolchain_lock=getattr(args, "toolchain", None))
+
+
+def _is_dir(path: str) -> bool:
+    try:
+        return Path(path).is_dir()
+    except (OSError, ValueError):  # a NUL, a name too long
+        return False
 
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, object]]:
@@ -80,10 +102,13 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, ob
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, modules = build_parser(argv)
-    args = parser.parse_args(argv)
-    module = modules.get(args.command)
-    if module is None:
-        parser.error(f"'{args.command}' is not available in this build")
+    try:
+        args = parser.parse_args(argv)
+        module = modules.get(args.command)
+        if module is None:
+            parser.error(f"'{args.command}' is not available in this build")
+    except SystemExit as exc:  # argparse has printed the usage line: a bad flag is bad input
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return int(module.run(args) or 0)  # type: ignore[attr-defined]
     except UserError as exc:
@@ -94,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception:
+        traceback.print_exc()
+        print("cgbuild: internal error (a bug: please report the traceback above)", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

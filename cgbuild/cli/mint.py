@@ -12,7 +12,7 @@ import argparse
 import time
 from typing import Any
 
-from cgbuild.cli.main import add_workspace_args, workspace
+from cgbuild.cli.main import add_workspace_args, positive_int, workspace
 from cgbuild.cli.render import console, print_json, progress_bar
 from cgbuild.config.labels import parse_selector
 from cgbuild.core.errors import UserError
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-j",
         "--jobs",
-        type=int,
+        type=positive_int,
         help="keys minted at once by the local executor (default: by cores and memory)",
     )
     p.add_argument(
@@ -53,15 +53,16 @@ def run(args: argparse.Namespace) -> int:
                 "--check compares bytes on this machine: run it without --executor", field="--check"
             )
         fleet.connect(executor)  # before planning: an unreachable cluster fails at once
+    selector = parse_selector(args.label or "//...")
+    recorded = mint.recorded_plan_keys(args.plan) if args.plan else {}  # bad input fails before a trace
     ws = workspace(args)
     update, close = progress_bar("tracing")
     try:
-        plan = make_plan(ws, parse_selector(args.label or "//..."), progress=update)
+        plan = make_plan(ws, selector, progress=update)
     finally:
         close()
     refused: list[dict[str, Any]] = []
     if args.plan:
-        recorded = mint.recorded_plan_keys(args.plan)
         for t in plan["targets"]:
             if t["label"] in recorded and t["key"] != recorded[t["label"]]:
                 refused.append(

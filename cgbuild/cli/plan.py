@@ -7,9 +7,10 @@ import sys
 from collections import Counter
 from typing import Any
 
-from cgbuild.cli.main import add_workspace_args, workspace
+from cgbuild.cli.main import add_workspace_args, positive_int, workspace
 from cgbuild.cli.render import STATUS_STYLE, console, print_json, progress_bar
 from cgbuild.config.labels import parse_selector
+from cgbuild.core.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,7 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", metavar="FILE", help="also write the plan JSON to FILE")
     p.add_argument("--all", action="store_true", help="list every target, not only those that need action")
     p.add_argument("--no-trace", action="store_true", help="never trace: unknown graphs stay 'trace'")
-    p.add_argument("-j", "--jobs", type=int, help="trace workers (default: families in parallel, ≤ cores)")
+    p.add_argument(
+        "-j", "--jobs", type=positive_int, help="trace workers (default: families in parallel, ≤ cores)"
+    )
 
 
 def compute(args: argparse.Namespace) -> dict[str, Any]:
@@ -38,8 +41,13 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     plan = compute(args)
     if args.output:
-        with open(args.output, "w") as f:
-            print_json(plan, f)
+        try:
+            with open(args.output, "w") as f:
+                print_json(plan, f)
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in the name
+            raise UserError(
+                f"cannot write the plan: {getattr(exc, 'strerror', None) or exc}", file=args.output
+            ) from None
     if args.json:
         print_json(plan)
         return 0

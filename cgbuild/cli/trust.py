@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from cgbuild.store.trust import SIGNING_KEY_ENV, keygen
 
     name = args.name or socket.gethostname().split(".")[0].lower()
-    if not NAME.match(name):
+    if not NAME.fullmatch(name):
         raise UserError(f"bad publisher name '{name}': names use [a-z0-9._-]", field="--name")
     try:
         line = keygen(args.path, name)

@@ -2,11 +2,16 @@
 
 A declaration either takes effect or is refused: unknown keys, wrong types, bad names, dangling
 SKU/layout references, empty envelopes and lane values the family's entry does not provide all
-stop the run with exit code 2 and one line that says where.
+stop the run with exit code 2 and one line that says where. The file itself is hostile until read:
+invalid UTF-8, nesting too deep to parse, non-finite or absurd numbers, paths that cannot be folders
+and identifiers with whitespace or control characters are refused the same way. Every pattern is
+matched whole (`fullmatch`): `$` would let a final newline through.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
 import tomllib
 from collections.abc import Callable
@@ -20,12 +25,23 @@ from cgbuild.core.publickey import public_key_bytes
 from cgbuild.identity.layout import QUANT_RULES, compute_dtype
 from cgbuild.lanes import Needs, read_lane_table
 
-NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
-SM = re.compile(r"^(cpu|sm_[0-9]{2,3}[a-z]?)$")
-SHAPE = re.compile(r"^([1-9][0-9]*)x([1-9][0-9]*)$")
-ENTRY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
+NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
+SM = re.compile(r"cpu|sm_[0-9]{2,3}[a-z]?")
+SHAPE = re.compile(r"([1-9][0-9]{0,6})x([1-9][0-9]{0,6})")
+ENTRY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+# anchored as well: the store module matches it with `match`
 REMOTE = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/([A-Za-z0-9._/-]*))?$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 GIB = 1 << 30
+MAX_GIB = 1 << 20
+"""A SKU's memory above 1 PiB is a typo, not a device."""
+MAX_DIM = 1 << 20
+"""Bound on every envelope integer (height, width, text length, batch): a typo, not a bucket."""
+MAX_CONFIG_DEPTH = 32
+"""`config` nesting beyond this is refused: it is hashed and handed to the entry as it is."""
+MAX_PATH_BYTES = 4095
+MAX_NAME_BYTES = 255
 
 
 @dataclass(frozen=True)
@@ -107,11 +123,12 @@ class _Reader:
     def fail(self, message: str, *where: str) -> UserError:
         return UserError(message, file=str(self.path), line=self.lines.line(*where), field=".".join(where))
 
-    def table(self, value: Any, where: tuple[str, ...], allowed: set[str]) -> dict[str, Any]:
+    def table(self, value: Any, where: tuple[str, ...], allowed: set[str] | None) -> dict[str, Any]:
+        """`value` checked to be a table whose keys are in `allowed` (None: any key, e.g. names)."""
         if not isinstance(value, dict):
             raise self.fail(f"expected a table, got {_kind(value)}", *where)
         for key in value:
-            if key not in allowed:
+            if allowed is not None and key not in allowed:
                 hint = f" (known: {', '.join(sorted(allowed))})" if allowed else ""
                 raise self.fail(f"unknown key '{key}'{hint}", *where, key)
         return value
@@ -137,11 +154,91 @@ class _Reader:
         return value
 
     def name(self, value: str, *where: str) -> str:
-        if not NAME.match(value):
+        if not NAME.fullmatch(value):
             raise self.fail(
                 f"bad name '{value}': names use [a-z0-9._-] and start with a letter or digit", *where
             )
         return value
+
+    def pathname(self, value: str, *where: str) -> str:
+        """A path string the OS can take: no NUL or control character, not too long."""
+        if not value:
+            raise self.fail("empty path", *where)
+        if _CONTROL.search(value):
+            raise self.fail(f"path {value!r} holds a control character", *where)
+        try:
+            raw = os.fsencode(value)
+        except UnicodeEncodeError:
+            raise self.fail(f"path {value!r} cannot be encoded for this file system", *where) from None
+        if len(raw) > MAX_PATH_BYTES or any(len(part) > MAX_NAME_BYTES for part in raw.split(b"/")):
+            raise self.fail(
+                f"path too long ({len(raw)} bytes; at most {MAX_PATH_BYTES}, {MAX_NAME_BYTES} per name)",
+                *where,
+            )
+        return value
+
+    def folder(self, path: Path, *where: str) -> Path:
+        """`path` is, or can be created as, a folder: it and its nearest existing ancestor are folders."""
+        probe = path
+        while True:
+            try:
+                is_dir = probe.is_dir()
+                exists = is_dir or probe.exists() or probe.is_symlink()
+            except OSError as exc:  # e.g. a symlink loop, or a folder we may not search
+                raise self.fail(f"cannot use '{probe}' as a folder: {exc.strerror}", *where) from None
+            if exists:
+                if not is_dir:
+                    what = (
+                        "is not a folder" if probe == path else f"is under '{probe}', which is not a folder"
+                    )
+                    raise self.fail(f"'{path}' {what}", *where)
+                return path
+            if probe.parent == probe:
+                return path
+            probe = probe.parent
+
+    def finite(self, value: float | int, *where: str) -> float | int:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise self.fail(f"{value!r} is not a finite number", *where)
+        return value
+
+    def positive(self, value: float | int, high: int, *where: str) -> float | int:
+        """A finite number in (0, high]: inf, nan and 1e300 are typos, never values."""
+        if not 0 < self.finite(value, *where) <= high:
+            raise self.fail(f"{value!r} is out of range: must be positive and at most {high}", *where)
+        return value
+
+    def glob(self, pattern: str, *where: str) -> str:
+        """A relative glob inside the workspace that pathlib accepts (`**` only as a whole name)."""
+        if not pattern:
+            raise self.fail("empty glob: it names no file", *where)
+        self.pathname(pattern, *where)
+        parts = pattern.split("/")
+        if pattern.startswith("/") or "\\" in pattern:
+            raise self.fail(f"bad glob '{pattern}': sources are relative to the Cgfile's folder", *where)
+        if ".." in parts:
+            raise self.fail(f"bad glob '{pattern}': '..' would reach outside the workspace", *where)
+        if any("**" in p and p != "**" for p in parts):
+            raise self.fail(f"bad glob '{pattern}': '**' must be a whole path component", *where)
+        if not any(p not in ("", ".") for p in parts):
+            raise self.fail(f"bad glob '{pattern}': names no file", *where)
+        return pattern
+
+
+def _config(r: _Reader, value: Any, where: tuple[str, ...], depth: int = 0) -> Any:
+    """A family's `config`, checked: only TOML's plain values (no dates or times, which have no
+    canonical rendering), finite numbers, bounded nesting."""
+    if depth > MAX_CONFIG_DEPTH:
+        raise r.fail(f"nested deeper than {MAX_CONFIG_DEPTH} levels", *where)
+    if isinstance(value, dict):
+        return {k: _config(r, v, (*where, k), depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_config(r, v, where, depth + 1) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise r.fail(f"{value!r} is not a finite number", *where)
+    if isinstance(value, str | int | float | bool):
+        return value
+    raise r.fail(f"a {type(value).__name__} has no canonical rendering: write it as a string", *where)
 
 
 def _kind(value: Any) -> str:
@@ -182,13 +279,26 @@ def load(path: str | Path) -> Cgfile:
     """Parse and validate a Cgfile; raises UserError naming file, line and field."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise UserError("no such Cgfile", file=str(path)) from None
     except OSError as exc:
         raise UserError(f"cannot read Cgfile: {exc.strerror}", file=str(path)) from None
+    except ValueError as exc:  # a NUL in the path
+        raise UserError(f"cannot read Cgfile: {exc}", file=str(path)) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line_start = raw.rfind(b"\n", 0, exc.start) + 1
+        raise UserError(
+            f"not UTF-8: byte 0x{raw[exc.start]:02x} at column {exc.start - line_start + 1}",
+            file=str(path),
+            line=raw.count(b"\n", 0, exc.start) + 1,
+        ) from None
     try:
         data = tomllib.loads(text)
+    except RecursionError:
+        raise UserError("TOML nested too deeply to read", file=str(path)) from None
     except tomllib.TOMLDecodeError as exc:
         at = re.search(r"\(at line (\d+), column \d+\)", str(exc))
         line = int(at.group(1)) if at else None
@@ -203,30 +313,40 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
     r.table(data, (), TOP_KEYS)
 
     ws = r.table(data.get("workspace", {}), ("workspace",), {"state", "store", "remote", "trusted"})
-    state_dir = root / r.get(ws, ("workspace",), "state", _is_str, "a path string", default=".cgbuild")
+    state = r.get(ws, ("workspace",), "state", _is_str, "a path string", default=".cgbuild")
+    state_dir = r.folder(root / r.pathname(state, "workspace", "state"), "workspace", "state")
     store = r.get(ws, ("workspace",), "store", _is_str, "a path string")
-    store_dir = root / store if store else state_dir / "store"
+    if store is not None:
+        r.pathname(store, "workspace", "store")
+    store_dir = r.folder(
+        root / store if store else state_dir / "store", "workspace", "store" if store else "state"
+    )
     remote, trusted = _shared_store(r, ws)
 
     tc = r.table(data.get("toolchain", {}), ("toolchain",), {"lock", "cxx"})
     lock = r.get(tc, ("toolchain",), "lock", _is_str, "a path string")
+    if lock is not None:
+        r.pathname(lock, "toolchain", "lock")
     cxx = r.get(tc, ("toolchain",), "cxx", _is_str, "a compiler path or name")
+    if cxx is not None:
+        r.pathname(cxx, "toolchain", "cxx")
 
     skus: dict[str, Sku] = {}
-    for name, raw in r.table(data.get("sku", {}), ("sku",), set(data.get("sku", {}))).items():
+    for name, raw in r.table(data.get("sku", {}), ("sku",), None).items():
         where = ("sku", name)
         r.name(name, *where)
         t = r.table(raw, where, {"sm", "memory_gib"})
         sm = r.get(t, where, "sm", _is_str, "a string like 'sm_90' or 'cpu'", required=True)
-        if not SM.match(sm):
+        if not SM.fullmatch(sm):
             raise r.fail(f"bad sm '{sm}': expected 'cpu' or 'sm_<digits>' (e.g. sm_90, sm_120)", *where, "sm")
         gib = r.get(t, where, "memory_gib", _is_num, "a number of GiB", required=True)
-        if gib <= 0:
-            raise r.fail("memory_gib must be positive", *where, "memory_gib")
+        r.positive(gib, MAX_GIB, *where, "memory_gib")
+        if int(gib * GIB) < 1:
+            raise r.fail(f"{gib!r} GiB is less than a byte", *where, "memory_gib")
         skus[name] = Sku(name, sm, int(gib * GIB))
 
     layouts: dict[str, Layout] = {}
-    for name, raw in r.table(data.get("layout", {}), ("layout",), set(data.get("layout", {}))).items():
+    for name, raw in r.table(data.get("layout", {}), ("layout",), None).items():
         where = ("layout", name)
         r.name(name, *where)
         t = r.table(raw, where, {"quant", "reference", "dtype"})
@@ -236,6 +356,8 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
                 f"unknown quant rule '{quant}' (known: {', '.join(sorted(QUANT_RULES))})", *where, "quant"
             )
         ref = r.get(t, where, "reference", _is_str, "a path to a safetensors checkpoint (file or folder)")
+        if ref is not None:
+            r.pathname(ref, *where, "reference")
         declared = r.get(t, where, "dtype", _is_str, "a compute dtype ('float32', 'bfloat16', 'float16')")
         try:
             dtype = compute_dtype(QUANT_RULES[quant], declared)
@@ -244,7 +366,7 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
         layouts[name] = Layout(name, quant, root / ref if ref else None, dtype)
 
     families: dict[str, Family] = {}
-    for name, raw in r.table(data.get("family", {}), ("family",), set(data.get("family", {}))).items():
+    for name, raw in r.table(data.get("family", {}), ("family",), None).items():
         families[name] = _family(r, name, raw, skus, layouts)
     if not families:
         raise r.fail("no [family.*] declared: nothing to build", "family")
@@ -275,7 +397,7 @@ def _shared_store(r: _Reader, ws: dict[str, Any]) -> tuple[str | None, dict[str,
     remote = r.get(ws, where, "remote", _is_str, "an 's3://bucket/prefix' string")
     if remote is not None:
         remote = remote.rstrip("/")
-        if not REMOTE.match(remote):
+        if not REMOTE.fullmatch(remote):
             raise r.fail(
                 f"bad remote '{remote}': expected 's3://bucket/prefix' (bucket: 3-63 of [a-z0-9.-]; "
                 "prefix: [A-Za-z0-9._/-])",
@@ -320,10 +442,13 @@ def _family(r: _Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict
     r.name(name, *where)
     t = r.table(raw, where, FAMILY_KEYS)
     entry = r.get(t, where, "entry", _is_str, "'module:function'", required=True)
-    if not ENTRY.match(entry):
+    if not ENTRY.fullmatch(entry):
         raise r.fail(f"bad entry '{entry}': expected 'package.module:function'", *where, "entry")
     config = r.get(t, where, "config", lambda v: isinstance(v, dict), "a table", default={})
+    config = _config(r, config, (*where, "config"))
     sources = r.get(t, where, "sources", _is_str_list, "an array of glob strings", default=[])
+    for pattern in sources:
+        r.glob(pattern, *where, "sources")
     fam_skus = r.get(t, where, "skus", _is_str_list, "an array of SKU names", required=True)
     fam_layouts = r.get(t, where, "layouts", _is_str_list, "an array of layout names", required=True)
     for key, values, known in (("skus", fam_skus, skus), ("layouts", fam_layouts, layouts)):
@@ -338,7 +463,7 @@ def _family(r: _Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict
                 raise r.fail(
                     f"unknown {kind} '{v}' (declared: {', '.join(sorted(known)) or 'none'})", *where, key
                 )
-    modules_raw = r.table(t.get("module", {}), (*where, "module"), set(t.get("module", {})))
+    modules_raw = r.table(t.get("module", {}), (*where, "module"), None)
     if not modules_raw:
         raise r.fail("no [family.<name>.module.*] declared", *where, "module")
     modules = {m: _module(r, (*where, "module", m), m, spec) for m, spec in modules_raw.items()}
@@ -358,7 +483,7 @@ def _lanes(
     target of the family can build at least one implementation of it.
     """
     here = (*where, "lanes")
-    declared = r.table(raw, here, set(raw) if isinstance(raw, dict) else set())
+    declared = r.table(raw, here, None)
     if not declared:
         raise r.fail('empty lanes table: declare at least one axis, e.g. linear = ["baseline", ...]', *here)
     root = r.path.resolve().parent
@@ -418,10 +543,16 @@ def _module(r: _Reader, where: tuple[str, ...], name: str, raw: Any) -> Module:
     component = r.get(
         t, where, "component", _is_str, "a checkpoint component name", default=name.split(".")[0]
     )
+    if not COMPONENT.fullmatch(component):
+        raise r.fail(
+            f"bad component '{component}': a checkpoint folder name of [A-Za-z0-9._-], not starting with '.'",
+            *where,
+            "component",
+        )
     shapes_raw = r.get(t, where, "shapes", _is_str_list, "an array of 'HxW' strings", required=True)
     shapes: list[tuple[int, int]] = []
     for s in shapes_raw:
-        m = SHAPE.match(s)
+        m = SHAPE.fullmatch(s)
         if not m:
             raise r.fail(
                 f"bad shape '{s}': expected 'HxW' with positive integers, e.g. '1024x768'", *where, "shapes"
@@ -436,8 +567,12 @@ def _module(r: _Reader, where: tuple[str, ...], name: str, raw: Any) -> Module:
         if values is not None and len(set(values)) != len(values):
             raise r.fail(f"duplicate value in '{key}'", *where, key)
     for key, values in (("text_lengths", texts or []), ("batch_sizes", batches)):
-        if any(v <= 0 for v in values):
-            raise r.fail(f"'{key}' values must be positive", *where, key)
+        for v in values:
+            r.positive(v, MAX_DIM, *where, key)
+    for h, w in shapes:
+        r.positive(max(h, w), MAX_DIM, *where, "shapes")
+    for g in guidance:
+        r.finite(g, *where, "guidance")
     return Module(
         name,
         component,

@@ -14,8 +14,8 @@ from cgbuild.core.errors import UserError
 
 _PART = r"[a-z0-9][a-z0-9._-]*"
 _SELECTOR = re.compile(
-    rf"^(?://(?P<path>\.\.\.|{_PART}(?:/{_PART}){{0,2}}(?:/\.\.\.)?))?"
-    rf"(?:@(?P<layout>{_PART}))?(?::(?P<sm>{_PART}))?$"
+    rf"(?://(?P<path>\.\.\.|{_PART}(?:/{_PART}){{0,2}}(?:/\.\.\.)?))?"
+    rf"(?:@(?P<layout>{_PART}))?(?::(?P<sm>{_PART}))?"
 )
 
 
@@ -53,9 +53,12 @@ class Selector:
 
 
 def parse_selector(text: str) -> Selector:
-    """Parse a label or selector; raises UserError (exit 2) with the grammar on failure."""
-    m = _SELECTOR.match(text.strip())
-    if not m or text.strip() in ("", "//"):
+    """Parse a label or selector; raises UserError (exit 2) with the grammar on failure.
+
+    The whole text must match: no surrounding whitespace, no final newline (`$` would allow one).
+    """
+    m = _SELECTOR.fullmatch(text)
+    if not m or text in ("", "//"):
         raise UserError(
             f"bad label '{text}': expected //family[/module[/graph-class]][@layout][:sm-or-sku], "
             "'//...', '@layout' or ':sm' (names use [a-z0-9._-])",
@@ -63,7 +66,7 @@ def parse_selector(text: str) -> Selector:
         )
     path_text = m.group("path") or "..."
     path = tuple(p for p in path_text.split("/") if p != "...")
-    return Selector(text.strip(), path, m.group("layout"), m.group("sm"))
+    return Selector(text, path, m.group("layout"), m.group("sm"))
 
 
 def parse_label(text: str) -> TargetId:

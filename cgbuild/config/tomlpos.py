@@ -4,12 +4,15 @@ tomllib reports positions only for syntax errors; a semantic error ("unknown SKU
 still name its line. This scanner reads the same text and maps every dotted key path to the line
 that defines it: table headers, array-of-table headers, `key = value` lines (dotted and quoted keys
 included) and the keys of inline tables on one line. Anything it cannot place falls back to the
-nearest enclosing path, so a lookup always answers with the best line known.
+nearest enclosing path, so a lookup always answers with the best line known. Lines are split on
+"\n" only, as TOML does: `str.splitlines` would also split on U+2028 and form feeds, which a
+comment or string may hold, and every later line number would drift.
 """
 
 from __future__ import annotations
 
 import re
+import tomllib
 
 _BARE = r"[A-Za-z0-9_-]+"
 _QUOTED = r'"(?:[^"\\]|\\.)*"|\'[^\']*\''
@@ -20,9 +23,20 @@ _ASSIGN = re.compile(rf"^\s*({_DOTTED})\s*=")
 _INLINE_KEY = re.compile(rf"[{{,]\s*({_DOTTED})\s*=")
 
 
+def _key(part: str) -> str:
+    """One key part as TOML reads it: a basic-string key's escapes (`"a\\n"`) decoded by tomllib."""
+    if part[:1] == "'":
+        return part[1:-1]
+    if part[:1] == '"':
+        try:
+            return next(iter(tomllib.loads(f"{part} = 0")))
+        except tomllib.TOMLDecodeError:
+            return part[1:-1]
+    return part
+
+
 def _split(dotted: str) -> tuple[str, ...]:
-    parts = re.findall(_KEYPART, dotted)
-    return tuple(p[1:-1] if p[:1] in "\"'" else p for p in parts)
+    return tuple(_key(p) for p in re.findall(_KEYPART, dotted))
 
 
 class KeyLines:
@@ -33,7 +47,7 @@ class KeyLines:
         table: tuple[str, ...] = ()
         counters: dict[tuple[str, ...], int] = {}
         in_multiline = False
-        for number, raw in enumerate(text.splitlines(), start=1):
+        for number, raw in enumerate(text.split("\n"), start=1):
             line = raw
             if in_multiline:
                 if line.count('"""') % 2 == 1 or line.count("'''") % 2 == 1:

@@ -6,6 +6,21 @@ user wrote should ever surface as a traceback.
 
 from __future__ import annotations
 
+import re
+
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _escape(m: re.Match[str]) -> str:
+    code = ord(m.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str) -> str:
+    """`text` with control characters and lone surrogates escaped: what a hostile file holds must
+    not move the terminal's cursor or hide part of the message."""
+    return _UNPRINTABLE.sub(_escape, text)
+
 
 class UserError(Exception):
     """Bad input: a Cgfile, a label, a lock, a plan file. Exit code 2."""
@@ -26,4 +41,5 @@ class UserError(Exception):
         if self.file:
             where = self.file if self.line is None else f"{self.file}:{self.line}"
         parts = [p for p in (where, self.field and f"field '{self.field}'") if p]
-        return f"{': '.join(parts)}: {self.message}" if parts else self.message
+        text = f"{': '.join(parts)}: {self.message}" if parts else self.message
+        return printable(text)

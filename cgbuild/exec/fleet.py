@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import socket
 import threading
 import time
@@ -55,6 +56,10 @@ class Executor:
     address: str | None = None
 
 
+_HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]")
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
 def parse_executor(value: str) -> Executor:
     """`local`, `ray` or `ray://HOST:PORT` (the head's GCS address, as `ray start --head` prints)."""
     if value == "local":
@@ -64,7 +69,7 @@ def parse_executor(value: str) -> Executor:
     if value.startswith("ray://"):
         address = value.removeprefix("ray://")
         host, sep, port = address.rpartition(":")
-        if host and sep and port.isdigit():
+        if _HOST.fullmatch(host) and sep and _PORT.fullmatch(port) and 0 < int(port) < 65536:
             return Executor("ray", address)
     raise UserError(f"unknown executor {value!r}: use local, ray or ray://HOST:PORT", field="--executor")
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cgbuild.core import fs
+from cgbuild.core import fs, jsonfile
 from cgbuild.core.canon import NotCanonical, canonical_json, digest
 from cgbuild.core.errors import UserError
 from cgbuild.identity import compiler, policy
@@ -67,8 +67,8 @@ class ToolchainError(UserError):
     """A toolchain input is unusable (a lock, the compiler, a RECORD): names the file, or
     "<environment>", and the field at fault. A `UserError`, so the CLI prints one line."""
 
-    def __init__(self, path: str, field: str, message: str) -> None:
-        super().__init__(message, file=path, field=field)
+    def __init__(self, path: str, field: str, message: str, line: int | None = None) -> None:
+        super().__init__(message, file=path, field=field, line=line)
         self.path = path
 
 
@@ -429,14 +429,9 @@ def read_lock(path: str) -> dict:
     folds are always recomputed, so the returned document carries trustworthy ones.
     """
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ToolchainError(path, "$", f"cannot read: {exc.strerror}") from None
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        raise ToolchainError(path, "$", f"not JSON: {exc}") from None
+        doc = jsonfile.load(path, "lock")
+    except UserError as exc:
+        raise ToolchainError(path, "$", exc.message, exc.line) from None
 
     def fail(field: str, message: str) -> ToolchainError:
         return ToolchainError(path, field, message)
@@ -463,12 +458,7 @@ def read_lock(path: str) -> dict:
         if extra := sorted(set(block) - {"fold", "components"}):
             raise fail(f"{where}.{extra[0]}", "unknown field")
         components = block.get("components")
-        if not isinstance(components, dict) or not components:
-            raise fail(f"{where}.components", "must be a non-empty object")
-        if "torch" not in components:
-            raise fail(f"{where}.components.torch", "missing: every toolchain names its torch")
-        for cname, comp in components.items():
-            _check_component(fail, f"{where}.components.{cname}", cname, comp)
+        check_components(fail, f"{where}.components", components)
         computed = fold(components)
         if "fold" in block and block["fold"] != computed:
             raise fail(f"{where}.fold", "does not match the components (edited by hand?); re-lock")
@@ -476,7 +466,17 @@ def read_lock(path: str) -> dict:
     return {"schema": LOCK_SCHEMA, "platforms": out}
 
 
-def _check_component(fail: Callable[[str, str], ToolchainError], field: str, name: str, comp: Any) -> None:
+def check_components(fail: Callable[[str, str], UserError], where: str, components: Any) -> None:
+    """A platform's components as a lock or a plan holds them; `fail(field, message)` words errors."""
+    if not isinstance(components, dict) or not components:
+        raise fail(where, "must be a non-empty object")
+    if "torch" not in components:
+        raise fail(f"{where}.torch", "missing: every toolchain names its torch")
+    for cname, comp in components.items():
+        _check_component(fail, f"{where}.{cname}", cname, comp)
+
+
+def _check_component(fail: Callable[[str, str], UserError], field: str, name: str, comp: Any) -> None:
     if not isinstance(comp, dict) or not comp:
         raise fail(field, "a component is a non-empty object")
     try:
@@ -545,8 +545,10 @@ def summary(name: str, comp: Any) -> str:
         return f"{comp['family']} {comp.get('version', '?')}"
     if name == "isa" and "level" in comp:
         return str(comp["level"])
-    if name == "ptxas" and "bundled" in comp:
-        versions = sorted({str(b.get("version")) for b in comp["bundled"].values()})
+    if name == "ptxas" and isinstance(comp.get("bundled"), dict):
+        versions = sorted(
+            {str(b.get("version") if isinstance(b, dict) else b) for b in comp["bundled"].values()}
+        )
         text = ", ".join(versions) or "none bundled"
         return text + (" + override" if comp.get("override") else "")
     if "version" in comp:

@@ -7,11 +7,13 @@ moved is already a certain re-mint. A head key that some base target already had
 
 from __future__ import annotations
 
-import json
+import re
 from collections import defaultdict
 from typing import Any
 
-from cgbuild.core.errors import UserError
+from cgbuild.config.labels import parse_label
+from cgbuild.core import jsonfile
+from cgbuild.core.errors import UserError, printable
 from cgbuild.core.platform import device_of
 from cgbuild.identity import toolchain
 from cgbuild.identity.keys import AXES, IDENTITY_FIELDS
@@ -19,20 +21,62 @@ from cgbuild.identity.keys import AXES, IDENTITY_FIELDS
 
 def load_plan(path: str) -> dict[str, Any]:
     """Read a plan JSON file (from `plan --json` or `-o`); bad input is a UserError naming the file."""
-    try:
-        with open(path) as f:
-            return check_plan(json.load(f), path)
-    except FileNotFoundError:
-        raise UserError("no such plan file", file=path) from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"not JSON: {exc.msg}", file=path, line=exc.lineno) from None
+    return check_plan(jsonfile.load(path, "plan file"), path)
+
+
+_KEY = re.compile(r"[0-9a-f]{64}")
 
 
 def check_plan(plan: Any, name: str) -> dict[str, Any]:
+    """The fields diff and mint read, checked: a plan from elsewhere is hostile until it passes.
+
+    Fields a reader does not use are left alone, so a newer plan with more fields still diffs.
+    """
+
+    def fail(field: str, message: str) -> UserError:
+        return UserError(message, file=name, field=field)
+
     if not isinstance(plan, dict) or plan.get("schema") != "cgbuild.plan/1":
-        raise UserError("not a cgbuild plan (expected schema 'cgbuild.plan/1')", file=name, field="schema")
+        raise fail("schema", "not a cgbuild plan (expected schema 'cgbuild.plan/1')")
     if not isinstance(plan.get("targets"), list):
-        raise UserError("plan has no 'targets' array", file=name, field="targets")
+        raise fail("targets", "plan has no 'targets' array")
+    seen: set[str] = set()
+    for i, t in enumerate(plan["targets"]):
+        where = f"targets[{i}]"
+        if not isinstance(t, dict):
+            raise fail(where, "a target is an object")
+        label = t.get("label")
+        if not isinstance(label, str):
+            raise fail(f"{where}.label", "missing or not a string")
+        try:
+            tid = parse_label(label)
+        except UserError as exc:
+            raise fail(f"{where}.label", exc.message) from None
+        if label in seen:
+            raise fail(f"{where}.label", f"duplicate target '{label}'")
+        seen.add(label)
+        for field, value in (("family", tid.family), ("sm", tid.sm)):
+            if t.get(field) != value:
+                raise fail(f"{where}.{field}", f"expected '{value}' (from the label), got {t.get(field)!r}")
+        key = t.get("key")
+        if key is not None and not (isinstance(key, str) and _KEY.fullmatch(key)):
+            raise fail(f"{where}.key", "expected null or a key (64 hex digits)")
+        if not isinstance(t.get("status", ""), str):
+            raise fail(f"{where}.status", "expected a string")
+        axes = t.get("axes")
+        if axes is not None and not isinstance(axes, dict):
+            raise fail(f"{where}.axes", "expected an object or null")
+        for axis, block in (axes or {}).items():
+            if block is not None and not isinstance(block, dict):
+                raise fail(f"{where}.axes.{axis}", "expected an object or null")
+    toolchains = plan.get("toolchains", {})
+    if not isinstance(toolchains, dict):
+        raise fail("toolchains", "expected an object of platform → toolchain")
+    for platform, block in toolchains.items():
+        if not isinstance(block, dict):
+            raise fail(f"toolchains.{platform}", "expected an object with 'components'")
+        if "components" in block:
+            toolchain.check_components(fail, f"toolchains.{platform}.components", block["components"])
     return plan
 
 
@@ -149,6 +193,8 @@ def _toolchain_detail(changes: list[tuple[str, str, str]]) -> str:
 
 
 def render(d: dict[str, Any], fmt: str) -> str:
+    """The diff as text or markdown; every string from the plans is printed with control
+    characters escaped (a plan file is hostile input)."""
     lines: list[str] = []
     if fmt == "markdown":
         lines.append(f"### cgbuild plan diff: {d['remint']} re-mint(s)")
@@ -161,14 +207,14 @@ def render(d: dict[str, Any], fmt: str) -> str:
                 lines.append(
                     f"| {e['change']}{' (re-mint)' if e['remint'] else ''} | `{e['label']}` | {e['detail']} |"
                 )
-        return "\n".join(lines) + "\n"
+        return "\n".join(printable(line) for line in lines) + "\n"
     for fam, c in d["families"].items():
         lines.append(f"{fam}: {_family_line(c)}")
     for e in d["entries"]:
         flag = " [re-mint]" if e["remint"] else ""
         lines.append(f"  {e['change']:<8} {e['label']}{flag}: {e['detail']}")
     lines.append(f"{d['remint']} re-mint(s)" if d["entries"] else "no target moved")
-    return "\n".join(lines) + "\n"
+    return "\n".join(printable(line) for line in lines) + "\n"
 
 
 def _family_line(c: dict[str, int]) -> str:

@@ -112,7 +112,7 @@ def resolve_toolchains(ws: Workspace, cache_dir: Path) -> tuple[dict[str, Any], 
             lambda: toolchain.probe(cg.cxx, cache_path=str(cache_dir / "toolchain.json")),
         )
     except toolchain.ToolchainError as exc:
-        raise UserError(exc.message, file=exc.path, field=exc.field) from None
+        raise UserError(exc.message, file=exc.path, line=exc.line, field=exc.field) from None
 
 
 def _torch_of(block: dict[str, Any]) -> str | None:

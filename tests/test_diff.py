@@ -1,0 +1,113 @@
+"""Plan files given to `cgbuild diff` and `mint --plan`: hostile until checked; exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cgbuild.cli.main import main
+from cgbuild.core.errors import UserError
+from cgbuild.exec.mint import recorded_plan_keys
+from cgbuild.plan.diff import diff_plans, load_plan, render
+
+LABEL = "//toy/mlp/8x64-b1@fp32:cpu"
+KEY = "ab" * 32
+
+
+def a_plan(**target: Any) -> dict[str, Any]:
+    """The fields a plan's readers use, as `plan --json` writes them."""
+    t = {"label": LABEL, "family": "toy", "sm": "cpu", "key": KEY, "status": "mint", "axes": {}}
+    return {
+        "schema": "cgbuild.plan/1",
+        "toolchains": {
+            "cpu": {"fold": "f", "components": {"torch": {"dist": "torch", "version": "2", "digest": "d"}}}
+        },
+        "targets": [{**t, **target}],
+    }
+
+
+def write(tmp_path: Path, doc: Any, name: str = "plan.json") -> Path:
+    path = tmp_path / name
+    path.write_bytes(doc if isinstance(doc, bytes) else json.dumps(doc).encode())
+    return path
+
+
+def test_a_well_formed_plan_diffs_and_feeds_mint(tmp_path: Path) -> None:
+    path = write(tmp_path, a_plan())
+    plan = load_plan(str(path))
+    assert diff_plans(plan, plan)["entries"] == []
+    assert recorded_plan_keys(str(path)) == {LABEL: KEY}
+
+
+@pytest.mark.parametrize(
+    ("doc", "field", "message"),
+    [
+        ({"schema": "cgbuild.plan/1", "targets": [{}]}, "targets[0].label", "missing"),
+        ({"schema": "cgbuild.plan/1", "targets": [5]}, "targets[0]", "an object"),
+        (a_plan(label=LABEL + "\n"), "targets[0].label", "bad label"),
+        (a_plan(label="//toy/mlp"), "targets[0].label", "selector"),
+        (a_plan(family="other"), "targets[0].family", "from the label"),
+        (a_plan(sm="sm_90"), "targets[0].sm", "from the label"),
+        (a_plan(key="../../etc"), "targets[0].key", "64 hex"),
+        (a_plan(key=7), "targets[0].key", "64 hex"),
+        (a_plan(status=[]), "targets[0].status", "string"),
+        (a_plan(axes=[]), "targets[0].axes", "object"),
+        (a_plan(axes={"graph": 3}), "targets[0].axes.graph", "object"),
+        ({**a_plan(), "toolchains": []}, "toolchains", "object"),
+        (
+            {**a_plan(), "toolchains": {"cpu": {"components": {"torch": {"v": 1.5}}}}},
+            "toolchains.cpu.components.torch",
+            "float",
+        ),
+        ({**a_plan(), "toolchains": {"cpu": {"components": {}}}}, "toolchains.cpu.components", "non-empty"),
+        ({**a_plan(), "targets": a_plan()["targets"] * 2}, "targets[1].label", "duplicate"),
+        ({"schema": "cgbuild.plan/2", "targets": []}, "schema", "not a cgbuild plan"),
+    ],
+)
+def test_malformed_plans_name_the_field(tmp_path: Path, doc: Any, field: str, message: str) -> None:
+    path = write(tmp_path, doc)
+    with pytest.raises(UserError) as info:
+        load_plan(str(path))
+    assert (info.value.file, info.value.field) == (str(path), field), str(info.value)
+    assert message in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("raw", "line", "message"),
+    [
+        (b'{"schema": "cgbuild.plan/1",\n "targets": ["\xff"]}', 2, "not UTF-8"),
+        (b"[" * 100_000 + b"]" * 100_000, None, "nested deeper"),
+        (json.dumps({"a": json.loads("[" * 70 + "]" * 70)}).encode(), None, "nested deeper"),
+        (b'{"schema": "cgbuild.plan/1", "targets": [], "x": Infinity}', None, "Infinity is not JSON"),
+        (b'{"schema": "cgbuild.plan/1",\n "targets": [}', 2, "not JSON"),
+    ],
+)
+def test_unreadable_plans(tmp_path: Path, raw: bytes, line: int | None, message: str) -> None:
+    with pytest.raises(UserError) as info:
+        load_plan(str(write(tmp_path, raw)))
+    assert info.value.line == line and message in info.value.message, str(info.value)
+
+
+def test_cli_diff_and_mint_plan_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = write(tmp_path, a_plan(), "good.json")
+    bad = write(tmp_path, {"schema": "cgbuild.plan/1", "targets": [{}]}, "bad.json")
+    assert main(["diff", str(good), str(bad)]) == 2
+    assert "bad.json: field 'targets[0].label'" in capsys.readouterr().err
+    assert main(["diff", str(good), str(tmp_path)]) == 2  # a folder
+    assert main(["diff", str(good), str(tmp_path / "no\x00such")]) == 2
+    # mint --plan reads the plan before any workspace or trace: no Cgfile is needed to refuse it
+    assert main(["-C", str(tmp_path), "mint", "--plan", str(bad)]) == 2
+    assert "targets[0].label" in capsys.readouterr().err
+
+
+def test_render_escapes_what_a_plan_holds(tmp_path: Path) -> None:
+    base = a_plan()
+    head = a_plan(key="cd" * 32)
+    head["toolchains"]["cpu"]["components"]["torch"]["version"] = "3\x1b[2J"
+    base["targets"][0]["axes"] = {"toolchain": {"fold": "x"}}
+    head["targets"][0]["axes"] = {"toolchain": {"fold": "y"}}
+    text = render(diff_plans(base, head), "text")
+    assert "\x1b" not in text and "\\x1b[2J" in text
