@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cgbuild.store.seal import member_digests, read_metadata
+    from cgbuild.store.seal import SealError, member_digests, read_metadata
 
     record: dict[str, Any] | None = None
     evidence: dict[str, Any] | None = None
@@ -47,11 +47,17 @@ def run(args: argparse.Namespace) -> int:
         record = json.loads(rec.read_text()) if rec.exists() else None
         # with a shared store: every card's runs published beside the artifact, not this host's only
         evidence = (ws.shared(store) or store).read_evidence(key)
-    meta = read_metadata(path)
+    try:
+        meta, members = read_metadata(path), member_digests(path)
+    except SealError as e:  # a crafted or broken archive: what adopt would refuse, named
+        if args.json:
+            print_json({"artifact": str(path), "refusal": {"code": e.code, "detail": e.detail}})
+            return 2
+        raise UserError(f"artifact refused ({e.code}): {e.detail}") from None
     doc = {
         "artifact": str(path),
         "metadata": meta,
-        "members": member_digests(path),
+        "members": members,
         "mint_record": record,
         "lane_evidence": evidence,
     }
