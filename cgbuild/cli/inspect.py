@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     if not path.is_file():
         from cgbuild.config.labels import parse_label, parse_selector
         from cgbuild.plan.planner import make_plan
-        from cgbuild.store.local import Store
+        from cgbuild.store.local import Store, StoreError
 
         ws = workspace(args)
         key = args.what
@@ -40,9 +40,12 @@ def run(args: argparse.Namespace) -> int:
             if not key:
                 raise UserError(f"{tid.label} has no known key (plan it first)", field="label")
         store = Store(ws.cg.store_dir)
-        if store.read_ref(key) is None:
-            raise UserError(f"no artifact for key {key[:12]} in the store (mint it first)", field="what")
-        path = store.resolve(key, verify=True).path
+        try:
+            if store.read_ref(key) is None:
+                raise UserError(f"no artifact for key {key[:12]} in the store (mint it first)", field="what")
+            path = store.resolve(key, verify=True).path
+        except StoreError as e:  # malformed ref, missing or corrupt object: reported, never raised
+            raise UserError(f"{key[:12]}: {e.code}: {e.detail}", field="what") from None
         rec = ws.state / "mint" / f"{key}.json"
         record = json.loads(rec.read_text()) if rec.exists() else None
         # with a shared store: every card's runs published beside the artifact, not this host's only
