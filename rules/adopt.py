@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from cgbuild_rules.lanes import bindings, device_memory_bytes
 from cgbuild_rules.loader import Package, host_runtime
+from cgbuild_rules.sealed import metadata_problem
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -333,7 +334,11 @@ def _arm(
     if LITERALS in files:
         from safetensors.torch import load_file
 
-        art.literals = {k: v.to(device) for k, v in load_file(str(files[LITERALS])).items()}
+        try:
+            art.literals = {k: v.to(device) for k, v in load_file(str(files[LITERALS])).items()}
+        except Exception as e:  # safetensors' own error type: the literals file is not one
+            art.refusal = Refusal("bad-literals", f"{LITERALS}: {type(e).__name__}: {e}")
+            return
     art.lane, switch = choose_lane(art.metadata, device, memory_bytes=memory_bytes, pin=pin)
     art.literals.update(switch)  # bound with the rest below: before the first call, kept by rebind
     if art.lane is not None:
@@ -392,7 +397,9 @@ def load_artifact(
             key, label or key[:12], {}, refusal=Refusal(code, str(e)), seconds=time.perf_counter() - t
         )
     art = Artifact(str(meta.get("key")), label or str(meta.get("key", ""))[:12], meta)
-    if store is not None and art.key != key:
+    if problem := metadata_problem(meta):
+        art.refusal = Refusal("bad-metadata", f"{path}: {problem}")
+    elif store is not None and art.key != key:
         art.refusal = Refusal(
             "key-mismatch", f"store key {key[:12]} holds an artifact that says {art.key[:12]}"
         )
@@ -402,6 +409,10 @@ def load_artifact(
         scratch = Path(tempfile.mkdtemp(prefix="cgbuild-adopt-"))
         try:
             _arm(art, unseal(path, scratch), module, device, memory_bytes, lane)
+        except SealError as e:  # a member, or an entry of the package, that must not be unpacked
+            art.refusal = Refusal(e.code, str(e))
+        except (RuntimeError, OSError) as e:  # constants the package would not take
+            art.refusal = Refusal("load-failed", f"{type(e).__name__}: {e}")
         finally:
             shutil.rmtree(scratch, ignore_errors=True)  # the loader has its own copy by now
     art.seconds = time.perf_counter() - t

@@ -487,3 +487,13 @@ def test_unknown_graph_target_reports_moved_inputs_once(toy: Path) -> None:
     assert "trace-input-moved" in {r["code"] for r in first["reasons"]}
     again = plan(toy, ":h200")["targets"][0]  # nothing moved since: the inputs seen were recorded
     assert "trace-input-moved" not in {r["code"] for r in again["reasons"]}
+
+
+def test_a_malformed_ref_reads_mint_with_its_reason_and_plan_leaves_it(toy: Path) -> None:
+    key = by_label(plan(toy))[MLP8]["key"]
+    store = Store(toy / ".cgbuild" / "store")
+    store.ref_path(key).parent.mkdir(parents=True, exist_ok=True)
+    store.ref_path(key).write_text("[]")
+    target = by_label(plan(toy))[MLP8]
+    assert target["status"] == "mint" and "malformed-ref" in [r["code"] for r in target["reasons"]]
+    assert store.ref_path(key).read_text() == "[]"  # plan reads; writers quarantine

@@ -85,7 +85,7 @@ _RACER = textwrap.dedent(
 
 def test_two_processes_one_key_exactly_one_wins(tmp_path: Path) -> None:
     root, go, n = tmp_path / "s", tmp_path / "go", 40
-    Store(root)
+    root.mkdir()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _RACER, str(root), tag, str(go), str(n)], stdout=subprocess.PIPE, text=True

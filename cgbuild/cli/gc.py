@@ -22,6 +22,7 @@ def run(args: argparse.Namespace) -> int:
         "dry_run": report.dry_run,
         "objects_removed": report.objects_removed,
         "refs_dropped": report.refs_dropped,
+        "refs_quarantined": report.refs_quarantined,
         "bytes_freed": report.bytes_freed,
         "temps_removed": report.temps_removed,
         "objects_kept": report.objects_kept,
@@ -35,4 +36,6 @@ def run(args: argparse.Namespace) -> int:
             f"{verb} {len(report.objects_removed)} unreachable object(s), {report.bytes_freed} bytes; "
             f"kept {report.objects_kept}"
         )
+        for key in report.refs_quarantined:
+            print(f"malformed ref of {key[:12]} {'would be ' if report.dry_run else ''}quarantined")
     return 0

@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cgbuild.store.seal import member_digests, read_metadata
+    from cgbuild.store.seal import SealError, member_digests, read_metadata
 
     record: dict[str, Any] | None = None
     evidence: dict[str, Any] | None = None
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     if not path.is_file():
         from cgbuild.config.labels import parse_label, parse_selector
         from cgbuild.plan.planner import make_plan
-        from cgbuild.store.local import Store
+        from cgbuild.store.local import Store, StoreError
 
         ws = workspace(args)
         key = args.what
@@ -40,18 +40,27 @@ def run(args: argparse.Namespace) -> int:
             if not key:
                 raise UserError(f"{tid.label} has no known key (plan it first)", field="label")
         store = Store(ws.cg.store_dir)
-        if store.read_ref(key) is None:
-            raise UserError(f"no artifact for key {key[:12]} in the store (mint it first)", field="what")
-        path = store.resolve(key, verify=True).path
+        try:
+            if store.read_ref(key) is None:
+                raise UserError(f"no artifact for key {key[:12]} in the store (mint it first)", field="what")
+            path = store.resolve(key, verify=True).path
+        except StoreError as e:  # malformed ref, missing or corrupt object: reported, never raised
+            raise UserError(f"{key[:12]}: {e.code}: {e.detail}", field="what") from None
         rec = ws.state / "mint" / f"{key}.json"
         record = json.loads(rec.read_text()) if rec.exists() else None
         # with a shared store: every card's runs published beside the artifact, not this host's only
         evidence = (ws.shared(store) or store).read_evidence(key)
-    meta = read_metadata(path)
+    try:
+        meta, members = read_metadata(path), member_digests(path)
+    except SealError as e:  # a crafted or broken archive: what adopt would refuse, named
+        if args.json:
+            print_json({"artifact": str(path), "refusal": {"code": e.code, "detail": e.detail}})
+            return 2
+        raise UserError(f"artifact refused ({e.code}): {e.detail}") from None
     doc = {
         "artifact": str(path),
         "metadata": meta,
-        "members": member_digests(path),
+        "members": members,
         "mint_record": record,
         "lane_evidence": evidence,
     }

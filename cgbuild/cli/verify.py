@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     labels: dict[str, list[str]] = {}
     platform: dict[str, str] = {}
     for t in plan["targets"]:
-        if t["key"] and store.read_ref(t["key"]) is not None:
+        if t["key"] and store.ref_path(t["key"]).exists():  # well-formed or not: verify judges
             labels.setdefault(t["key"], []).append(t["label"])
             platform[t["key"]] = t["axes"]["toolchain"]["platform"]
     reports = []
@@ -93,11 +93,12 @@ def run(args: argparse.Namespace) -> int:
             "detail": verdict.detail,
         }
         if verdict.status == "ok":
-            path = store.resolve(key, verify=False).path
-            meta = read_metadata(path)
-            if meta.get("key") != key:
-                report.update(status="corrupt", detail=f"metadata names key {meta.get('key')}")
+            sealed = store.check_sealed_key(key)  # another key's object, or no artifact: quarantined
+            if sealed is not None:
+                report.update(status=sealed.status, detail=sealed.detail)
             elif args.run:
+                path = store.resolve(key, verify=False).path
+                meta = read_metadata(path)
                 components = plan["toolchains"][platform[key]]["components"]
                 ran = run_artifact(ws, key, path, names[0], components, meta)
                 report["run"] = ran

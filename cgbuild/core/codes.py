@@ -57,6 +57,9 @@ class Code(StrEnum):
     STORE_ERROR = "store-error"
     MISSING = "missing"
     CORRUPT = "corrupt"
+    MALFORMED_REF = "malformed-ref"
+    DISK_FULL = "disk-full"
+    IO_ERROR = "io-error"
     # shared store and trust
     REMOTE_ERROR = "remote-error"
     REMOTE_UNAVAILABLE = "remote-unavailable"
@@ -102,13 +105,19 @@ class Code(StrEnum):
     SHAPE = "shape"
     SYMBOL_RANGE = "symbol-range"
     LOAD_FAILED = "load-failed"
+    BAD_ARCHIVE = "bad-archive"
+    BAD_MEMBER = "bad-member"
+    BAD_PACKAGE = "bad-package"
+    TOO_LARGE = "too-large"
+    BAD_METADATA = "bad-metadata"
+    BAD_LITERALS = "bad-literals"
     COMPILED_ERROR = "compiled-error"
 
 
 # A mint that failed with one of these may succeed on another attempt (another node, later);
 # every other failure is a property of the key or the machine and will fail again.
 RETRYABLE: frozenset[Code] = frozenset(
-    {Code.OOM, Code.TIMEOUT, Code.WORKER_KILLED, Code.WORKER_SIGNAL, Code.WORKER_CRASHED}
+    {Code.OOM, Code.TIMEOUT, Code.WORKER_KILLED, Code.WORKER_SIGNAL, Code.WORKER_CRASHED, Code.DISK_FULL}
 )
 
 

@@ -252,6 +252,7 @@ def mint_one(
 
     shared = ws.shared(store)
     try:
+        store.heal(mk.key)  # a malformed ref is quarantined before the compile, not after it
         if shared is not None:
             shared.check_publishable()  # before the compile: an unpublishable mint is wasted
         result = run_worker(request_for(ws, mk, ws.state / "build"), log, progress)
@@ -261,10 +262,18 @@ def mint_one(
             _admit(mk, result, store, shared)
     except StoreError as e:  # PublishRefused (no signing key, no create-only writes), local refusals
         phase = "publish" if isinstance(e, PublishRefused) else "admit"
-        result = {"ok": False, "code": e.code, "retryable": False, "phase": phase, "detail": e.detail}
+        result = {
+            "ok": False,
+            "code": e.code,
+            "retryable": e.code in RETRYABLE,
+            "phase": phase,
+            "detail": e.detail,
+        }
     except RemoteError as e:
         retry = e.code in ("remote-unavailable", "upload-failed")
         result = {"ok": False, "code": e.code, "retryable": retry, "phase": "publish", "detail": e.detail}
+    except OSError as e:  # the state folder or the build folder refused a write: this key fails
+        result = {"ok": False, "code": "io-error", "retryable": True, "phase": "admit", "detail": str(e)}
     if not result.get("ok"):
         result.setdefault("retryable", result.get("code") in RETRYABLE)
     mk.result = result

@@ -42,6 +42,7 @@ REASON_CODES = (
     "new-target",
     "axis-moved",
     "missing-from-store",
+    "malformed-ref",
     "quarantined",
     "trace-input-moved",
     "early-cutoff",
@@ -407,6 +408,15 @@ def _plan_target(
                     "quarantined",
                     "the stored artifact failed verification and was "
                     "quarantined; a new verified mint repairs it",
+                    root=True,
+                )
+            )
+        elif state == "malformed":
+            reasons.append(
+                reason(
+                    "malformed-ref",
+                    "the store's ref for this key is not a ref; the next command that writes "
+                    "the store (mint, verify, gc, fetch) quarantines it",
                     root=True,
                 )
             )

@@ -33,6 +33,7 @@ Why it is built this way:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -55,7 +56,7 @@ _HOST_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
 EVIDENCE_SCHEMA = "cgbuild.lane-evidence/1"
 _CHUNK = 1 << 20
 
-RefState = Literal["fresh", "missing", "quarantined"]
+RefState = Literal["fresh", "missing", "quarantined", "malformed"]
 
 
 class StoreError(Exception):
@@ -85,6 +86,19 @@ class Corrupt(StoreError):
     """The bytes do not hash to their name (found on verify/resolve); the key is now quarantined."""
 
     code = "corrupt"
+
+
+class MalformedRef(StoreError):
+    """The key's ref is not a ref (not JSON, not an object, a folder, a foreign schema or key, a
+    size that is no integer). Readers treat the key as not fresh; writers quarantine it (`heal`)."""
+
+    code = "malformed-ref"
+
+
+class DiskFull(StoreError):
+    """The store's disk refused a write at admission; nothing of the key was made visible."""
+
+    code = "disk-full"
 
 
 @dataclass(frozen=True)
@@ -135,7 +149,9 @@ class Verdict:
     """Result of verifying one key: `ok`, or why not (`missing`, `quarantined`, `corrupt`)."""
 
     key: str
-    status: Literal["ok", "missing", "quarantined", "corrupt"]
+    status: str
+    """`ok`, `missing`, `quarantined`, `corrupt`, `malformed-ref`, or (from `check_sealed_key`)
+    `key-mismatch` and the seal's refusal codes."""
     detail: str = ""
 
 
@@ -151,6 +167,8 @@ class GCReport:
     objects_kept: int = 0
     evidence_removed: list[str] = field(default_factory=list)
     """Keys whose lane evidence went: no ref and no quarantine record names them any more."""
+    refs_quarantined: list[str] = field(default_factory=list)
+    """Keys whose ref was malformed: quarantined with the reason, never a root."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -168,16 +186,44 @@ def check_key(key: str) -> str:
     return key
 
 
+def _ref_problem(raw: bytes, key: str) -> str | None:
+    """Why these bytes are not `key`'s ref, or None."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return "not JSON" if raw.strip() else "empty"
+    if not isinstance(doc, dict):
+        return f"a JSON {type(doc).__name__}, not an object"
+    if doc.get("schema") != REF_SCHEMA or doc.get("key") != key:
+        return (
+            f"schema {doc.get('schema')!r} and key {str(doc.get('key'))[:16]!r}, not {REF_SCHEMA} of this key"
+        )
+    if not isinstance(doc.get("object"), str) or not _SHA_RE.match(doc["object"]):
+        return "its object is not a sha256"
+    if type(doc.get("size")) is not int or doc["size"] < 0:
+        return f"size {doc.get('size')!r} is not a byte count"
+    if not isinstance(doc.get("metadata") or {}, dict):
+        return "its metadata is not an object"
+    return None
+
+
 class Store:
     """A local store rooted at `root` (created on first use). Safe for concurrent processes."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self._root_s = os.fspath(self.root)
-        for sub in ("objects/sha256", "refs", "quarantine/objects", "tmp"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._lock_path = self.root / "lock"
-        self._lock_path.touch(exist_ok=True)
+        self._laid_out = False
+
+    def _layout(self) -> None:
+        """Create the folders and the lock on the first write: a reader (plan, verify of a
+        read-only store, adopt) never creates or locks anything."""
+        if not self._laid_out:
+            for sub in ("objects/sha256", "refs", "quarantine/objects", "tmp"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+            self._lock_path.touch(exist_ok=True)
+            self._laid_out = True
 
     # ---- paths -------------------------------------------------------------------------------
     def object_path(self, sha: str) -> Path:
@@ -191,6 +237,7 @@ class Store:
 
     @contextlib.contextmanager
     def _locked(self, exclusive: bool) -> Iterator[None]:
+        self._layout()
         fd = os.open(self._lock_path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
@@ -199,6 +246,7 @@ class Store:
             os.close(fd)  # closing releases the flock; so does the death of the process
 
     def _temp(self) -> tuple[Path, BinaryIO]:
+        self._layout()
         path = self.root / "tmp" / f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         return path, os.fdopen(fd, "wb")
@@ -278,14 +326,24 @@ class Store:
         except NotCanonical as e:
             raise StoreError(key, f"ref metadata: {e}") from e
         for _ in range(3):
-            with self._locked(exclusive=False):
-                sha, size = self._install_object(Path(artifact), expected_sha256)
-                ref = Ref(key, sha, size, summary)
-                if self._write_new(self.ref_path(key), (canonical_json(ref.to_json()) + "\n").encode()):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.quarantine_path(key))  # repaired by a verified admission
-                    return Admission("admitted", key, sha, size)
-                standing = self.read_ref(key)
+            try:
+                with self._locked(exclusive=False):
+                    sha, size = self._install_object(Path(artifact), expected_sha256)
+                    ref = Ref(key, sha, size, summary)
+                    if self._write_new(self.ref_path(key), (canonical_json(ref.to_json()) + "\n").encode()):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(self.quarantine_path(key))  # repaired by a verified admission
+                        return Admission("admitted", key, sha, size)
+                    standing = self.read_ref(key)
+            except MalformedRef as e:
+                self.heal(key, e)  # a ref that is no ref stands in nobody's way: retire it, retry
+                continue
+            except OSError as e:
+                # temps are removed on the way out and the ref is the last thing written, so a
+                # refused write leaves at most an unreferenced object (swept by gc)
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise DiskFull(key, f"no space left in the store at admission: {e}") from e
+                raise StoreError(key, f"the store refused a write at admission: {e}") from e
             if standing is None:
                 continue  # removed by gc/quarantine between our link and our read: try again
             if self._object_intact_stat(standing):
@@ -299,15 +357,18 @@ class Store:
     # ---- reading -----------------------------------------------------------------------------
     def read_ref(self, key: str) -> Ref | None:
         """The key's ref, or None. Never blocks and never hashes."""
+        path = self.ref_path(check_key(key))
         try:
-            raw = self.ref_path(check_key(key)).read_bytes()
+            raw = path.read_bytes()
         except FileNotFoundError:
             return None
+        except IsADirectoryError:
+            raise MalformedRef(key, f"ref {path} is a folder") from None
+        why = _ref_problem(raw, key)
+        if why:
+            raise MalformedRef(key, f"ref {path}: {why}")
         doc = json.loads(raw)
-        well_formed = doc.get("schema") == REF_SCHEMA and doc.get("key") == key
-        if not well_formed or not _SHA_RE.match(doc.get("object", "")):
-            raise StoreError(key, f"malformed ref {self.ref_path(key)}")
-        return Ref(doc["key"], doc["object"], int(doc["size"]), doc.get("metadata") or {})
+        return Ref(doc["key"], doc["object"], doc["size"], doc.get("metadata") or {})
 
     def _object_intact_stat(self, ref: Ref) -> bool:
         try:
@@ -328,19 +389,43 @@ class Store:
         try:
             with open(f"{root}/refs/{key[:2]}/{check_key(key)}.json", "rb") as f:
                 doc = json.loads(f.read())
-            sha = doc["object"]
-            if os.stat(f"{root}/objects/sha256/{sha[:2]}/{sha[2:]}").st_size == doc["size"]:
-                return "fresh"
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        except FileNotFoundError:
+            doc = None
+        except (OSError, ValueError):
+            return "malformed"  # a folder, bytes that are not JSON
+        if doc is not None:
+            try:
+                sha, size = doc["object"], doc["size"]
+                sound = doc["key"] == key and type(size) is int and doc["schema"] == REF_SCHEMA
+                sound = sound and isinstance(sha, str) and len(sha) == 64
+            except (KeyError, TypeError):
+                sound = False
+            if not sound and self._malformed(key):
+                return "malformed"
+            with contextlib.suppress(OSError):
+                if os.stat(f"{root}/objects/sha256/{sha[:2]}/{sha[2:]}").st_size == size:
+                    return "fresh"
         return "quarantined" if os.path.exists(f"{root}/quarantine/{key}.json") else "missing"
+
+    def _malformed(self, key: str) -> bool:
+        try:
+            self.read_ref(key)
+        except MalformedRef:
+            return True
+        return False
 
     def iter_refs(self) -> Iterator[Ref]:
         """Every ref, in key order."""
-        for path in sorted((self.root / "refs").glob("*/*.json")):
-            ref = self.read_ref(path.name[: -len(".json")])
-            if ref is not None:
-                yield ref
+        for key in self.ref_keys():
+            with contextlib.suppress(MalformedRef):
+                ref = self.read_ref(key)
+                if ref is not None:
+                    yield ref
+
+    def ref_keys(self) -> list[str]:
+        """The key of every ref file, well-formed or not, in key order."""
+        names = (p.name[: -len(".json")] for p in (self.root / "refs").glob("*/*.json"))
+        return sorted(k for k in names if _KEY_RE.match(k))
 
     def quarantine_record(self, key: str) -> dict[str, Any] | None:
         try:
@@ -363,21 +448,56 @@ class Store:
         if verify:
             found, size = file_digest(path)
             if (found, size) != (ref.object, ref.size):
-                self._quarantine(key, ref, f"object hashes to {found}, not {ref.object}")
-                raise Corrupt(key, f"object {ref.object[:12]} hashes to {found[:12]}: quarantined")
+                try:
+                    self._quarantine(key, ref, f"object hashes to {found}, not {ref.object}")
+                    done = "quarantined"
+                except OSError as e:  # a read-only store: reported, left for a writer
+                    done = f"not quarantined ({e.strerror or e})"
+                raise Corrupt(key, f"object {ref.object[:12]} hashes to {found[:12]}: {done}")
         return Resolved(ref, path)
 
     def verify(self, key: str) -> Verdict:
         """Re-hash one key's object; corruption quarantines it."""
         try:
             self.resolve(key, verify=True)
+        except MalformedRef as e:
+            try:
+                self.heal(key, e)
+                done = "quarantined"
+            except OSError as err:  # a read-only store: reported, left for a writer
+                done = f"not quarantined ({err.strerror or err})"
+            return Verdict(key, "malformed-ref", f"{e.detail}: {done}")
         except StoreError as e:
             return Verdict(key, e.code, e.detail)  # type: ignore[arg-type]
         return Verdict(key, "ok")
 
+    def check_sealed_key(self, key: str) -> Verdict | None:
+        """After a clean re-hash: quarantine a ref whose object's sealed metadata names another
+        key (`key-mismatch`) or is no sealed artifact (the seal's code), with that reason, since
+        adopt would refuse it forever while `ref_state` says fresh. None when the object is this
+        key's own. Reads the metadata member only (no package is unpacked)."""
+        from cgbuild.store.seal import SealError, read_metadata
+
+        ref = self.read_ref(key)
+        if ref is None:
+            return None
+        try:
+            other = read_metadata(self.object_path(ref.object)).get("key")
+            if other == key:
+                return None
+            code, why = "key-mismatch", f"its object's sealed metadata names key {str(other)[:16]!r}"
+        except SealError as e:
+            code, why = e.code, e.detail
+        try:
+            self._quarantine(key, ref, f"{code}: {why}")
+            done = "quarantined"
+        except OSError as e:  # a read-only store: reported, left for a writer
+            done = f"not quarantined ({e.strerror or e})"
+        return Verdict(key, code, f"{why}: {done}")
+
     def verify_all(self) -> list[Verdict]:
         """Verify every ref, and every object against its own name (quarantining bad ones)."""
-        verdicts = [self.verify(ref.key) for ref in list(self.iter_refs())]
+        verdicts = [self.verify(key) for key in self.ref_keys()]
         for obj in sorted((self.root / "objects" / "sha256").glob("*/*")):
             sha = obj.parent.name + obj.name
             if _SHA_RE.match(sha) and file_digest(obj)[0] != sha:
@@ -416,6 +536,51 @@ class Store:
             os.unlink(self.ref_path(key))
             _fsync_dir(self.ref_path(key).parent)
 
+    def heal(self, key: str, why: MalformedRef | None = None) -> str | None:
+        """Quarantine `key`'s ref if it is malformed (a writer's duty; readers only report it):
+        the record keeps the reason and the ref's first bytes, the ref goes, and the key reads
+        `quarantined` until a new admission. Returns the reason, or None if the ref was sound."""
+        if why is None:
+            try:
+                self.read_ref(key)
+                return None
+            except MalformedRef as e:
+                why = e
+        with self._locked(exclusive=True):
+            self._retire_malformed(key, why.detail)
+        return why.detail
+
+    def _retire_malformed(self, key: str, reason: str) -> None:
+        """Under the exclusive lock: record and remove a ref that is still malformed."""
+        path = self.ref_path(key)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return
+        except IsADirectoryError:
+            raw = b"<a folder>"
+        if not _ref_problem(raw, key) and not path.is_dir():
+            return  # repaired meanwhile
+        record = {
+            "schema": QUARANTINE_SCHEMA,
+            "key": key,
+            "reason": f"malformed-ref: {reason}",
+            "ref": None,
+            "raw": raw[:2048].decode("ascii", "backslashreplace"),
+        }
+        tmp, out = self._temp()
+        with out:
+            out.write((canonical_json(record) + "\n").encode())
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, self.quarantine_path(key))
+        _fsync_dir(self.quarantine_path(key).parent)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        _fsync_dir(path.parent)
+
     def retire(self, key: str, reason: str) -> None:
         """Quarantine a key for a reason found outside this store (e.g. a shared store holds
         another artifact for it): the same record, and the same repair by a new admission."""
@@ -433,6 +598,13 @@ class Store:
         with self._locked(exclusive=True):
             live: set[str] = set()
             live_keys: set[str] = set()
+            for key in self.ref_keys():
+                try:
+                    self.read_ref(key)
+                except MalformedRef as e:
+                    report.refs_quarantined.append(key)
+                    if not dry_run:
+                        self._retire_malformed(key, e.detail)
             for ref in list(self.iter_refs()):
                 if keep is not None and ref.key not in keep:
                     report.refs_dropped.append(ref.key)
@@ -527,7 +699,9 @@ class Store:
 __all__ = [
     "Admission",
     "Corrupt",
+    "DiskFull",
     "GCReport",
+    "MalformedRef",
     "Missing",
     "Quarantined",
     "Ref",

@@ -1,0 +1,159 @@
+"""Is an artifact's sealed metadata well-formed enough to serve from? Checked before adopt reads it.
+
+Sealed metadata comes from a file anyone could have written: every field adopt interprets (the
+host facts, the call contract, the constant and layout tables, the lanes block) is checked for
+its shape here, so a malformed artifact is one named refusal (`bad-metadata`, naming the field)
+instead of an AttributeError at load or a TypeError on the first call. Written by hand rather
+than with a schema library: it is twenty checks, the serving process gains no dependency, and
+each refusal names the field in adopt's own words.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from cgbuild.lanes import combinations
+
+_VERSION = re.compile(r"\d{1,6}(\.\d{1,6}){0,5}")
+
+
+class Malformed(ValueError):
+    """One field of the sealed metadata has the wrong shape; the message names it."""
+
+
+def _need(ok: bool, where: str, what: str) -> None:
+    if not ok:
+        raise Malformed(f"{where}: {what}")
+
+
+def _obj(value: Any, where: str, *, optional: bool = False) -> dict[str, Any]:
+    if value is None and optional:
+        return {}
+    _need(isinstance(value, dict), where, "not an object")
+    return value
+
+
+def _list(value: Any, where: str, item: Callable[[Any, str], None], *, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    _need(isinstance(value, list), where, "not a list")
+    for i, v in enumerate(value):
+        item(v, f"{where}[{i}]")
+
+
+def _str(value: Any, where: str) -> None:
+    _need(isinstance(value, str), where, "not a string")
+
+
+def _int(value: Any, where: str, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    _need(type(value) is int and value >= 0, where, "not a non-negative integer")
+
+
+def _ints(value: Any, where: str) -> None:
+    _list(value, where, _int, optional=False)
+
+
+def _dim(value: Any, where: str) -> None:
+    _need((type(value) is int and value >= 0) or isinstance(value, str), where, "not a size")
+
+
+def _leaf(value: Any, where: str) -> None:
+    if not isinstance(value, dict):
+        _need(value is None or isinstance(value, (bool, int, float, str)), where, "not a tensor or constant")
+        return
+    _str(value.get("dtype"), f"{where}.dtype")
+    _str(value.get("device"), f"{where}.device")
+    _list(value.get("shape"), f"{where}.shape", _dim, optional=False)
+
+
+def _input(value: Any, where: str) -> None:
+    spec = _obj(value, where)
+    _str(spec.get("name"), f"{where}.name")
+    _need(isinstance(spec.get("keyword", False), bool), f"{where}.keyword", "not a boolean")
+    _list(spec.get("leaves"), f"{where}.leaves", _leaf)
+
+
+def _symbol(value: Any, where: str) -> None:
+    sym = _obj(value, where)
+    _str(sym.get("name"), f"{where}.name")
+    for bound in ("min", "max"):
+        _need(sym.get(bound) is None or type(sym.get(bound)) is int, f"{where}.{bound}", "not an integer")
+
+
+def _constant(value: Any, where: str) -> None:
+    row = _obj(value, where)
+    _str(row.get("fqn"), f"{where}.fqn")
+    _str(row.get("dtype"), f"{where}.dtype")
+    _ints(row.get("shape"), f"{where}.shape")
+    _ints(row.get("stride"), f"{where}.stride")
+
+
+def _layout_row(value: Any, where: str) -> None:
+    _need(isinstance(value, list) and len(value) == 3, where, "not [name, dtype, shape]")
+    _str(value[0], f"{where}[0]")
+    _str(value[1], f"{where}[1]")
+    _ints(value[2], f"{where}[2]")
+
+
+def _lane_axis(value: Any, where: str) -> None:
+    row = _obj(value, where)
+    _str(row.get("axis"), f"{where}.axis")
+    _list(row.get("values"), f"{where}.values", _str, optional=False)
+    _need(bool(row["values"]), f"{where}.values", "empty")
+    _need(row.get("fqn") is None or isinstance(row["fqn"], str), f"{where}.fqn", "not a string")
+
+
+def _lanes(value: Any, where: str) -> None:
+    block = _obj(value, where, optional=True)
+    if not block.get("axes"):
+        return
+    _list(block["axes"], f"{where}.axes", _lane_axis)
+    verdict = _obj(block.get("verdict"), f"{where}.verdict")
+    _str(verdict.get("winner"), f"{where}.verdict.winner")
+    peaks = _obj(verdict.get("peaks"), f"{where}.verdict.peaks", optional=True)
+    for lane, peak in peaks.items():
+        _int(peak, f"{where}.verdict.peaks.{lane}")
+    _list(verdict.get("fallback"), f"{where}.verdict.fallback", _str)
+    carried = set(combinations([(r["axis"], r["values"]) for r in block["axes"]]))
+    for lane in [verdict["winner"], *peaks, *(verdict.get("fallback") or [])]:
+        _need(lane in carried, f"{where}.verdict", f"names lane {lane!r}, which the axes do not carry")
+    _need(not peaks or verdict["winner"] in peaks, f"{where}.verdict.winner", "has no recorded peak")
+
+
+def metadata_problem(meta: Mapping[str, Any]) -> str | None:
+    """The first field adopt would misread, as `field: why`, or None when every one has its shape."""
+    try:
+        for name in ("key", "kind", "sm", "torch"):
+            _str(meta.get(name), name)
+        host = _obj(meta.get("host"), "host", optional=True)
+        _obj(host.get("isa"), "host.isa", optional=True)
+        _obj(host.get("cxx"), "host.cxx", optional=True)
+        for lib, need in _obj(host.get("runtime"), "host.runtime", optional=True).items():
+            _need(
+                isinstance(need, str) and bool(_VERSION.fullmatch(need)),
+                f"host.runtime.{lib}",
+                "not a version",
+            )
+        contract = _obj(_obj(meta.get("graph"), "graph").get("contract"), "graph.contract")
+        _list(contract.get("inputs"), "graph.contract.inputs", _input)
+        names = [i["name"] for i in contract.get("inputs") or []]
+        _need(len(names) == len(set(names)), "graph.contract.inputs", "names repeat")
+        _list(contract.get("symbols"), "graph.contract.symbols", _symbol)
+        constants = _obj(meta.get("constants"), "constants", optional=True)
+        _list(constants.get("state"), "constants.state", _constant)
+        _list(
+            constants.get("literal"),
+            "constants.literal",
+            lambda v, w: _str(_obj(v, w).get("fqn"), f"{w}.fqn"),
+        )
+        layout = _obj(meta.get("layout"), "layout", optional=True)
+        _list(layout.get("tensors"), "layout.tensors", _layout_row)
+        _obj(layout.get("rule"), "layout.rule", optional=True)
+        _lanes(meta.get("lanes"), "lanes")
+    except Malformed as e:
+        return str(e)
+    return None

@@ -1,0 +1,181 @@
+"""Crafted artifacts against the real loader: nothing escapes, adopt refuses by name, never raises.
+
+Every artifact here is forged from the session's real mint (`minted("A")` of test_mint, no extra
+compile): its real AOTI package with an entry added, its real metadata bent out of shape, its
+archive cut short. Adopt must return a named refusal and serve eager; `cgbuild inspect` must
+report the refusal in one line.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import tarfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from cgbuild_rules.adopt import AdoptRefused, adopt
+from test_adopt import tiny
+from test_mint import minted
+
+from cgbuild.store.seal import METADATA, PACKAGE, read_metadata, unseal
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Path]]:
+    """The real artifact's metadata and unsealed members."""
+    art = Path(minted(tmp_path_factory, "A")[1]["artifact"])
+    return read_metadata(art), unseal(art, tmp_path_factory.mktemp("real"))
+
+
+def forge(path: Path, meta: Any, members: dict[str, bytes], *, record: bool = True) -> Path:
+    """A sealed-looking artifact with no check at all; with `record`, a truthful size record."""
+    if record and isinstance(meta, dict):
+        with zipfile.ZipFile(io.BytesIO(members[PACKAGE])) as z:
+            infos = z.infolist()
+        meta = {
+            **meta,
+            "sealed": {
+                "members": {n: len(d) for n, d in members.items()},
+                "package": {"entries": len(infos), "bytes": sum(i.file_size for i in infos)},
+            },
+        }
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in [(METADATA, json.dumps(meta).encode()), *members.items()]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def with_entry(pt2: Path, name: str, data: bytes = b"escaped") -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(pt2) as src, zipfile.ZipFile(buf, "w") as out:
+        for info in src.infolist():
+            out.writestr(info, src.read(info))
+        out.writestr(name, data)
+    return buf.getvalue()
+
+
+def members_of(files: dict[str, Path]) -> dict[str, bytes]:
+    return {name: p.read_bytes() for name, p in files.items() if name != METADATA}
+
+
+def served_eager(art: Path, m: torch.nn.Module, code: str) -> None:
+    """adopt refuses with `code`, the call is served eager (no raise), strict raises AdoptRefused."""
+    served = adopt(art, m)
+    (refusal,) = served.refusals.values()
+    assert refusal.code == code, refusal
+    assert served.armed == []
+    x = torch.randn(1, 8, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(served(x), m(x))
+    assert served.counters == {f"eager:{code}": 1}
+    with pytest.raises(AdoptRefused, match=code):
+        adopt(art, m, strict=True)
+
+
+def test_a_package_entry_that_climbs_out_is_refused_before_the_loader_unpacks_it(
+    real: tuple[dict[str, Any], dict[str, Path]], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The AOTI loader writes `model/data/aotinductor/model/../../…/x` wherever it points."""
+    meta, files = real
+    outside = tmp_path / "outside" / "x"
+    climb = "model/data/aotinductor/model/" + "../" * 40 + str(outside).lstrip("/")
+    members = {**members_of(files), PACKAGE: with_entry(files[PACKAGE], climb)}
+    art = forge(tmp_path / "climb.tar.gz", meta, members)
+    served_eager(art, tiny(tmp_path_factory), "bad-package")
+    assert not outside.exists()
+    absolute = {**members_of(files), PACKAGE: with_entry(files[PACKAGE], str(outside))}
+    served_eager(forge(tmp_path / "abs.tar.gz", meta, absolute), tiny(tmp_path_factory), "bad-package")
+    assert not outside.exists()
+
+
+def _bend(path: str, value: Any) -> Callable[[dict[str, Any]], Any]:
+    def edit(meta: dict[str, Any]) -> Any:
+        *parents, leaf = path.split(".")
+        node = meta
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+        return meta
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (_bend("host", "x86"), "host: not an object"),
+        (_bend("host.runtime", {"GLIBC": "new"}), "host.runtime.GLIBC"),
+        (_bend("graph.contract.inputs", "garbage"), "graph.contract.inputs: not a list"),
+        (_bend("graph.contract.inputs", [{"name": "x", "leaves": [{"dtype": 1}]}]), "leaves[0].dtype"),
+        (_bend("graph.contract.symbols", [{"name": "S0", "min": "0"}]), "symbols[0].min"),
+        (_bend("constants.state", [7]), "constants.state[0]: not an object"),
+        (_bend("layout", {"tensors": [["fc1.weight", "F32"]]}), "layout.tensors[0]"),
+        (
+            _bend("lanes", {"axes": [{"axis": "linear", "values": ["a"]}], "verdict": {"winner": "b"}}),
+            "lane 'b'",
+        ),
+        (lambda meta: [meta], "not a JSON object"),
+    ],
+)
+def test_metadata_of_the_wrong_shape_is_a_named_refusal_not_an_exception(
+    real: tuple[dict[str, Any], dict[str, Path]],
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    edit: Callable[[dict[str, Any]], Any],
+    needle: str,
+) -> None:
+    meta, files = real
+    bent = edit(json.loads(json.dumps(meta)))
+    art = forge(tmp_path / "bent.tar.gz", bent, members_of(files), record=isinstance(bent, dict))
+    served_eager(art, tiny(tmp_path_factory), "bad-metadata")
+    assert needle in next(iter(adopt(art, tiny(tmp_path_factory)).refusals.values())).detail
+
+
+def test_broken_archives_and_literals_are_refusals(
+    real: tuple[dict[str, Any], dict[str, Path]], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    meta, files = real
+    m = tiny(tmp_path_factory)
+    good = forge(tmp_path / "good.tar.gz", meta, members_of(files))
+    assert adopt(good, m).armed  # the forger itself makes loadable artifacts
+    raw = good.read_bytes()
+    (tmp_path / "cut.tar.gz").write_bytes(raw[: len(raw) * 2 // 3])  # metadata reads, the package does not
+    served_eager(tmp_path / "cut.tar.gz", m, "bad-archive")
+    extra = tmp_path / "extra.tar.gz"
+    with tarfile.open(good) as src, tarfile.open(extra, "w:gz") as out:
+        for info in src.getmembers():
+            out.addfile(info, src.extractfile(info))
+        link = tarfile.TarInfo("../../escape")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        out.addfile(link)
+    served_eager(extra, m, "bad-member")
+    assert not (tmp_path.parent / "escape").exists()
+    garbage = {**members_of(files), "constants.safetensors": b"\x05\0\0\0\0\0\0\0{}xxx"}
+    served_eager(forge(tmp_path / "lit.tar.gz", meta, garbage), m, "bad-literals")
+
+
+def test_inspect_reports_a_refused_artifact_in_one_line(
+    real: tuple[dict[str, Any], dict[str, Path]], tmp_path: Path
+) -> None:
+    meta, files = real
+    climb = {**members_of(files), PACKAGE: with_entry(files[PACKAGE], "model/../../x")}
+    art = forge(tmp_path / "climb.tar.gz", meta, climb)
+    (tmp_path / "Cgfile").write_text('[workspace]\nname = "w"\n')
+    cmd = [sys.executable, "-m", "cgbuild.cli", "-C", str(tmp_path), "inspect", str(art)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "refused (bad-package)" in out.stderr and "model/../../x" in out.stderr
+    as_json = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120)
+    assert as_json.returncode == 2
+    assert json.loads(as_json.stdout)["refusal"]["code"] == "bad-package"

@@ -1,0 +1,134 @@
+"""The store heals: malformed refs and refs naming another key's object are quarantined by the
+writers and reported by the readers; readers create nothing; a full disk fails one key only."""
+
+from __future__ import annotations
+
+import errno
+import os
+import types
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from cgbuild.store import local
+from cgbuild.store.local import DiskFull, MalformedRef, Store
+from cgbuild.store.seal import seal
+
+K1, K2, K3 = "a1" * 32, "b2" * 32, "c3" * 32
+
+
+def artifact(tmp: Path, key: str) -> Path:
+    """A real sealed artifact for `key` (a tiny zip stands in for the AOTI package)."""
+    pkg = tmp / f"{key[:4]}.pt2"
+    with zipfile.ZipFile(pkg, "w") as z:
+        z.writestr("model/data/x", key)
+    out = tmp / f"{key[:4]}.tar.gz"
+    seal(out, {"key": key}, {"model.pt2": pkg})
+    return out
+
+
+MALFORMED = {
+    "not-json": lambda p, s: p.write_text("{nope"),
+    "a-list": lambda p, s: p.write_text("[]"),
+    "empty": lambda p, s: p.write_text(""),
+    "a-folder": lambda p, s: (p.unlink(), p.mkdir()),
+    "size-text": lambda p, s: p.write_text(p.read_text().replace(f'"size":{s}', f'"size":"{s}"')),
+    "other-key": lambda p, s: p.write_text(p.read_text().replace(K1, K2)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+def test_a_malformed_ref_is_reported_by_readers_and_quarantined_by_writers(tmp_path: Path, kind: str) -> None:
+    store = Store(tmp_path / "store")
+    store.admit(K1, artifact(tmp_path, K1))
+    store.admit(K3, artifact(tmp_path, K3))
+    ref = store.ref_path(K1)
+    MALFORMED[kind](ref, store.read_ref(K1).size)  # type: ignore[union-attr]
+    reader = Store(tmp_path / "store")
+    assert reader.ref_state(K1) == "malformed"  # plan: not fresh, reason malformed-ref
+    with pytest.raises(MalformedRef):
+        reader.resolve(K1)  # adopt's path: a refusal, and nothing changed
+    assert ref.exists() and reader.quarantine_record(K1) is None
+    verdicts = {v.key: v for v in store.verify_all()}  # one bad key never stops the others
+    assert verdicts[K1].status == "malformed-ref" and "quarantined" in verdicts[K1].detail
+    assert verdicts[K3].status == "ok"
+    assert not ref.exists() and store.ref_state(K1) == "quarantined"
+    assert store.quarantine_record(K1)["reason"].startswith("malformed-ref")  # type: ignore[index]
+    assert store.admit(K1, artifact(tmp_path, K1)).status == "admitted"  # repaired
+    assert store.ref_state(K1) == "fresh" and store.quarantine_record(K1) is None
+
+
+def test_admission_and_gc_retire_malformed_refs(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    for key in (K1, K2):
+        store.ref_path(key).parent.mkdir(parents=True, exist_ok=True)
+        store.ref_path(key).write_text("[]")
+    assert store.admit(K1, artifact(tmp_path, K1)).status == "admitted"  # mint and fetch admit
+    report = store.gc()
+    assert report.refs_quarantined == [K2] and store.ref_state(K2) == "quarantined"
+    assert store.ref_state(K1) == "fresh"
+
+
+def test_a_ref_naming_another_keys_object_is_quarantined_by_verify(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    store.admit(K1, artifact(tmp_path, K1))
+    other = store.admit(K2, artifact(tmp_path, K2))
+    ref = store.ref_path(K1)
+    doc = ref.read_text()
+    first = store.read_ref(K1)
+    assert first is not None
+    ref.write_text(
+        doc.replace(first.object, other.object).replace(f'"size":{first.size}', f'"size":{other.size}')
+    )
+    assert store.ref_state(K1) == "fresh" and store.verify(K1).status == "ok"  # bytes alone cannot tell
+    verdict = store.check_sealed_key(K1)
+    assert verdict is not None and verdict.status == "key-mismatch" and K2[:16] in verdict.detail
+    assert store.ref_state(K1) == "quarantined" and store.ref_state(K2) == "fresh"
+    assert store.check_sealed_key(K2) is None
+
+
+def test_readers_create_and_lock_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    writer = Store(root)
+    writer.admit(K1, artifact(tmp_path, K1))
+    for name in ("lock", "tmp", "quarantine"):
+        p = root / name
+        p.unlink() if p.is_file() else __import__("shutil").rmtree(p)
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    reader = Store(root)
+    assert reader.ref_state(K1) == "fresh" and reader.ref_state(K2) == "missing"
+    assert reader.resolve(K1).ref.key == K1 and reader.verify(K1).status == "ok"
+    assert reader.check_sealed_key(K1) is None and [r.key for r in reader.iter_refs()] == [K1]
+    assert Store(tmp_path / "absent").ref_state(K1) == "missing"
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
+    assert not (tmp_path / "absent").exists()
+
+
+@pytest.mark.parametrize("failing_fsync", [1, 3])  # the object's temp; the ref's temp
+def test_a_full_disk_at_admission_fails_that_key_and_admits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing_fsync: int
+) -> None:
+    store = Store(tmp_path / "store")
+    art = artifact(tmp_path, K1)
+    calls = {"n": 0}
+
+    def fsync(fd: int) -> None:
+        calls["n"] += 1
+        if calls["n"] == failing_fsync:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.fsync(fd)
+
+    full = types.SimpleNamespace(**{n: getattr(os, n) for n in dir(os) if not n.startswith("__")})
+    full.fsync = fsync
+    monkeypatch.setattr(local, "os", full)  # the store's own writes only
+    with pytest.raises(DiskFull) as e:
+        store.admit(K1, art)
+    assert e.value.code == "disk-full"
+    monkeypatch.undo()
+    assert store.read_ref(K1) is None and store.ref_state(K1) == "missing"  # nothing half-admitted
+    assert list((store.root / "tmp").iterdir()) == []
+    assert store.admit(K2, artifact(tmp_path, K2)).status == "admitted"  # the next key is unharmed
+    store.gc()  # an object installed before the ref failed is unreachable: swept
+    assert store.verify_all() and all(v.status == "ok" for v in store.verify_all())
+    assert store.admit(K1, art).status == "admitted"
