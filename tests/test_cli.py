@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +81,44 @@ def test_a_bug_is_exit_3_with_its_traceback(
     assert main(["-C", str(ws), "query"]) == 3
     err = capsys.readouterr().err
     assert "Traceback" in err and "internal error" in err
+
+
+def _blocked_on(pid: int, fifo: Path, timeout: float = 30.0) -> None:
+    """Wait until process `pid` sleeps opening `fifo` (its kernel wait channel says so)."""
+    deadline = time.monotonic() + timeout
+    wchan = Path(f"/proc/{pid}/wchan")
+    while time.monotonic() < deadline:
+        if wchan.exists() and "partner" in wchan.read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} never blocked on {fifo}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/wchan").exists(), reason="needs /proc wait channels")
+@pytest.mark.parametrize(
+    ("signum", "code", "line"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+)
+def test_a_signal_is_one_line_and_its_exit_code(tmp_path: Path, signum: int, code: int, line: str) -> None:
+    """A real cgbuild process, held where it reads its Cgfile (a FIFO nobody writes), is signalled."""
+    fifo = tmp_path / "Cgfile"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cgbuild.cli", "plan", "--cgfile", str(fifo)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _blocked_on(proc.pid, fifo)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    assert err == f"cgbuild: {line}\n" and out == ""
+
+
+def test_in_process_main_restores_the_sigterm_handler(ws: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["-C", str(ws), "query"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before

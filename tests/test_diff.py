@@ -53,6 +53,11 @@ def test_a_well_formed_plan_diffs_and_feeds_mint(tmp_path: Path) -> None:
         (a_plan(sm="sm_90"), "targets[0].sm", "from the label"),
         (a_plan(key="../../etc"), "targets[0].key", "64 hex"),
         (a_plan(key=7), "targets[0].key", "64 hex"),
+        (
+            {**a_plan(), "targets": [{"label": LABEL, "family": "toy", "sm": "cpu"}]},
+            "targets[0].key",
+            "null or",
+        ),
         (a_plan(status=[]), "targets[0].status", "string"),
         (a_plan(axes=[]), "targets[0].axes", "object"),
         (a_plan(axes={"graph": 3}), "targets[0].axes.graph", "object"),

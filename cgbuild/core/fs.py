@@ -53,6 +53,6 @@ def stat_stamp(path: str | os.PathLike[str]) -> list[int] | None:
     when the file is rewritten, even in place, at the price of one stat."""
     try:
         st = os.stat(path)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL in a path someone else's file named
         return None
     return [st.st_mtime_ns, st.st_size, st.st_ino]

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cgbuild.core import fs, jsonfile
+from cgbuild.core import fs, jsonfile, statefile
 from cgbuild.core.canon import NotCanonical, canonical_json, digest
 from cgbuild.core.errors import UserError
 from cgbuild.identity import compiler, policy
@@ -278,16 +278,28 @@ def _stat(path: str) -> list[int] | None:
     return fs.stat_stamp(path or ".")  # "" on sys.path is the working directory
 
 
+def _valid_cache(doc: Any) -> bool:
+    """{"schema", "entries": {request digest: {"stats": {path: stat}, "result": {...}}}}, each
+    result holding the blocks a probe reads back (a crafted entry whose stats match must not
+    crash the probe)."""
+    if (
+        not isinstance(doc, dict)
+        or doc.get("schema") != CACHE_SCHEMA
+        or not isinstance(doc.get("entries"), dict)
+    ):
+        return False
+    for entry in doc["entries"].values():
+        if not isinstance(entry, dict) or not isinstance(entry.get("stats"), dict):
+            return False
+        result = entry.get("result")
+        if not isinstance(result, dict) or not all(isinstance(result.get(k), dict) for k in _CACHED):
+            return False
+    return True
+
+
 def _load_cache(cache_path: str) -> dict:
-    try:
-        with open(cache_path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(doc, dict) or doc.get("schema") != CACHE_SCHEMA:
-        return {}
-    entries = doc.get("entries")
-    return entries if isinstance(entries, dict) else {}
+    doc = statefile.read_json(Path(cache_path), _valid_cache, "toolchain probe cache")
+    return doc["entries"] if doc is not None else {}
 
 
 def _save_cache(cache_path: str, entries: dict) -> None:

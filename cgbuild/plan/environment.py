@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cgbuild.core import statefile
 from cgbuild.core.canon import digest
 
 
@@ -29,16 +30,19 @@ def _path_stamp() -> list[list[Any]]:
     return stamps
 
 
+def _valid_cache(doc: Any) -> bool:
+    return (
+        isinstance(doc, dict) and isinstance(doc.get("stamp"), str) and statefile.is_str_map(doc.get("dists"))
+    )
+
+
 def installed(cache: Path | None = None) -> dict[str, str]:
     """name → version of every distribution importable by this interpreter."""
     stamp = digest({"python": sys.version, "paths": _path_stamp()})
     if cache is not None:
-        try:
-            data = json.loads(cache.read_text())
-            if data.get("stamp") == stamp:
-                return dict(data["dists"])
-        except (OSError, ValueError, KeyError):
-            pass
+        data = statefile.read_json(cache, _valid_cache, "distribution cache")
+        if data is not None and data["stamp"] == stamp:
+            return dict(data["dists"])
     dists: dict[str, str] = {}
     for d in md.distributions():
         name = (d.metadata["Name"] or "").lower().replace("_", "-")

@@ -13,18 +13,28 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild.config.cgfile import Cgfile, Family
-from cgbuild.core import fs
+from cgbuild.core import fs, statefile
 from cgbuild.core.canon import digest, hexfloats
 from cgbuild.core.entry import entry_files
+
+
+def _valid_cache(doc: Any) -> bool:
+    """path → [mtime_ns, size, inode, sha256]."""
+    return isinstance(doc, dict) and all(
+        isinstance(v, list)
+        and len(v) == 4
+        and all(isinstance(x, int) for x in v[:3])
+        and isinstance(v[3], str)
+        for v in doc.values()
+    )
 
 
 class SourceHasher:
     def __init__(self, cache: Path) -> None:
         self._cache_path = cache
-        try:
-            self._cache: dict[str, list[Any]] = json.loads(cache.read_text())
-        except (OSError, ValueError):
-            self._cache = {}
+        self._cache: dict[str, list[Any]] = (
+            statefile.read_json(cache, _valid_cache, "source digest cache") or {}
+        )
         self._dirty = False
 
     def file_digest(self, path: Path) -> str:

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 from cgbuild.config.cgfile import Cgfile
 from cgbuild.config.labels import Selector
 from cgbuild.config.targets import Target, expand, select
+from cgbuild.core import statefile
 from cgbuild.core.canon import digest
 from cgbuild.core.errors import UserError
 from cgbuild.identity import layout, toolchain
 from cgbuild.identity.keys import AXES, IDENTITY_FIELDS, Axis, graph_axis, key_of, sm_axis, toolchain_axis
-from cgbuild.plan import environment
+from cgbuild.plan import environment, laststate
 from cgbuild.plan.inputs import SourceHasher
 from cgbuild.plan.tracecache import TraceCache, trace_inputs
 from cgbuild.protocol.trace import TraceJob, job_for, request, target_lanes
@@ -124,11 +125,8 @@ def _torch_of(block: dict[str, Any]) -> str | None:
 
 
 def _load_last(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-        return data if data.get("schema") == LAST_PLAN_SCHEMA else {}
-    except (OSError, ValueError):
-        return {}
+    doc = statefile.read_json(path, lambda d: laststate.valid(d, LAST_PLAN_SCHEMA), "last plan")
+    return doc or {}
 
 
 def _save_json(path: Path, data: Any) -> None:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cgbuild.core import statefile
 from cgbuild.core.canon import digest_unguarded
 from cgbuild.identity.layout import QUANT_RULES
 
@@ -43,30 +44,91 @@ def trace_inputs(
 
 
 class TraceCache:
-    """inputs digest → facts; safe for several processes (SQLite WAL)."""
+    """inputs digest → facts; safe for several processes (SQLite WAL).
+
+    A file that is not a trace cache (torn by a crash outside SQLite's guarantees, another
+    tool's database, garbage) is set aside and an empty cache takes its place: traces are
+    re-run, nothing is lost that the workspace cannot rebuild. A row whose facts are not a JSON
+    object is dropped the same way, one row at a time.
+    """
 
     def __init__(self, path: Path) -> None:
+        self._path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = self._open()
+        except sqlite3.DatabaseError as exc:
+            statefile.set_aside(path, f"trace cache unreadable ({exc})", companions=_COMPANIONS)
+            self._db = self._open()
+
+    def _open(self) -> sqlite3.Connection:
         # Results arrive on the threads that read the children; callers serialize writes.
-        self._db = sqlite3.connect(path, timeout=30, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS traces (inputs TEXT PRIMARY KEY, facts TEXT NOT NULL)")
+        db = sqlite3.connect(self._path, timeout=30, check_same_thread=False)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("CREATE TABLE IF NOT EXISTS traces (inputs TEXT PRIMARY KEY, facts TEXT NOT NULL)")
+            columns = [row[1] for row in db.execute("PRAGMA table_info(traces)")]
+            if columns != ["inputs", "facts"]:
+                raise sqlite3.DatabaseError(f"a 'traces' table of columns {columns}")
+            db.execute("SELECT inputs, facts FROM traces LIMIT 1").fetchall()
+        except sqlite3.DatabaseError:
+            db.close()
+            raise
+        return db
+
+    def _recover(self, exc: sqlite3.DatabaseError) -> None:
+        """A read or write failed mid-file (a torn page): set the file aside, start empty."""
+        self._db.close()
+        statefile.set_aside(self._path, f"trace cache damaged ({exc})", companions=_COMPANIONS)
+        self._db = self._open()
 
     def get_many(self, inputs: list[str]) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
+        bad: list[str] = []
         unique = list(dict.fromkeys(inputs))
-        for i in range(0, len(unique), 500):
-            chunk = unique[i : i + 500]
-            marks = ",".join("?" * len(chunk))
-            for k, facts in self._db.execute(
-                f"SELECT inputs, facts FROM traces WHERE inputs IN ({marks})", chunk
-            ):
-                out[k] = json.loads(facts)
+        try:
+            for i in range(0, len(unique), 500):
+                chunk = unique[i : i + 500]
+                marks = ",".join("?" * len(chunk))
+                for k, facts in self._db.execute(
+                    f"SELECT inputs, facts FROM traces WHERE inputs IN ({marks})", chunk
+                ):
+                    value = _facts(facts)
+                    if value is None:
+                        bad.append(k)
+                    else:
+                        out[k] = value
+        except sqlite3.DatabaseError as exc:
+            self._recover(exc)
+            return {}
+        if bad:
+            print(
+                f"cgbuild: warning: {self._path}: {len(bad)} unreadable trace rows dropped", file=sys.stderr
+            )
+            with self._db:
+                self._db.executemany("DELETE FROM traces WHERE inputs = ?", [(k,) for k in bad])
         return out
 
     def put(self, inputs: str, facts: dict[str, Any]) -> None:
-        with self._db:
-            self._db.execute("INSERT OR REPLACE INTO traces VALUES (?, ?)", (inputs, json.dumps(facts)))
+        row = (inputs, json.dumps(facts))
+        try:
+            with self._db:
+                self._db.execute("INSERT OR REPLACE INTO traces VALUES (?, ?)", row)
+        except sqlite3.DatabaseError as exc:
+            self._recover(exc)
+            with self._db:
+                self._db.execute("INSERT OR REPLACE INTO traces VALUES (?, ?)", row)
 
     def close(self) -> None:
         self._db.close()
+
+
+_COMPANIONS = ("-wal", "-shm")
+
+
+def _facts(text: Any) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
