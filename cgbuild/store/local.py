@@ -216,7 +216,7 @@ class Store:
         self._lock_path = self.root / "lock"
         self._laid_out = False
 
-    def _layout(self) -> None:
+    def ensure_layout(self) -> None:
         """Create the folders and the lock on the first write: a reader (plan, verify of a
         read-only store, adopt) never creates or locks anything."""
         if not self._laid_out:
@@ -237,7 +237,7 @@ class Store:
 
     @contextlib.contextmanager
     def _locked(self, exclusive: bool) -> Iterator[None]:
-        self._layout()
+        self.ensure_layout()
         fd = os.open(self._lock_path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
@@ -246,7 +246,7 @@ class Store:
             os.close(fd)  # closing releases the flock; so does the death of the process
 
     def _temp(self) -> tuple[Path, BinaryIO]:
-        self._layout()
+        self.ensure_layout()
         path = self.root / "tmp" / f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         return path, os.fdopen(fd, "wb")

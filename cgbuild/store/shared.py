@@ -400,6 +400,7 @@ class SharedStore:
         if doc.get("key") != key or not _SHA_RE.match(str(sha)) or not isinstance(size, int):
             raise StoreError(key, f"malformed remote ref {self.remote.ref_name(key)}")
         signer = self._verify(key, sha, size, doc.get("signature"))
+        self.local.ensure_layout()
         tmp_dir = self.local.root / "tmp"
         for _ in range(2):
             fd, name = tempfile.mkstemp(dir=tmp_dir, suffix=".pull")
