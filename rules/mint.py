@@ -83,6 +83,7 @@ from pathlib import Path
 from typing import Any
 
 import cgbuild
+from cgbuild.core import fs
 from cgbuild.core.codes import RETRYABLE
 from cgbuild.core.platform import normalize_arch
 from cgbuild.identity import compiler, policy
@@ -805,9 +806,7 @@ def _stage_main(stage: str, work: Path, args: Sequence[str] = ()) -> int:
             "code": code,
             "detail": f"{type(e).__name__}: {' '.join(str(e).split())[:600]}",
         }
-    tmp = work / f".{stage}.json.tmp"
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, work / f"{stage}.json")
+    fs.write_atomic(work / f"{stage}.json", json.dumps(result))
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ from safetensors.torch import save
 from cgbuild.config import cgfile
 from cgbuild.config.cgfile import Cgfile
 from cgbuild.config.targets import Target, expand
+from cgbuild.core import fs
 from cgbuild.core.errors import UserError
 from cgbuild.identity.layout import INDEX_SUFFIX
 from cgbuild.protocol.trace import job_for
@@ -41,10 +41,7 @@ from cgbuild.protocol.trace import job_for
 def _write_if_changed(path: Path, data: bytes) -> bool:
     if path.is_file() and path.read_bytes() == data:
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    fs.write_atomic(path, data)
     return True
 
 

@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild.config.targets import Target, expand
+from cgbuild.core import fs
 from cgbuild.core.codes import RETRYABLE
 from cgbuild.core.errors import UserError
 from cgbuild.core.platform import host_name
@@ -109,13 +109,7 @@ def _evidence_run(result: dict[str, Any], how: str) -> dict[str, Any]:
 
 
 def _write_record(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(record, f, sort_keys=True, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fs.write_json(path, record, indent=1)
 
 
 def _layout_request(ws: Workspace, t: Target, readable: dict[str, Any]) -> dict[str, Any]:

@@ -306,15 +306,8 @@ def _save_cache(cache_path: str, entries: dict) -> None:
     """Best effort, atomic: a cache that cannot be written only costs the next probe."""
     while len(entries) > _CACHE_ENTRIES:
         entries.pop(next(iter(entries)))
-    tmp = f"{cache_path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"schema": CACHE_SCHEMA, "entries": entries}, f, sort_keys=True)
-        os.replace(tmp, cache_path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    with contextlib.suppress(OSError):
+        fs.write_json(cache_path, {"schema": CACHE_SCHEMA, "entries": entries})
 
 
 def probe(
@@ -427,11 +420,7 @@ def lock_text(document: Mapping[str, Any]) -> str:
 
 def write_lock(path: str, document: Mapping[str, Any]) -> None:
     """Write a lock atomically."""
-    text = lock_text(document)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    fs.write_atomic(path, lock_text(document))
 
 
 def read_lock(path: str) -> dict:

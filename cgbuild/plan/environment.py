@@ -9,14 +9,13 @@ distribution touches its site-packages folder.
 from __future__ import annotations
 
 import importlib.metadata as md
-import json
 import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from cgbuild.core import statefile
+from cgbuild.core import fs, statefile
 from cgbuild.core.canon import digest
 
 
@@ -49,10 +48,7 @@ def installed(cache: Path | None = None) -> dict[str, str]:
         if name and name not in dists:
             dists[name] = d.version
     if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"stamp": stamp, "dists": dists}, sort_keys=True))
-        os.replace(tmp, cache)
+        fs.write_json(cache, {"stamp": stamp, "dists": dists})
     return dists
 
 

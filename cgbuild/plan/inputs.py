@@ -7,8 +7,6 @@ warm plan reads no source it has read before.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +62,4 @@ class SourceHasher:
     def save(self) -> None:
         if not self._dirty:
             return
-        self._cache_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._cache_path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self._cache))
-        os.replace(tmp, self._cache_path)
+        fs.write_json(self._cache_path, self._cache)

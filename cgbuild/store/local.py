@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
+from cgbuild.core import fs
 from cgbuild.core.canon import NotCanonical, canonical_json, file_digest
 
 REF_SCHEMA = "cgbuild.ref/1"
@@ -171,14 +172,6 @@ class GCReport:
     """Keys whose ref was malformed: quarantined with the reason, never a root."""
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def check_key(key: str) -> str:
     """Keys name files: refuse anything that could escape `refs/` or hide as a dotfile."""
     if not isinstance(key, str) or not _KEY_RE.match(key):
@@ -279,7 +272,7 @@ class Store:
             except FileExistsError:
                 if file_digest(dest) != (sha, size):
                     os.replace(tmp, dest)  # a corrupt resident is repaired by verified bytes
-            _fsync_dir(dest.parent)
+            fs.fsync_dir(dest.parent)
             return sha, size
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -298,7 +291,7 @@ class Store:
                 os.link(tmp, dest)
             except FileExistsError:
                 return False
-            _fsync_dir(dest.parent)
+            fs.fsync_dir(dest.parent)
             return True
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -511,7 +504,7 @@ class Store:
         src = self.object_path(sha)
         with contextlib.suppress(FileNotFoundError):
             os.replace(src, self.root / "quarantine" / "objects" / sha)
-            _fsync_dir(src.parent)
+            fs.fsync_dir(src.parent)
 
     def _quarantine(self, key: str, seen: Ref, reason: str) -> None:
         """Pull `key`'s artifact: record why, move the object aside, drop the ref.
@@ -523,18 +516,12 @@ class Store:
             if self.read_ref(key) != seen:
                 return
             record = {"schema": QUARANTINE_SCHEMA, "key": key, "reason": reason, "ref": seen.to_json()}
-            tmp, out = self._temp()
-            with out:
-                out.write((canonical_json(record) + "\n").encode())
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, self.quarantine_path(key))
-            _fsync_dir(self.quarantine_path(key).parent)
+            fs.write_atomic(self.quarantine_path(key), canonical_json(record) + "\n")
             obj = self.object_path(seen.object)
             if not self._object_intact_stat(seen) or file_digest(obj)[0] != seen.object:
                 self._move_to_quarantine(seen.object)
             os.unlink(self.ref_path(key))
-            _fsync_dir(self.ref_path(key).parent)
+            fs.fsync_dir(self.ref_path(key).parent)
 
     def heal(self, key: str, why: MalformedRef | None = None) -> str | None:
         """Quarantine `key`'s ref if it is malformed (a writer's duty; readers only report it):
@@ -568,18 +555,12 @@ class Store:
             "ref": None,
             "raw": raw[:2048].decode("ascii", "backslashreplace"),
         }
-        tmp, out = self._temp()
-        with out:
-            out.write((canonical_json(record) + "\n").encode())
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, self.quarantine_path(key))
-        _fsync_dir(self.quarantine_path(key).parent)
+        fs.write_atomic(self.quarantine_path(key), canonical_json(record) + "\n")
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
             path.unlink()
-        _fsync_dir(path.parent)
+        fs.fsync_dir(path.parent)
 
     def retire(self, key: str, reason: str) -> None:
         """Quarantine a key for a reason found outside this store (e.g. a shared store holds
@@ -665,13 +646,7 @@ class Store:
                 if old.get("schema") == EVIDENCE_SCHEMA:
                     doc = old
             doc["runs"].append(run)
-            tmp = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(4)}.tmp")
-            with open(tmp, "w") as out:
-                json.dump(doc, out, sort_keys=True, indent=1)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, path)
-            _fsync_dir(path.parent)
+            fs.write_json(path, doc, indent=1)
         finally:
             os.close(fd)
         return path

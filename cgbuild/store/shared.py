@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cgbuild.core import fs
 from cgbuild.core.canon import canonical_json, file_digest
 from cgbuild.store import trust
 from cgbuild.store.local import (
@@ -154,12 +155,8 @@ class SharedStore:
         if listed_at is None:
             listed_at = float(self._read_seen().get("listed_at", time.time()))
         doc = {"schema": SEEN_SCHEMA, "url": self.remote.url, "listed_at": listed_at}
-        body = json.dumps({**doc, "keys": sorted(self.remote.seen or ())})
         self.remote.seen_unsaved = False
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-        tmp.write_text(body)
-        os.replace(tmp, path)
+        fs.write_json(path, {**doc, "keys": sorted(self.remote.seen or ())})
 
     def _saw(self, key: str, present: bool) -> None:
         """A ref this process created, found standing, or quarantined: keep `seen` current
