@@ -51,7 +51,10 @@ def toy(tmp_path: Path, shared_traces: Path, toy_reference: Path) -> Path:
 
 
 def plan(ws: Path, label: str = "//...", lock: str | None = None) -> dict[str, Any]:
-    return make_plan(Workspace(cgfile.load(ws / "Cgfile"), toolchain_lock=lock), parse_selector(label))
+    """What `cgbuild plan` computes and records."""
+    return make_plan(
+        Workspace(cgfile.load(ws / "Cgfile"), toolchain_lock=lock), parse_selector(label), record=True
+    )
 
 
 def by_label(p: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -486,3 +489,52 @@ def test_unknown_graph_target_reports_moved_inputs_once(toy: Path) -> None:
     assert "trace-input-moved" in {r["code"] for r in first["reasons"]}
     again = plan(toy, ":h200")["targets"][0]  # nothing moved since: the inputs seen were recorded
     assert "trace-input-moved" not in {r["code"] for r in again["reasons"]}
+
+
+def _why(ws: Path, label: str, capsys: pytest.CaptureFixture[str]) -> str:
+    from cgbuild.cli.main import main
+
+    capsys.readouterr()
+    assert main(["-C", str(ws), "why", label]) == 0
+    return capsys.readouterr().out.partition("propagated")[0]
+
+
+def test_root_causes_stay_until_fresh_and_only_plan_records(
+    toy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cgbuild.cli.main import main
+    from cgbuild.plan.planner import record_minted
+
+    artifact = tmp_path / "artifact.bin"
+    artifact.write_bytes(b"stand-in bytes: the mint tests admit real artifacts")
+    store = Store(toy / ".cgbuild" / "store")
+    for t in plan(toy)["targets"]:
+        store.admit(t["key"], artifact)
+    assert {t["status"] for t in plan(toy)["targets"]} == {"fresh"}  # every reference is now
+    edit(toy / "toy_models.py", "self.act = nn.GELU()", "self.act = nn.GELU(approximate='tanh')")
+    plan(toy)
+    recorded = (toy / ".cgbuild" / "last-plan.json").read_bytes()
+    for _ in range(2):  # asked again, `why` still names what moved: it consumed nothing
+        root = _why(toy, MLP8, capsys)
+        assert "trace-input-moved" in root and "missing-from-store" not in root
+    assert main(["-C", str(toy), "query", "//toy"]) == 0
+    assert (toy / ".cgbuild" / "last-plan.json").read_bytes() == recorded  # why and query never write
+    assert main(["-C", str(toy), "plan", "--json", "-o", str(tmp_path / "p.json")]) == 0
+    assert "trace-input-moved" in _why(toy, MLP8, capsys)  # a second plan keeps the root cause
+    edit(toy / "Cgfile", 'shapes = ["32x32"]', 'shapes = ["32x32", "64x64"]')
+    _why(toy, "//toy/conv/64x64-b2@fp32:cpu", capsys)
+    assert "64x64" not in (toy / ".cgbuild" / "last-plan.json").read_text()
+    assert main(["-C", str(toy), "plan", "--json"]) == 0
+    assert "64x64" in (toy / ".cgbuild" / "last-plan.json").read_text()  # plan records
+    # a mint of the moved key advances its reference: nothing moved since, it only lacks the store
+    record_minted(Workspace(cgfile.load(toy / "Cgfile")), {by_label(plan(toy))[MLP8]["key"]})
+    root = _why(toy, MLP8, capsys)
+    assert "trace-input-moved" not in root and "missing-from-store" in root
+    # a fresh key advances it too
+    store.admit(by_label(plan(toy))[MLP16]["key"], artifact)
+    assert by_label(plan(toy))[MLP16]["status"] == "fresh"
+    edit(toy / "toy_models.py", "self.act = nn.GELU(approximate='tanh')", "self.act = nn.GELU()")
+    back = by_label(plan(toy))[MLP16]  # the first artifact again: fresh, what moved is informational
+    assert back["status"] == "fresh" and not any(r["root"] for r in back["reasons"])
+    assert "trace-input-moved" in {r["code"] for r in back["reasons"]}
+    assert by_label(plan(toy))[MLP16]["reasons"] == []  # and the reference is now

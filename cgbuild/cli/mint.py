@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cgbuild.exec import fleet, mint
-    from cgbuild.plan.planner import make_plan
+    from cgbuild.plan.planner import make_plan, record_minted
 
     if not args.label and not args.plan:
         raise UserError("name a label (e.g. //toy:cpu) or --plan PLAN.json", field="label")
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     ws = workspace(args)
     update, close = progress_bar("tracing")
     try:
-        plan = make_plan(ws, parse_selector(args.label or "//..."), progress=update)
+        plan = make_plan(ws, parse_selector(args.label or "//..."), progress=update, record=True)
     finally:
         close()
     refused: list[dict[str, Any]] = []
@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if shared is not None:
         shared.save_seen()  # the keys published here: the next plan need not list them
     failed = [mk for mk in results if not mk.result.get("ok")]
+    record_minted(ws, {mk.key for mk in results if mk.result.get("ok")})
     summary = {
         "schema": "cgbuild.mint-summary/1",
         "minted": [

@@ -29,7 +29,12 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     update, close = progress_bar("tracing")
     try:
         return make_plan(
-            ws, parse_selector(args.label), run_traces=not args.no_trace, workers=args.jobs, progress=update
+            ws,
+            parse_selector(args.label),
+            run_traces=not args.no_trace,
+            workers=args.jobs,
+            progress=update,
+            record=True,
         )
     finally:
         close()

@@ -3,7 +3,12 @@
 DAG per target: sources → trace (graph digest, cached by over-keyed inputs) → toolchain fold →
 key → store lookup. Traces run only on a cache miss, in child interpreters; a re-trace that
 yields the same graph digest stops there (early cutoff). `fresh` comes only from a ref in the
-store, never from an earlier plan; the last plan is kept to say what moved since.
+store, never from an earlier plan.
+
+What moved is said against each target's reference in `<state>/last-plan.json`: the state it had
+when last seen fresh (or first seen). Only `plan` and `mint` write it (`record=True`); a target
+that still needs a mint keeps its reference, so its root causes stay until its key is fresh
+again, however often `plan` or `why` runs in between.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ if TYPE_CHECKING:
     from cgbuild.store.shared import SharedStore
 
 PLAN_SCHEMA = "cgbuild.plan/1"
-LAST_PLAN_SCHEMA = "cgbuild.last-plan/1"
+LAST_PLAN_SCHEMA = "cgbuild.last-plan/2"
 DETERMINISTIC_TRACE_FAILURES = {"entry-error", "trace-failed", "literal-hidden"}
 
 # Stable reason codes (documented in docs/plan.md).
@@ -189,13 +194,18 @@ def make_plan(
     run_traces: bool = True,
     workers: int | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    record: bool = False,
 ) -> dict[str, Any]:
-    """Plan the selected targets; traces what is not cached (unless `run_traces` is False)."""
+    """Plan the selected targets; traces what is not cached (unless `run_traces` is False).
+
+    `record` advances the workspace's recorded references (`plan` and `mint` only: a read-only
+    command such as `why` must not consume the explanation it shows)."""
     cg = ws.cg
     targets = select(cg, expand(cg), selector)
     cache_dir = ws.state / "cache"
     dists = environment.installed(cache_dir / "dists.json")
     env_digest = digest(sorted(dists.items()))
+    env_id = env_digest[:16]
     local_torch = environment.torch_build()
     toolchains, tc_source = resolve_toolchains(ws, cache_dir)
     selected_families = {t.id.family for t in targets}
@@ -288,7 +298,7 @@ def make_plan(
     store = shared or ws.store()
     out_targets = []
     ref_states: dict[str, str] = {}
-    memo: dict[tuple[str, ...], Any] = {}
+    memo: dict[tuple[str, ...], Any] = {("dists",): dists}
     for t in targets:
         inputs = unit_of[t.label]
         entry = _plan_target(
@@ -303,7 +313,6 @@ def make_plan(
             tc_source,
             last_targets.get(t.label),
             last,
-            dists,
             store,
             ref_states,
             memo,
@@ -319,7 +328,8 @@ def make_plan(
         },
         "targets": out_targets,
     }
-    _record(ws, plan, dists, last)
+    if record:
+        _record(ws, plan, last, env_id, dists)
     return plan
 
 
@@ -390,7 +400,6 @@ def _plan_target(
     tc_source: str,
     last: dict[str, Any] | None,
     last_plan: dict[str, Any],
-    dists: dict[str, str],
     store: Store | SharedStore,
     ref_states: dict[str, str],
     memo: dict[tuple[str, ...], Any],
@@ -463,10 +472,10 @@ def _plan_target(
                 reason(
                     "missing-from-store",
                     "no verified ref for this key in the store",
-                    root=last is not None and last.get("key") == key,
+                    root=last is not None and not last.get("new") and last.get("key") == key,
                 )
             )
-    reasons.extend(_moved(t, key, axes, inputs, last, last_plan, toolchains, dists, memo))
+    reasons.extend(_moved(t, key, axes, inputs, last, last_plan, toolchains, memo))
     if status == "fresh":
         for r in reasons:
             r["root"] = False
@@ -526,18 +535,20 @@ def _moved(
     last: dict[str, Any] | None,
     last_plan: dict[str, Any],
     toolchains: dict[str, Any],
-    dists: dict[str, str],
     memo: dict[tuple[str, ...], Any],
 ) -> list[dict[str, Any]]:
-    """What moved since the last recorded plan, as reasons (root causes first)."""
+    """What moved since the target's recorded reference, as reasons (root causes first)."""
     if last is None:
         return [reason("new-target", "not in the last recorded plan of this workspace", root=True)]
+    out: list[dict[str, Any]] = []
+    if last.get("new"):  # never fresh since first seen
+        out.append(reason("new-target", "not minted since it first appeared in a recorded plan", root=True))
     trace_moved = last.get("trace_inputs") != inputs
     if not trace_moved and key is not None and last.get("key") == key:
-        return []  # the warm path: nothing this target depends on moved
-    out: list[dict[str, Any]] = []
+        return out  # the warm path: nothing this target depends on moved
     if trace_moved:
-        changes = _dist_changes(last_plan.get("environment", {}), dists, memo)
+        old_env = last_plan.get("environments", {}).get(last.get("env"), {})
+        changes = _dist_changes(last.get("env", ""), old_env, memo)
         detail = "trace inputs moved" + (
             f" ({'; '.join(changes[:4])})" if changes else " (family sources, entry config or rule version)"
         )
@@ -551,7 +562,7 @@ def _moved(
         if _identity_of(name, old) == new.identity:
             continue
         if name == "toolchain":
-            old_comp = last_plan.get("toolchains", {}).get(old.get("platform"), {}).get("components", {})
+            old_comp = last_plan.get("toolchains", {}).get(old.get("fold"), {})
             new_comp = toolchains[t.device]["components"]
             changes = toolchain.component_changes(old_comp, new_comp)
             for comp, before, after in changes or [("?", old.get("fold"), new.identity["fold"])]:
@@ -598,12 +609,12 @@ def _short(name: str, readable: dict[str, Any]) -> str:
     return str(readable.get("digest") or readable.get("fold"))[:16]
 
 
-def _dist_changes(old: dict[str, str], new: dict[str, str], memo: dict[tuple[str, ...], Any]) -> list[str]:
-    """Installed distributions that changed since the last plan (once per plan, not per target)."""
-    if ("dists",) in memo:
-        return memo[("dists",)]  # type: ignore[no-any-return]
-    memo[("dists",)] = _changed_dists(old, new)
-    return memo[("dists",)]  # type: ignore[no-any-return]
+def _dist_changes(env_id: str, old: dict[str, str], memo: dict[tuple[str, ...], Any]) -> list[str]:
+    """Installed distributions that changed since a recorded environment (once per environment
+    per plan, not per target)."""
+    if ("dists", env_id) not in memo:
+        memo[("dists", env_id)] = _changed_dists(old, memo[("dists",)])
+    return memo[("dists", env_id)]  # type: ignore[no-any-return]
 
 
 def _changed_dists(old: dict[str, str], new: dict[str, str]) -> list[str]:
@@ -615,21 +626,78 @@ def _changed_dists(old: dict[str, str], new: dict[str, str]) -> list[str]:
     return out
 
 
-def _record(ws: Workspace, plan: dict[str, Any], dists: dict[str, str], last: dict[str, Any]) -> None:
-    """Keep what this plan saw, per label, so the next plan can say what moved."""
-    last = {"schema": LAST_PLAN_SCHEMA, "targets": {}, **last}
+def _record(
+    ws: Workspace, plan: dict[str, Any], last: dict[str, Any], env_id: str, dists: dict[str, str]
+) -> None:
+    """Advance each planned target's reference: a fresh target's becomes what it is now; one that
+    still needs a mint keeps its own (its root causes stand until it is fresh), with what it is
+    now kept apart (`pending`) so a mint of that key can advance it (`record_minted`)."""
+    refs: dict[str, Any] = dict(last.get("targets", {}))
+    pending: dict[str, Any] = dict(last.get("pending", {}))
     for entry in plan["targets"]:
-        known = last["targets"].get(entry["label"])
-        if entry["key"] is None and known is not None:
-            # An unknown graph says nothing new about the key: keep the last known one, but note
-            # the inputs seen, or every later plan would report them as moved again.
-            known["trace_inputs"] = entry["trace_inputs"]
-            continue
-        last["targets"][entry["label"]] = {
+        label = entry["label"]
+        now = {
             "key": entry["key"],
             "axes": entry["axes"],
             "trace_inputs": entry["trace_inputs"],
+            "env": env_id,
         }
-    last["environment"] = dists
-    last["toolchains"] = plan["toolchains"]
-    _save_json(ws.state / "last-plan.json", last)
+        ref = refs.get(label)
+        pending.pop(label, None)
+        if entry["status"] == "fresh":
+            refs[label] = now
+            continue
+        if ref is None:
+            refs[label] = {**now, "new": True}
+        elif entry["key"] is None:
+            # An unknown graph says nothing new about the key: keep the last known one, but note
+            # the inputs seen, or every later plan would report them as moved again.
+            refs[label] = {**ref, "trace_inputs": now["trace_inputs"], "env": env_id}
+        if entry["key"] is not None:
+            pending[label] = now
+    _save_last(
+        ws,
+        refs,
+        pending,
+        {**last.get("environments", {}), env_id: dists},
+        {
+            **last.get("toolchains", {}),
+            **{b["fold"]: b["components"] for b in plan["toolchains"].values()},
+        },
+    )
+
+
+def record_minted(ws: Workspace, keys: set[str]) -> None:
+    """A minted key is fresh: its targets' references become what they were planned as."""
+    last = _load_last(ws.state / "last-plan.json")
+    refs: dict[str, Any] = dict(last.get("targets", {}))
+    pending: dict[str, Any] = dict(last.get("pending", {}))
+    for label, now in list(pending.items()):
+        if now["key"] in keys:
+            refs[label] = now
+            del pending[label]
+    _save_last(ws, refs, pending, last.get("environments", {}), last.get("toolchains", {}))
+
+
+def _save_last(
+    ws: Workspace,
+    refs: dict[str, Any],
+    pending: dict[str, Any],
+    environments: dict[str, Any],
+    toolchains: dict[str, Any],
+) -> None:
+    """Write the references with only the environments and toolchains they still name (one copy
+    each, however many targets name it)."""
+    rows = [*refs.values(), *pending.values()]
+    envs = {r.get("env") for r in rows}
+    folds = {((r.get("axes") or {}).get("toolchain") or {}).get("fold") for r in rows}
+    _save_json(
+        ws.state / "last-plan.json",
+        {
+            "schema": LAST_PLAN_SCHEMA,
+            "targets": refs,
+            "pending": pending,
+            "environments": {k: v for k, v in environments.items() if k in envs},
+            "toolchains": {k: v for k, v in toolchains.items() if k in folds},
+        },
+    )
