@@ -272,7 +272,10 @@ def test_entry_source_change_moves_only_that_graph(toy: Path) -> None:
     assert "early-cutoff" in {r["code"] for r in after[CONV]["reasons"]}
     graph_moved = [r for r in after[MLP8]["reasons"] if r.get("axis") == "graph"]
     assert graph_moved and not graph_moved[0]["root"]  # the root cause is the moved trace input
-    assert any(r["code"] == "trace-input-moved" and r["root"] for r in after[MLP8]["reasons"])
+    moved = [r for r in after[MLP8]["reasons"] if r["code"] == "trace-input-moved"]
+    assert [(r["component"], r["detail"], r["root"]) for r in moved] == [
+        ("toy_models.py", "toy_models.py changed", True)
+    ]
 
 
 def test_installed_library_bump_retraces_and_moves_no_key(toy: Path, tmp_path: Path) -> None:
@@ -538,3 +541,40 @@ def test_root_causes_stay_until_fresh_and_only_plan_records(
     assert back["status"] == "fresh" and not any(r["root"] for r in back["reasons"])
     assert "trace-input-moved" in {r["code"] for r in back["reasons"]}
     assert by_label(plan(toy))[MLP16]["reasons"] == []  # and the reference is now
+
+
+def test_root_causes_name_the_config_key_and_group_per_family(
+    toy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cgbuild.cli.plan import show
+
+    artifact = tmp_path / "artifact.bin"
+    artifact.write_bytes(b"stand-in bytes: the mint tests admit real artifacts")
+    store = Store(toy / ".cgbuild" / "store")
+    for t in plan(toy)["targets"]:
+        store.admit(t["key"], artifact)
+    plan(toy)  # every reference is now
+    # 8 chunks split the fp32 fc1 (128 rows) otherwise; every other chunked layer splits as before
+    edit(
+        toy / "Cgfile",
+        "config = { hidden = 128, out = 10 }",
+        "config = { hidden = 128, out = 10, chunks = 8 }",
+    )
+    after = plan(toy)
+    mlp = by_label(after)[MLP8]
+    (root,) = [r for r in mlp["reasons"] if r["root"]]
+    assert root == {
+        "code": "trace-input-moved",
+        "detail": "family.toy.config.chunks changed (absent → 8)",
+        "root": True,
+        "component": "family.toy.config.chunks",
+        "old": "absent",
+        "new": "8",
+    }
+    conv = by_label(after)[CONV]
+    assert conv["status"] == "fresh" and "early-cutoff" in {r["code"] for r in conv["reasons"]}
+    capsys.readouterr()
+    show(after, every=False)
+    out = capsys.readouterr().out
+    assert "toy\n  2 targets re-mint: family.toy.config.chunks changed (absent → 8)\n" in out
+    assert "4 targets re-traced to an unchanged graph (early cutoff)" in out
