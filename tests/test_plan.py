@@ -578,3 +578,20 @@ def test_root_causes_name_the_config_key_and_group_per_family(
     out = capsys.readouterr().out
     assert "toy\n  2 targets re-mint: family.toy.config.chunks changed (absent → 8)\n" in out
     assert "4 targets re-traced to an unchanged graph (early cutoff)" in out
+
+
+def test_plan_exit_code_for_ci_gates(toy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cgbuild.cli.main import main
+
+    edit(toy / "Cgfile", 'skus = ["cpu"]', 'skus = ["cpu", "h200"]')
+    edit(toy / "Cgfile", "[layout.fp32]", '[sku.h200]\nsm = "sm_90"\nmemory_gib = 141\n\n[layout.fp32]')
+    assert main(["-C", str(toy), "plan", "--exit-code"]) == 1  # nothing minted yet
+    artifact = tmp_path / "artifact.bin"
+    artifact.write_bytes(b"stand-in bytes: the mint tests admit real artifacts")
+    store = Store(toy / ".cgbuild" / "store")
+    for t in plan(toy, ":cpu")["targets"]:
+        store.admit(t["key"], artifact)
+    # the CPU targets are fresh; the GPU ones are blocked by this machine's CPU-only torch only
+    assert main(["-C", str(toy), "plan", "--exit-code", "--json"]) == 0
+    assert main(["-C", str(toy), "plan"]) == 0  # without the flag: always 0
+    capsys.readouterr()

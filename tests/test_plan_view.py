@@ -75,3 +75,26 @@ def test_causes_are_grouped_per_family_and_new_targets_say_mint() -> None:
         "  [yellow]1 target mint",
     ]
     assert lines[1].endswith(": family.a.config.x changed (1 → 2)")
+
+
+def test_exit_code_gate_counts_mints_and_declared_blocks_not_this_machine() -> None:
+    from cgbuild.cli.plan import gate
+
+    def target(label: str, status: str, code: str) -> dict[str, Any]:
+        return {"label": label, "status": status, "reasons": [{"code": code, "detail": "", "root": True}]}
+
+    plan = {
+        "targets": [
+            target("fresh", "fresh", "-"),
+            target("gpu", "blocked", "no-cuda-torch"),
+            target("floor", "blocked", "layout-below-sm-floor"),
+            target("unknown", "trace", "graph-unknown"),
+        ]
+    }
+    assert gate(plan) == []
+    plan["targets"] += [
+        target("mint", "mint", "missing-from-store"),
+        target("mismatch", "blocked", "layout-topology-mismatch"),
+        target("failed", "blocked", "trace-failed"),
+    ]
+    assert gate(plan) == ["mint", "mismatch", "failed"]

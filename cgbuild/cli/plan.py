@@ -20,6 +20,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all", action="store_true", help="list every target, not only those that need action")
     p.add_argument("--no-trace", action="store_true", help="never trace: unknown graphs stay 'trace'")
     p.add_argument("-j", "--jobs", type=int, help="trace workers (default: families in parallel, ≤ cores)")
+    p.add_argument(
+        "--exit-code",
+        action="store_true",
+        help="exit 1 when anything must be minted, or is blocked by its declaration (not by this machine)",
+    )
 
 
 def compute(args: argparse.Namespace) -> dict[str, Any]:
@@ -47,9 +52,24 @@ def run(args: argparse.Namespace) -> int:
             print_json(plan, f)
     if args.json:
         print_json(plan)
-        return 0
-    show(plan, every=args.all)
-    return 0
+    else:
+        show(plan, every=args.all)
+    return 1 if args.exit_code and gate(plan) else 0
+
+
+def gate(plan: dict[str, Any]) -> list[str]:
+    """Labels a CI gate fails on: each target to mint, and each blocked by its declaration or a
+    failed trace. Blocked by this machine (a CPU-only torch, a card's sm floor) does not count: a
+    CPU CI box blocks every GPU target so. `trace` targets do not count either: their graph cannot
+    be known here (docs/plan.md)."""
+    from cgbuild.plan.reasons import ENVIRONMENT_CODES
+
+    return [
+        t["label"]
+        for t in plan["targets"]
+        if t["status"] == "mint"
+        or (t["status"] == "blocked" and not any(r["code"] in ENVIRONMENT_CODES for r in _roots(t)))
+    ]
 
 
 ROW_LIMIT = 40
