@@ -595,3 +595,16 @@ def test_plan_exit_code_for_ci_gates(toy: Path, tmp_path: Path, capsys: pytest.C
     assert main(["-C", str(toy), "plan", "--exit-code", "--json"]) == 0
     assert main(["-C", str(toy), "plan"]) == 0  # without the flag: always 0
     capsys.readouterr()
+
+
+def test_why_and_toolchain_show_print_the_settings(toy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cgbuild.cli.main import main
+
+    capsys.readouterr()
+    assert main(["-C", str(toy), "toolchain", "show"]) == 0
+    shown = capsys.readouterr().out
+    (settings,) = [line for line in shown.splitlines() if line.split()[:1] == ["settings"]][:1]
+    assert "cgbuild.policy/1" not in shown and "inductor " in settings and "cpp.march=" in settings
+    assert main(["-C", str(toy), "why", MLP8, "--no-trace"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["toolchain"]]
+    assert "settings ," not in line and "settings inductor " in line and "; torch 2." in line
