@@ -1,6 +1,6 @@
 """`cgbuild` command line: parse, dispatch, and turn bad input into one line and exit code 2.
 
-Exit codes: 0 success; 1 `diff --exit-code` found work, or a mint/verify failed; 2 bad input
+Exit codes: 0 success; 1 `diff|plan --exit-code` found work, or a mint/verify failed; 2 bad input
 (Cgfile, label, lock, plan file); 3 an internal error (a bug: the traceback is printed).
 Each command lives in its own `cmd_*` module, imported only when it runs, so `cgbuild plan`
 never pays for what `mint` needs.
