@@ -130,12 +130,20 @@ def _check_request(req: Any) -> None:
 
 
 @contextlib.contextmanager
-def _sandbox(path: Path, fresh: bool) -> Iterator[None]:
-    """Hold the sandbox: shared by warm mints; exclusive (and emptied) for a fresh one."""
+def _sandbox(path: Path, fresh: bool, progress: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold the sandbox: shared by warm mints; exclusive (and emptied) for a fresh one. The
+    sandbox is shared by every workspace of this machine, so a wait is announced, never silent."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    mode = fcntl.LOCK_EX if fresh else fcntl.LOCK_SH
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if fresh else fcntl.LOCK_SH)
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress:
+                holder = "mints using it" if fresh else "a `mint --check` emptying it"
+                progress(f"waiting for the compile sandbox {path} ({holder})")
+            fcntl.flock(fd, mode)
         if fresh:
             shutil.rmtree(path, ignore_errors=True)
         for sub in ("tmp", "inductor", "triton"):
@@ -150,6 +158,14 @@ def _signal_name(code: int) -> str:
         return signal.Signals(code).name
     except ValueError:
         return f"signal {code}"
+
+
+def _echo(log: Path, stage: str) -> None:
+    """Copy a stage's output to this worker's stderr, which the engine keeps as the key's log:
+    the work folder holding the stage logs is removed when the mint succeeds."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    sys.stderr.write(f"== {stage} stage ({len(text.splitlines())} lines) ==\n{text}")
+    sys.stderr.flush()
 
 
 def run_stage(
@@ -172,6 +188,8 @@ def run_stage(
             proc.kill()
             proc.wait()
             raise MintFailure("timeout", f"{stage} stage ran past {timeout_s:.0f} s") from None
+        finally:
+            _echo(work / f"{stage}.log", stage)
     if result_path.exists():
         result = json.loads(result_path.read_text())
         if not result.get("ok"):
@@ -254,9 +272,9 @@ def mint(req: dict[str, Any], progress: Callable[[str], None] | None = None) -> 
         (work / "request.json").write_text(json.dumps({**req, "cxx_path": cxx, "sandbox": str(sandbox)}))
         timeout = float(req.get("timeout_s") or 3600)
         phase = "compile"
-        if progress:
-            progress(phase)
-        with _sandbox(sandbox, bool(req.get("fresh"))):
+        with _sandbox(sandbox, bool(req.get("fresh")), progress):
+            if progress:
+                progress(phase)  # the sandbox is held: the compile itself starts now
             built = run_stage("compile", work, env, timeout)
         phase = "verify"
         if progress:

@@ -334,3 +334,29 @@ def test_keylines_count_only_newlines() -> None:
 def test_error_text_escapes_control_characters(tmp_path: Path) -> None:
     err = error_of(tmp_path, GOOD.replace('sm = "cpu"', 'sm = "\\u001b[2Jcpu"', 1))
     assert "\x1b" not in str(err) and "\\x1b[2Jcpu" in str(err)
+
+
+def test_cgfile_example_plans_from_the_checkout_root(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As `cgbuild plan --cgfile Cgfile.example` at the checkout's root, with no network: its
+    entry is the toy's, its shared store is commented out (a declared one would be contacted)."""
+    import json
+    import shutil
+
+    from cgbuild.cli.main import main
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copy(root / "Cgfile.example", tmp_path / "Cgfile.example")
+    shutil.copytree(
+        root / "examples" / "toy",
+        tmp_path / "examples" / "toy",
+        ignore=shutil.ignore_patterns(".cgbuild", "__pycache__", "reference"),
+    )
+    assert main(["-C", str(tmp_path), "plan", "--cgfile", str(tmp_path / "Cgfile.example"), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    cpu = [t for t in plan["targets"] if t["sm"] == "cpu"]
+    assert cpu and all(t["status"] == "mint" and t["key"] for t in cpu)
+    codes = {t["reasons"][0]["code"] for t in plan["targets"] if t["status"] == "blocked"}
+    assert codes <= {"no-cuda-torch"}  # blocked only by a CPU-only torch, never by the file
+    assert cgfile.load(tmp_path / "Cgfile.example").remote is None

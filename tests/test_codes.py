@@ -20,7 +20,7 @@ PAGE = ROOT / "docs" / "codes.md"
 NOT_CODES = {
     "1e-2", "1e-4", "1e-9", "5e-2", "aot-inductor", "fail-after-part", "kill-after-part",
     "fp8-rowwise", "int8-rowwise", "nvidia-smi", "per-output-row", "pytorch-triton", "rel-rms",
-    "utf-8", "x86-64-v1", "x86-64-v2", "x86-64-v3", "x86-64-v4",
+    "re-mint", "trace-rule", "utf-8", "x86-64-v1", "x86-64-v2", "x86-64-v3", "x86-64-v4",
 }  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""Plan files given to `cgbuild diff` and `mint --plan`: hostile until checked; exit 2, never a traceback."""
+"""Plan files given to `cgbuild diff` and `mint --plan` (hostile until checked: exit 2, never a
+traceback), and what each tag of a rendered diff tells a reviewer."""
 
 from __future__ import annotations
 
@@ -116,3 +117,21 @@ def test_render_escapes_what_a_plan_holds(tmp_path: Path) -> None:
     head["targets"][0]["axes"] = {"toolchain": {"fold": "y"}}
     text = render(diff_plans(base, head), "text")
     assert "\x1b" not in text and "\\x1b[2J" in text
+
+
+def _keyed(label: str, key: str) -> dict[str, Any]:
+    axes = {"graph": {"digest": key}, "sm": {"sm": "cpu"}, "toolchain": {"fold": "f"}, "layout": None}
+    return {"label": label, "family": "toy", "sm": "cpu", "key": key, "axes": axes}
+
+
+def test_brand_new_targets_are_tagged_mint_and_moved_ones_re_mint() -> None:
+    base = {"schema": "cgbuild.plan/1", "targets": [_keyed("//toy/a", "1" * 64)]}
+    head = {
+        "schema": "cgbuild.plan/1",
+        "targets": [_keyed("//toy/a", "2" * 64), _keyed("//toy/b", "3" * 64)],
+    }
+    text = render(diff_plans(base, head), "text")
+    assert "  moved    //toy/a [re-mint]: graph: " in text
+    assert "  added    //toy/b [mint]: new target" in text
+    markdown = render(diff_plans(base, head), "markdown")
+    assert "| added (mint) | `//toy/b` |" in markdown and "| moved (re-mint) | `//toy/a` |" in markdown

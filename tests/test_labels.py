@@ -89,3 +89,56 @@ def test_unknown_parts_are_errors_not_empty_sets(klein: cgfile.Cgfile, unknown: 
 def test_selector_is_not_a_label() -> None:
     with pytest.raises(UserError, match="selector, not a canonical label"):
         parse_label("//flux2-klein:sm_90")
+
+
+@pytest.mark.parametrize(
+    ("selector", "names"),
+    [
+        # parts that exist, but never together
+        ("//flux2-klein-tiny@bf16", "//flux2-klein-tiny has no layout 'bf16'; its layouts: fp32, int8"),
+        ("//flux2-klein:cpu", "//flux2-klein has no sm 'cpu'; its sms: sm_120, sm_90"),
+        ("//flux2-klein@fp8:rtx-pro-6000", None),  # exists: selects
+        ("//flux2-klein-tiny:rtx5090", "//flux2-klein-tiny has no SKU 'rtx5090'"),
+        # typos: the closest existing value is named
+        ("//flux2-klein/transformers/...", "no module 'transformers' (did you mean 'transformer'?)"),
+        (
+            "//flux2-klein/transformer/1024x1024",
+            "no graph class '1024x1024' (did you mean '1024x1024-t512-b1'?",
+        ),
+        ("//flux2-klien", "no family 'flux2-klien' in the Cgfile (did you mean 'flux2-klein'"),
+        ("@int9", "no layout 'int9' in the Cgfile (did you mean 'int8'?)"),
+        (":sm_91", "(did you mean 'sm_90' or 'sm_120'?)"),
+    ],
+)
+def test_a_selector_that_names_nothing_names_the_closest(
+    klein: cgfile.Cgfile, selector: str, names: str | None
+) -> None:
+    if names is None:
+        assert labels(klein, selector)
+        return
+    with pytest.raises(UserError) as err:
+        labels(klein, selector)
+    assert names in str(err.value) and err.value.exit_code == 2
+
+
+def test_every_selecting_command_refuses_a_selector_that_names_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cgbuild.cli.main import main
+
+    (tmp_path / "Cgfile").write_text((EXAMPLES / "flux2_klein" / "Cgfile").read_text())
+    (tmp_path / "flux2_entry.py").write_text((EXAMPLES / "flux2_klein" / "flux2_entry.py").read_text())
+    typo = "//flux2-klein-tiny/transformer/64x48"
+    for argv in (
+        ["plan", typo],
+        ["mint", typo],
+        ["query", typo],
+        ["verify", typo],
+        ["why", typo + "-t8-b2@fp32:cpu"],
+        ["inspect", typo + "-t8-b2@fp32:cpu"],
+    ):
+        assert main(["-C", str(tmp_path), *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert "did you mean" in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / ".cgbuild" / "traces.sqlite").exists()  # refused before any trace
+    # (`fetch` selects the same way, after it has checked that a shared store is declared)

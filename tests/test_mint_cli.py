@@ -56,9 +56,11 @@ def edit(path: Path, old: str, new: str) -> None:
 def minted_toy(tmp_path_factory: pytest.TempPathFactory, toy_reference: Path) -> Path:
     """The toy's plain layout minted (three compiles); its int8 targets stay to mint."""
     ws = copy_toy(tmp_path_factory.mktemp("minted") / "toy", toy_reference)
-    rc, summary = mint_json(ws, "//toy@fp32:cpu")
-    assert rc == 0, summary
+    proc = cli(ws, "mint", "//toy@fp32:cpu", "--json", "-j", "1")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(summary["minted"]) == 3 and not summary["failed"] and not summary["refused"]
+    (ws / "mint-progress.txt").write_text(proc.stderr)  # what a person watching it saw
     return ws
 
 
@@ -70,12 +72,43 @@ def test_mint_records_and_artifacts(minted_toy: Path) -> None:
         record = json.loads((minted_toy / ".cgbuild" / "mint" / f"{t['key']}.json").read_text())
         assert record["state"] == "ok" and record["labels"] == [t["label"]]
         assert {"export", "compile", "verify", "seal"} <= set(record["result"]["phases"])
-        assert Path(record["log"]).exists()
+        log = Path(record["log"]).read_text()  # the worker's own output, stage by stage
+        assert "== compile stage" in log and "== verify stage" in log
         meta = read_metadata(store.resolve(t["key"]).path)
         assert meta["key"] == t["key"] and meta["sm"] == "cpu"
         assert meta["facets"] == [t["envelope"]]
         assert meta["axes"]["graph"]["digest"] == t["axes"]["graph"]["digest"]
         assert "source" not in meta["axes"]["toolchain"]
+
+
+def test_mint_progress_in_execution_order_with_waits_and_phase_times(minted_toy: Path) -> None:
+    lines = [
+        line
+        for line in (minted_toy / "mint-progress.txt").read_text().splitlines()
+        if line.startswith("mint ")
+    ]
+    keys = list(dict.fromkeys(line.split()[1] for line in lines))
+    assert len(keys) == 3
+    # -j 1: the second and third key wait for a slot, and say so, before they start
+    waits = [
+        k
+        for k in keys
+        if any(line.startswith(f"mint {k}") and "waiting for a free mint slot" in line for line in lines)
+    ]
+    assert len(waits) == 2
+
+    def events(key: str) -> list[str]:
+        return [line.split(": ", 1)[1] for line in lines if line.startswith(f"mint {key}")]
+
+    (first,) = [k for k in keys if k not in waits]
+    phases = [p.split(" (")[0].split(":")[0] for p in events(first)]
+    assert phases[:3] == ["starting", "compile", "verify"] and phases[-2:] == ["admitting", "done"]
+    assert phases.index("lanes") < phases.index("seal")
+    assert all(" took " in p for p in events(first)[1:])  # each change says how long the last took
+    for key in waits:
+        later = events(key)
+        assert later[0].startswith("waiting for a free mint slot (1 at once")
+        assert later[1].startswith("starting (waiting for a free mint slot") and " took " in later[1]
 
 
 def test_second_mint_is_a_noop(minted_toy: Path) -> None:
@@ -222,10 +255,22 @@ def test_toy_lanes_verdict_evidence_and_inspect(minted_toy: Path) -> None:
         assert "samples_ns" not in json.dumps(block)
     ran = json.loads(cli(minted_toy, "verify", MLP8, "--run", "--json").stdout)["artifacts"][0]
     assert ran["status"] == "ok" and set(ran["run"]["lanes"]["checked"]) == {"baseline", "chunked"}
-    proc = cli(minted_toy, "inspect", MLP8)
+    proc = cli(minted_toy, "inspect", MLP8, env={**os.environ, "COLUMNS": "250"})
     assert proc.returncode == 0, proc.stderr
-    assert "lanes: winner" in proc.stdout and f"evidence {host_name()} (mint)" in proc.stdout
     doc = json.loads(cli(minted_toy, "inspect", MLP8, "--json").stdout)
+    rows = {line.split("  ")[0]: line for line in proc.stdout.splitlines() if not line.startswith(" ")}
+    meta = doc["metadata"]
+    assert set(rows) >= {"key", "labels", "graph", "sm", "toolchain", "layout", "signature", "lanes"}
+    assert meta["key"] in rows["key"] and MLP8 in rows["labels"]
+    assert meta["graph"]["digest"] in rows["graph"] and meta["toolchain"]["fold"] in rows["toolchain"]
+    assert "toy.mlp@1+plain.fp32@1" in rows["layout"]
+    assert "(x: float32[1, 8, 64]) -> float32[1, 8, 10]" in rows["signature"]
+    assert f"winner {meta['lanes']['verdict']['winner']}" in rows["lanes"]
+    assert f"evidence {host_name()} (mint)" in proc.stdout
+    torch = meta["toolchain"]["components"]["torch"]["version"]
+    assert any(line.split() == ["torch", torch] for line in proc.stdout.splitlines())  # a component row
+    assert rows["size"].split()[2] in ("KiB", "MiB") and "fresh (re-hashed now)" in rows["store"]
+    assert len(proc.stdout.splitlines()) < 60  # a summary, not the document
     assert doc["lane_evidence"][host_name()]["runs"][0]["measured"].keys() == {"baseline", "chunked"}
 
 

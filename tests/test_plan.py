@@ -51,7 +51,10 @@ def toy(tmp_path: Path, shared_traces: Path, toy_reference: Path) -> Path:
 
 
 def plan(ws: Path, label: str = "//...", lock: str | None = None) -> dict[str, Any]:
-    return make_plan(Workspace(cgfile.load(ws / "Cgfile"), toolchain_lock=lock), parse_selector(label))
+    """What `cgbuild plan` computes and records."""
+    return make_plan(
+        Workspace(cgfile.load(ws / "Cgfile"), toolchain_lock=lock), parse_selector(label), record=True
+    )
 
 
 def by_label(p: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -269,7 +272,10 @@ def test_entry_source_change_moves_only_that_graph(toy: Path) -> None:
     assert "early-cutoff" in {r["code"] for r in after[CONV]["reasons"]}
     graph_moved = [r for r in after[MLP8]["reasons"] if r.get("axis") == "graph"]
     assert graph_moved and not graph_moved[0]["root"]  # the root cause is the moved trace input
-    assert any(r["code"] == "trace-input-moved" and r["root"] for r in after[MLP8]["reasons"])
+    moved = [r for r in after[MLP8]["reasons"] if r["code"] == "trace-input-moved"]
+    assert [(r["component"], r["detail"], r["root"]) for r in moved] == [
+        ("toy_models.py", "toy_models.py changed", True)
+    ]
 
 
 def test_installed_library_bump_retraces_and_moves_no_key(toy: Path, tmp_path: Path) -> None:
@@ -497,3 +503,119 @@ def test_a_malformed_ref_reads_mint_with_its_reason_and_plan_leaves_it(toy: Path
     target = by_label(plan(toy))[MLP8]
     assert target["status"] == "mint" and "malformed-ref" in [r["code"] for r in target["reasons"]]
     assert store.ref_path(key).read_text() == "[]"  # plan reads; writers quarantine
+
+
+def _why(ws: Path, label: str, capsys: pytest.CaptureFixture[str]) -> str:
+    from cgbuild.cli.main import main
+
+    capsys.readouterr()
+    assert main(["-C", str(ws), "why", label]) == 0
+    return capsys.readouterr().out.partition("propagated")[0]
+
+
+def test_root_causes_stay_until_fresh_and_only_plan_records(
+    toy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cgbuild.cli.main import main
+    from cgbuild.plan.planner import record_minted
+
+    artifact = tmp_path / "artifact.bin"
+    artifact.write_bytes(b"stand-in bytes: the mint tests admit real artifacts")
+    store = Store(toy / ".cgbuild" / "store")
+    for t in plan(toy)["targets"]:
+        store.admit(t["key"], artifact)
+    assert {t["status"] for t in plan(toy)["targets"]} == {"fresh"}  # every reference is now
+    edit(toy / "toy_models.py", "self.act = nn.GELU()", "self.act = nn.GELU(approximate='tanh')")
+    plan(toy)
+    recorded = (toy / ".cgbuild" / "last-plan.json").read_bytes()
+    for _ in range(2):  # asked again, `why` still names what moved: it consumed nothing
+        root = _why(toy, MLP8, capsys)
+        assert "trace-input-moved" in root and "missing-from-store" not in root
+    assert main(["-C", str(toy), "query", "//toy"]) == 0
+    assert (toy / ".cgbuild" / "last-plan.json").read_bytes() == recorded  # why and query never write
+    assert main(["-C", str(toy), "plan", "--json", "-o", str(tmp_path / "p.json")]) == 0
+    assert "trace-input-moved" in _why(toy, MLP8, capsys)  # a second plan keeps the root cause
+    edit(toy / "Cgfile", 'shapes = ["32x32"]', 'shapes = ["32x32", "64x64"]')
+    _why(toy, "//toy/conv/64x64-b2@fp32:cpu", capsys)
+    assert "64x64" not in (toy / ".cgbuild" / "last-plan.json").read_text()
+    assert main(["-C", str(toy), "plan", "--json"]) == 0
+    assert "64x64" in (toy / ".cgbuild" / "last-plan.json").read_text()  # plan records
+    # a mint of the moved key advances its reference: nothing moved since, it only lacks the store
+    record_minted(Workspace(cgfile.load(toy / "Cgfile")), {by_label(plan(toy))[MLP8]["key"]})
+    root = _why(toy, MLP8, capsys)
+    assert "trace-input-moved" not in root and "missing-from-store" in root
+    # a fresh key advances it too
+    store.admit(by_label(plan(toy))[MLP16]["key"], artifact)
+    assert by_label(plan(toy))[MLP16]["status"] == "fresh"
+    edit(toy / "toy_models.py", "self.act = nn.GELU(approximate='tanh')", "self.act = nn.GELU()")
+    back = by_label(plan(toy))[MLP16]  # the first artifact again: fresh, what moved is informational
+    assert back["status"] == "fresh" and not any(r["root"] for r in back["reasons"])
+    assert "trace-input-moved" in {r["code"] for r in back["reasons"]}
+    assert by_label(plan(toy))[MLP16]["reasons"] == []  # and the reference is now
+
+
+def test_root_causes_name_the_config_key_and_group_per_family(
+    toy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cgbuild.cli.plan import show
+
+    artifact = tmp_path / "artifact.bin"
+    artifact.write_bytes(b"stand-in bytes: the mint tests admit real artifacts")
+    store = Store(toy / ".cgbuild" / "store")
+    for t in plan(toy)["targets"]:
+        store.admit(t["key"], artifact)
+    plan(toy)  # every reference is now
+    # 8 chunks split the fp32 fc1 (128 rows) otherwise; every other chunked layer splits as before
+    edit(
+        toy / "Cgfile",
+        "config = { hidden = 128, out = 10 }",
+        "config = { hidden = 128, out = 10, chunks = 8 }",
+    )
+    after = plan(toy)
+    mlp = by_label(after)[MLP8]
+    (root,) = [r for r in mlp["reasons"] if r["root"]]
+    assert root == {
+        "code": "trace-input-moved",
+        "detail": "family.toy.config.chunks changed (absent → 8)",
+        "root": True,
+        "component": "family.toy.config.chunks",
+        "old": "absent",
+        "new": "8",
+    }
+    conv = by_label(after)[CONV]
+    assert conv["status"] == "fresh" and "early-cutoff" in {r["code"] for r in conv["reasons"]}
+    capsys.readouterr()
+    show(after, every=False)
+    out = capsys.readouterr().out
+    assert "toy\n  2 targets re-mint: family.toy.config.chunks changed (absent → 8)\n" in out
+    assert "4 targets re-traced to an unchanged graph (early cutoff)" in out
+
+
+def test_plan_exit_code_for_ci_gates(toy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cgbuild.cli.main import main
+
+    edit(toy / "Cgfile", 'skus = ["cpu"]', 'skus = ["cpu", "h200"]')
+    edit(toy / "Cgfile", "[layout.fp32]", '[sku.h200]\nsm = "sm_90"\nmemory_gib = 141\n\n[layout.fp32]')
+    assert main(["-C", str(toy), "plan", "--exit-code"]) == 1  # nothing minted yet
+    artifact = tmp_path / "artifact.bin"
+    artifact.write_bytes(b"stand-in bytes: the mint tests admit real artifacts")
+    store = Store(toy / ".cgbuild" / "store")
+    for t in plan(toy, ":cpu")["targets"]:
+        store.admit(t["key"], artifact)
+    # the CPU targets are fresh; the GPU ones are blocked by this machine's CPU-only torch only
+    assert main(["-C", str(toy), "plan", "--exit-code", "--json"]) == 0
+    assert main(["-C", str(toy), "plan"]) == 0  # without the flag: always 0
+    capsys.readouterr()
+
+
+def test_why_and_toolchain_show_print_the_settings(toy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cgbuild.cli.main import main
+
+    capsys.readouterr()
+    assert main(["-C", str(toy), "toolchain", "show"]) == 0
+    shown = capsys.readouterr().out
+    (settings,) = [line for line in shown.splitlines() if line.split()[:1] == ["settings"]][:1]
+    assert "cgbuild.policy/1" not in shown and "inductor " in settings and "cpp.march=" in settings
+    assert main(["-C", str(toy), "why", MLP8, "--no-trace"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["toolchain"]]
+    assert "settings ," not in line and "settings inductor " in line and "; torch 2." in line

@@ -1,6 +1,8 @@
-"""`cgbuild inspect ARTIFACT|LABEL`: an artifact's sealed metadata, members, its mint record and the
-lane evidence recorded beside it (raw timings per host and mint; the sealed verdict is only the
-discrete outcome)."""
+"""`cgbuild inspect ARTIFACT|KEY|LABEL`: a readable summary of an artifact (key, labels, the four
+axes, toolchain, layout stamp, lane verdict and evidence, sizes, call signature, store state);
+`--json` the full document: sealed metadata, members, its mint record and the lane evidence
+recorded beside it (raw timings per host and mint; the sealed verdict is only the discrete
+outcome)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild.cli.main import add_workspace_args, workspace
-from cgbuild.cli.render import print_json
+from cgbuild.cli.render import component_summary, console, phase_times, print_json
 from cgbuild.core.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", help="a sealed artifact file, a key, or a canonical label")
     add_workspace_args(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--json", action="store_true", help="the full document: metadata, members, record, evidence"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
 
     record: dict[str, Any] | None = None
     evidence: dict[str, Any] | None = None
+    stored: dict[str, Any] | None = None
     path = Path(args.what)
     if not path.is_file():
         from cgbuild.config.labels import parse_label, parse_selector
@@ -43,9 +48,15 @@ def run(args: argparse.Namespace) -> int:
         try:
             if store.read_ref(key) is None:
                 raise UserError(f"no artifact for key {key[:12]} in the store (mint it first)", field="what")
-            path = store.resolve(key, verify=True).path
+            resolved = store.resolve(key, verify=True)
         except StoreError as e:  # malformed ref, missing or corrupt object: reported, never raised
             raise UserError(f"{key[:12]}: {e.code}: {e.detail}", field="what") from None
+        path = resolved.path
+        stored = {
+            "store": str(ws.cg.store_dir),
+            "state": "fresh (re-hashed now)",
+            "ref": resolved.ref.to_json(),
+        }
         rec = ws.state / "mint" / f"{key}.json"
         record = json.loads(rec.read_text()) if rec.exists() else None
         # with a shared store: every card's runs published beside the artifact, not this host's only
@@ -63,14 +74,122 @@ def run(args: argparse.Namespace) -> int:
         "members": members,
         "mint_record": record,
         "lane_evidence": evidence,
+        "stored": stored,
     }
     if args.json:
         print_json(doc)
         return 0
-    print(json.dumps(doc, indent=2, sort_keys=True))
-    for line in _lane_summary(meta, evidence):
-        print(line)
+    show(doc)
     return 0
+
+
+def show(doc: dict[str, Any]) -> None:
+    """The summary a person reads; every value comes from the document `--json` prints."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    meta = doc["metadata"]
+    record = doc.get("mint_record") or {}
+    stored = doc.get("stored")
+    axes = meta.get("axes") or {}
+    graph, tc = axes.get("graph") or {}, axes.get("toolchain") or {}
+    lay = axes.get("layout") or {}
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+
+    def row(name: str, value: str) -> None:
+        grid.add_row(name, escape(value))
+
+    row("key", meta["key"])
+    labels = record.get("labels") or ((stored or {}).get("ref", {}).get("metadata") or {}).get("labels") or []
+    row("labels", "\n".join(labels) or "(not recorded here)")
+    row("covers", "; ".join(_facet(f) for f in meta.get("facets") or []) or "-")
+    row(
+        "graph",
+        f"{graph.get('digest') or meta['graph']['digest']} ({meta['graph'].get('nodes')} nodes, "
+        f"traced with torch {graph.get('traced_with', meta.get('torch'))})",
+    )
+    row("sm", f"{meta['sm']} (device {meta.get('device')})")
+    row(
+        "toolchain",
+        f"{tc.get('platform', meta['toolchain'].get('platform'))} fold {meta['toolchain']['fold']}",
+    )
+    for name, comp in sorted((meta["toolchain"].get("components") or {}).items()):
+        row(f"  {name}", component_summary(name, comp))
+    row(
+        "layout",
+        f"{meta.get('stamp')}: topology {str(lay.get('topology'))[:16]} "
+        f"(from {lay.get('topology_source')}), quant {str(lay.get('quant'))[:16]} ({lay.get('quant_rule')})",
+    )
+    host = meta.get("host") or {}
+    row(
+        "host",
+        f"isa {host.get('isa', {}).get('level')}, {host.get('cxx', {}).get('family')} "
+        f"{host.get('cxx', {}).get('version')}; needs {_runtime(host.get('runtime'))}; "
+        f"cgbuild {meta.get('cgbuild')}",
+    )
+    contract = meta["graph"].get("contract") or {}
+    row("signature", _signature(contract))
+    for i, line in enumerate(_lane_summary(meta, doc.get("lane_evidence"))):
+        row("lanes" if i == 0 else "", line.removeprefix("lanes: ").strip())
+    members = doc.get("members") or {}
+    size = Path(doc["artifact"]).stat().st_size if Path(doc["artifact"]).exists() else None
+    top = [m for m in members if "!" not in m]
+    row(
+        "size", f"{_bytes(size)} sealed; members {', '.join(top)} ({len(members) - len(top)} package entries)"
+    )
+    result = record.get("result") or {}
+    phases = result.get("phases") or {}
+    if phases:
+        row("minted", phase_times(phases))
+    if stored:
+        ref = stored["ref"]
+        row(
+            "store",
+            f"{stored['state']}: object sha256 {ref['object'][:16]}, {_bytes(ref['size'])}, "
+            f"in {stored['store']}",
+        )
+    else:
+        row("store", f"not looked up: a file given by path ({doc['artifact']})")
+    console().print(grid)
+
+
+def _runtime(runtime: Any) -> str:
+    if not isinstance(runtime, dict):
+        return str(runtime)
+    return ", ".join(f"{k} {v}" for k, v in sorted(runtime.items()))
+
+
+def _facet(f: dict[str, Any]) -> str:
+    text = f"{f.get('shape')} batch {f.get('batch')}"
+    text += f" text {f['text_len']}" if f.get("text_len") is not None else ""
+    return text + (f" guidance {', '.join(f['guidance'])}" if f.get("guidance") else "")
+
+
+def _signature(contract: dict[str, Any]) -> str:
+    """`x: float32[1, 8, 64] -> float32[1, 8, 10]` from the sealed call contract."""
+
+    def leaf(v: dict[str, Any]) -> str:
+        return f"{v.get('dtype')}{list(v.get('shape') or [])}"
+
+    ins = ", ".join(
+        f"{i.get('name')}: {' | '.join(leaf(v) for v in i.get('leaves') or [])}"
+        for i in contract.get("inputs") or []
+    )
+    outs = ", ".join(leaf(v) for v in (contract.get("outputs") or {}).get("leaves") or [])
+    symbols = contract.get("symbols") or []
+    return f"({ins}) -> {outs}" + (f"; symbols {symbols}" if symbols else "")
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
 
 
 def _lane_summary(meta: dict[str, Any], evidence: dict[str, Any] | None) -> list[str]:

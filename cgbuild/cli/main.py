@@ -1,6 +1,6 @@
 """`cgbuild` command line: parse, dispatch, and turn bad input into one line and exit code 2.
 
-Exit codes: 0 success; 1 `diff --exit-code` found work, or a mint/verify failed; 2 bad input
+Exit codes: 0 success; 1 `diff|plan --exit-code` found work, or a mint/verify failed; 2 bad input
 (Cgfile, label, lock, plan file, a flag); 3 an internal error (a bug: the traceback is printed);
 130 interrupted (Ctrl-C); 143 terminated (SIGTERM, handled like Ctrl-C: the same unwinding, one line).
 Each command lives in its own `cmd_*` module, imported only when it runs, so `cgbuild plan`

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from cgbuild.cli.main import add_workspace_args, positive_int, workspace
-from cgbuild.cli.render import console, print_json, progress_bar
+from cgbuild.cli.render import console, phase_times, print_json, progress_bar
 from cgbuild.config.labels import parse_selector
 from cgbuild.core.errors import UserError
 
@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cgbuild.exec import fleet, mint
-    from cgbuild.plan.planner import make_plan
+    from cgbuild.plan.planner import make_plan, record_minted
 
     if not args.label and not args.plan:
         raise UserError("name a label (e.g. //toy:cpu) or --plan PLAN.json", field="label")
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     ws = workspace(args)
     update, close = progress_bar("tracing")
     try:
-        plan = make_plan(ws, selector, progress=update)
+        plan = make_plan(ws, selector, progress=update, record=True)
     finally:
         close()
     refused: list[dict[str, Any]] = []
@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if shared is not None:
         shared.save_seen()  # the keys published here: the next plan need not list them
     failed = [mk for mk in results if not mk.result.get("ok")]
+    record_minted(ws, {mk.key for mk in results if mk.result.get("ok")})
     summary = {
         "schema": "cgbuild.mint-summary/1",
         "minted": [
@@ -128,16 +129,47 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed or refused or unpublished else 0
 
 
+STEPS = ("compile", "verify", "lanes", "seal", "admitting", "done")
+
+
+class PhaseClock:
+    """Each key's phases in the order they happened, with the seconds each took."""
+
+    def __init__(self) -> None:
+        self._current: dict[str, tuple[str, float]] = {}
+        self.history: dict[str, list[tuple[str, float]]] = {}
+
+    def enter(self, key: str, phase: str) -> tuple[str, float] | None:
+        """Start `phase` for `key`; returns the phase it ends and its seconds, if any."""
+        now = time.monotonic()
+        ended = None
+        if key in self._current:
+            last, since = self._current[key]
+            ended = (last, now - since)
+            self.history.setdefault(key, []).append(ended)
+        self._current[key] = (phase, now)
+        return ended
+
+    def line(self, key: str, phase: str) -> str:
+        done = " → ".join(f"{p} {s:.1f}s" for p, s in self.history.get(key, [])[-4:])
+        return f"{done} → {phase}" if done else phase
+
+
 def _events(total: int):  # -> Callable[[MintKey, str], None]
-    """Per-key phase rows and an overall bar with ETA on a terminal; one line per event otherwise."""
+    """Per key: what it is doing, in execution order with each phase's seconds ("waiting for …"
+    while it waits on a free slot or the compile sandbox's lock); an overall bar with ETA on a
+    terminal, one line per event otherwise."""
     import sys
 
     if total == 0:
         return lambda mk, phase: None
+    clock = PhaseClock()
     if not sys.stderr.isatty():
 
         def plain(mk: Any, phase: str) -> None:
-            print(f"mint {mk.key[:12]} {mk.labels[0]}: {phase}", file=sys.stderr, flush=True)
+            ended = clock.enter(mk.key, phase)
+            took = f" ({ended[0]} took {ended[1]:.1f} s)" if ended else ""
+            print(f"mint {mk.key[:12]} {mk.labels[0]}: {phase}{took}", file=sys.stderr, flush=True)
 
         return plain
     from rich.progress import (
@@ -162,23 +194,19 @@ def _events(total: int):  # -> Callable[[MintKey, str], None]
     )
     overall = board.add_task("all keys", total=total, phase="")
     rows: dict[str, Any] = {}
-    steps = {
-        "starting": 0,
-        "retrying": 0,
-        "compile": 1,
-        "verify": 2,
-        "seal": 3,
-        "admitting": 4,
-        "done": 5,
-        "failed": 5,
-    }
     board.start()
 
+    def step(phase: str) -> int:
+        name = phase.split(":")[0]
+        return STEPS.index(name) + 1 if name in STEPS else 0
+
     def on_event(mk: Any, phase: str) -> None:
+        clock.enter(mk.key, phase)
         if mk.key not in rows:
             more = f" +{len(mk.labels) - 1}" if len(mk.labels) > 1 else ""
-            rows[mk.key] = board.add_task(f"{mk.labels[0]}{more}", total=5, phase="")
-        board.update(rows[mk.key], completed=steps.get(phase, 0), phase=phase)
+            rows[mk.key] = board.add_task(f"{mk.labels[0]}{more}", total=len(STEPS), phase="")
+        done = len(STEPS) if phase == "failed" else step(phase)
+        board.update(rows[mk.key], completed=done, phase=clock.line(mk.key, phase))
         if phase in ("done", "failed"):
             board.advance(overall)
             if board.tasks[overall].finished:
@@ -195,9 +223,7 @@ def _show(summary: dict[str, Any], ws: Any) -> None:
         f"({summary['seconds']:.1f} s) into {ws.cg.store_dir}"
     )
     for m in summary["minted"]:
-        phases = ", ".join(
-            f"{k} {v:.1f}s" for k, v in (m["phases"] or {}).items() if isinstance(v, int | float)
-        )
+        phases = phase_times(m["phases"])
         out.print(f"  [green]minted[/] {m['key'][:12]} {' '.join(m['labels'])} ({phases})")
     for f in summary["failed"]:
         kind = "retryable" if f["retryable"] else "deterministic"

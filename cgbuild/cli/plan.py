@@ -23,6 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-j", "--jobs", type=positive_int, help="trace workers (default: families in parallel, ≤ cores)"
     )
+    p.add_argument(
+        "--exit-code",
+        action="store_true",
+        help="exit 1 when anything must be minted, or is blocked by its declaration (not by this machine)",
+    )
 
 
 def compute(args: argparse.Namespace) -> dict[str, Any]:
@@ -32,7 +37,12 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     update, close = progress_bar("tracing")
     try:
         return make_plan(
-            ws, parse_selector(args.label), run_traces=not args.no_trace, workers=args.jobs, progress=update
+            ws,
+            parse_selector(args.label),
+            run_traces=not args.no_trace,
+            workers=args.jobs,
+            progress=update,
+            record=True,
         )
     finally:
         close()
@@ -50,9 +60,24 @@ def run(args: argparse.Namespace) -> int:
             ) from None
     if args.json:
         print_json(plan)
-        return 0
-    show(plan, every=args.all)
-    return 0
+    else:
+        show(plan, every=args.all)
+    return 1 if args.exit_code and gate(plan) else 0
+
+
+def gate(plan: dict[str, Any]) -> list[str]:
+    """Labels a CI gate fails on: each target to mint, and each blocked by its declaration or a
+    failed trace. Blocked by this machine (a CPU-only torch, a card's sm floor) does not count: a
+    CPU CI box blocks every GPU target so. `trace` targets do not count either: their graph cannot
+    be known here (docs/plan.md)."""
+    from cgbuild.plan.reasons import ENVIRONMENT_CODES
+
+    return [
+        t["label"]
+        for t in plan["targets"]
+        if t["status"] == "mint"
+        or (t["status"] == "blocked" and not any(r["code"] in ENVIRONMENT_CODES for r in _roots(t)))
+    ]
 
 
 ROW_LIMIT = 40
@@ -60,7 +85,8 @@ ORDER = {"mint": 0, "trace": 1, "blocked": 2, "fresh": 3}
 
 
 def show(plan: dict[str, Any], *, every: bool) -> None:
-    """Summary, causes grouped, then the rows that need action (all rows with `--all`).
+    """Summary, root causes grouped per family (with early cutoffs), then the rows that need
+    action (all rows with `--all`).
 
     Rows are plain text: a rich table of 10,000 rows takes seconds to lay out.
     """
@@ -73,24 +99,16 @@ def show(plan: dict[str, Any], *, every: bool) -> None:
     )
     out.print(f"{len(targets)} targets, {len(keys)} distinct keys: {summary or 'nothing selected'}")
     pending = sorted((t for t in targets if t["status"] != "fresh"), key=lambda t: ORDER[t["status"]])
+    for line in cause_lines(targets):
+        out.print(line, highlight=False)
     if not pending and not every:
         if targets:
             out.print("[green]everything is fresh[/]")
         return
-    causes: Counter[tuple[str, str]] = Counter()
-    example: dict[tuple[str, str], str] = {}
-    for t in pending:
-        cause = (t["status"], _root(t)["code"])
-        causes[cause] += 1
-        example.setdefault(cause, _root(t)["detail"])
-    for (status, code), n in sorted(causes.items(), key=lambda kv: (ORDER[kv[0][0]], -kv[1])):
-        out.print(
-            f"  [{STATUS_STYLE[status]}]{n:>6} {status}[/] {code}: {example[(status, code)]}", highlight=False
-        )
     rows = sorted(targets, key=lambda t: ORDER[t["status"]]) if every else pending[:ROW_LIMIT]
     width = max((len(t["label"]) for t in rows), default=0)
     lines = [
-        f"{t['status']:<8} {t['label']:<{width}}  {(t['key'] or '-')[:12]:<12}  {_root(t)['detail']}"
+        f"{t['status']:<8} {t['label']:<{width}}  {(t['key'] or '-')[:12]:<12}  {_roots(t)[0]['detail']}"
         for t in rows
     ]
     sys.stdout.write("\n".join(lines) + ("\n" if lines else ""))
@@ -100,8 +118,45 @@ def show(plan: dict[str, Any], *, every: bool) -> None:
         )
 
 
-def _root(t: dict[str, Any]) -> dict[str, Any]:
-    return (
-        next((r for r in t["reasons"] if r.get("root")), None)
-        or (t["reasons"] or [{"code": "-", "detail": ""}])[0]
-    )
+VERB = {"mint": "re-mint", "trace": "wait for a trace", "blocked": "blocked"}
+NAMED_CAUSES = 3  # root causes named per group line; the rest are counted
+
+
+def cause_lines(targets: list[dict[str, Any]]) -> list[str]:
+    """Per family: how many targets need what, and why ("3 targets re-mint: toy_models.py
+    changed"), and how many re-traced to an unchanged graph (early cutoff)."""
+    from rich.markup import escape
+
+    groups: dict[str, Counter[tuple[str, tuple[tuple[str, str], ...]]]] = {}
+    cutoffs: Counter[str] = Counter()
+    for t in targets:
+        family = t["family"]
+        if any(r["code"] == "early-cutoff" for r in t["reasons"]):
+            cutoffs[family] += 1
+        if t["status"] == "fresh":
+            continue
+        roots = tuple((r["code"], r["detail"]) for r in _roots(t))
+        groups.setdefault(family, Counter())[(t["status"], roots)] += 1
+    lines = []
+    for family in sorted(set(groups) | set(cutoffs)):
+        lines.append(f"[bold]{escape(family)}[/]")
+        causes = groups.get(family, Counter())
+        for (status, roots), n in sorted(causes.items(), key=lambda kv: (ORDER[kv[0][0]], -kv[1], kv[0][1])):
+            new = status == "mint" and all(code == "new-target" for code, _ in roots)
+            verb = "mint" if new else VERB[status]
+            named = "; ".join(detail for _, detail in roots[:NAMED_CAUSES]) + (
+                f"; and {len(roots) - NAMED_CAUSES} more" if len(roots) > NAMED_CAUSES else ""
+            )
+            lines.append(
+                f"  [{STATUS_STYLE[status]}]{n} target{'s' if n != 1 else ''} {verb}[/]: {escape(named)}"
+            )
+        if cutoffs[family]:
+            n = cutoffs[family]
+            plural = "s" if n != 1 else ""
+            lines.append(f"  {n} target{plural} re-traced to an unchanged graph (early cutoff): key kept")
+    return lines
+
+
+def _roots(t: dict[str, Any]) -> list[dict[str, Any]]:
+    """A target's root causes, or its first reason when none is marked root."""
+    return [r for r in t["reasons"] if r.get("root")] or (t["reasons"] or [{"code": "-", "detail": ""}])[:1]

@@ -52,3 +52,29 @@ def progress_bar(description: str) -> tuple[Callable[[int, int, str], None], Cal
         bar.update(task, completed=done, total=total, item=item)
 
     return update, bar.stop
+
+
+def component_summary(name: str, comp: Any) -> str:
+    """One short phrase per toolchain component, as a reader wants it: versions, and for the
+    compile settings the settings themselves rather than their scheme's name."""
+    from cgbuild.identity import toolchain
+
+    if name == "settings" and isinstance(comp, dict) and isinstance(comp.get("inductor"), dict):
+        inductor = ", ".join(f"{k}={v}" for k, v in sorted(comp["inductor"].items()))
+        env = comp.get("env") or {}
+        fixed = ", ".join(f"{k}={v}" for k, v in sorted((env.get("set") or {}).items()))
+        scrubbed = len(env.get("scrub") or []) + len(env.get("scrub_prefixes") or [])
+        return f"inductor {inductor or 'defaults'}; env {fixed or 'as found'}, {scrubbed} variables scrubbed"
+    return toolchain.summary(name, comp)
+
+
+# A mint worker's phases in the order they run (its result lists them sorted by name).
+PHASE_ORDER = ("export", "compile", "verify", "lanes", "seal", "total")
+
+
+def phase_times(phases: dict[str, Any] | None) -> str:
+    """A mint's phase seconds in execution order (phases this list does not know: before total)."""
+    items = [(k, v) for k, v in (phases or {}).items() if isinstance(v, int | float)]
+    rank = {name: float(i) for i, name in enumerate(PHASE_ORDER)}
+    items.sort(key=lambda kv: (rank.get(kv[0], len(PHASE_ORDER) - 1.5), kv[0]))
+    return ", ".join(f"{k} {v:.1f}s" for k, v in items)

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from cgbuild.cli.main import add_workspace_args, workspace
-from cgbuild.cli.render import console, print_json
+from cgbuild.cli.render import component_summary, console, print_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,5 +32,5 @@ def run(args: argparse.Namespace) -> int:
     for platform, block in toolchains.items():
         out.print(f"[bold]{platform}[/]  fold {block['fold']}")
         for name, comp in sorted(block["components"].items()):
-            out.print(f"  {name:<28} {toolchain.summary(name, comp)}")
+            out.print(f"  {name:<28} {component_summary(name, comp)}")
     return 0

@@ -10,7 +10,7 @@ import argparse
 from typing import Any
 
 from cgbuild.cli.main import add_workspace_args, workspace
-from cgbuild.cli.render import STATUS_STYLE, console, print_json
+from cgbuild.cli.render import STATUS_STYLE, component_summary, console, print_json
 from cgbuild.config.labels import parse_label, parse_selector
 from cgbuild.core.errors import UserError
 from cgbuild.core.platform import device_of
@@ -76,18 +76,9 @@ def _describe(name: str, block: dict[str, Any] | None, tc: dict[str, Any]) -> st
     if name == "sm":
         return str(block["sm"])
     if name == "toolchain":
-        comps = ", ".join(_component(n, c) for n, c in sorted(tc["components"].items()))
+        comps = "; ".join(f"{n} {component_summary(n, c)}" for n, c in sorted(tc["components"].items()))
         return f"{block['platform']} fold {block['fold'][:16]} (source {block['source']}): {comps}"
     return (
         f"topology {block['topology'][:16]} (from {block['topology_source']}), "
         f"quant {block['quant'][:16]} ({block['quant_rule']})"
     )
-
-
-def _component(name: str, block: Any) -> str:
-    if isinstance(block, dict):
-        if block.get("absent"):
-            return f"{name} absent"
-        version = block.get("version") or block.get("level") or str(block.get("digest", ""))[:8]
-        return f"{name} {version}"
-    return f"{name} {block}"

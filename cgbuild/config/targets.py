@@ -7,6 +7,8 @@ part of every facet but of no graph class name.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,18 +84,67 @@ def expand(cg: Cgfile) -> list[Target]:
 
 
 def select(cg: Cgfile, targets: list[Target], selector: Selector) -> list[Target]:
-    """Targets a selector names; an unknown family, layout or sm/SKU is an error, not an empty set."""
+    """Targets a selector names. A selector that names nothing is an error naming the closest
+    existing values (a typo must not mint nothing and exit 0); only `//...` may select nothing."""
     sku_sm = {name: sku.sm for name, sku in cg.skus.items()}
+    where = {"file": str(cg.path), "field": "label"}
     if selector.path and selector.path[0] not in cg.families:
-        raise UserError(f"no family '{selector.path[0]}' in the Cgfile", file=str(cg.path), field="label")
+        raise UserError(
+            f"no family '{selector.path[0]}' in the Cgfile{_closest(selector.path[0], cg.families)}", **where
+        )
     if selector.layout and selector.layout not in cg.layouts:
-        raise UserError(f"no layout '{selector.layout}' in the Cgfile", file=str(cg.path), field="label")
+        raise UserError(
+            f"no layout '{selector.layout}' in the Cgfile{_closest(selector.layout, cg.layouts)} "
+            f"(layouts: {', '.join(sorted(cg.layouts))})",
+            **where,
+        )
     known_sms = set(sku_sm.values())
     if selector.sm_or_sku and selector.sm_or_sku not in known_sms and selector.sm_or_sku not in sku_sm:
         raise UserError(
-            f"'{selector.sm_or_sku}' is neither an sm nor a SKU of the Cgfile "
+            f"'{selector.sm_or_sku}' is neither an sm nor a SKU of the Cgfile"
+            f"{_closest(selector.sm_or_sku, [*known_sms, *sku_sm])} "
             f"(sms: {', '.join(sorted(known_sms))}; SKUs: {', '.join(sorted(sku_sm))})",
-            file=str(cg.path),
-            field="label",
+            **where,
         )
-    return [t for t in targets if selector.matches(t.id, sku_sm, t.skus)]
+    chosen = [t for t in targets if selector.matches(t.id, sku_sm, t.skus)]
+    if not chosen and (selector.path or selector.layout or selector.sm_or_sku):
+        raise UserError(
+            f"no target matches '{selector.text}': {_why_nothing(targets, selector, sku_sm)}", **where
+        )
+    return chosen
+
+
+def _closest(word: str, known: Iterable[str]) -> str:
+    """' (did you mean 'a' or 'b'?)', or '' when nothing is close."""
+    close = difflib.get_close_matches(word, sorted(set(known)), n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def _why_nothing(targets: list[Target], selector: Selector, sku_sm: dict[str, str]) -> str:
+    """The first selector part that no target has together with the parts before it, with the
+    values those targets do have and the closest of them."""
+    kinds = ("family", "module", "graph class")
+    pool = targets
+    for depth, part in enumerate(selector.path):
+        values = {(t.id.family, t.id.module, t.id.graph_class)[depth] for t in pool}
+        if part not in values:
+            scope = "//" + "/".join(selector.path[:depth]) if depth else "the Cgfile"
+            return _missing(kinds[depth], part, scope, values)
+        pool = [t for t in pool if (t.id.family, t.id.module, t.id.graph_class)[depth] == part]
+    scope = "//" + "/".join(selector.path) if selector.path else "the Cgfile"
+    if selector.layout is not None:
+        values = {t.id.layout for t in pool}
+        if selector.layout not in values:
+            return _missing("layout", selector.layout, scope, values)
+        pool = [t for t in pool if t.id.layout == selector.layout]
+        scope += f"@{selector.layout}"
+    wanted = selector.sm_or_sku or ""
+    if wanted in sku_sm and wanted not in sku_sm.values():
+        return _missing("SKU", wanted, scope, {s for t in pool for s in t.skus})
+    return _missing("sm", wanted, scope, {t.id.sm for t in pool})
+
+
+def _missing(kind: str, value: str, scope: str, values: set[str]) -> str:
+    listed = ", ".join(sorted(values)) or "none"
+    plural = "graph classes" if kind == "graph class" else f"{kind}s"
+    return f"{scope} has no {kind} '{value}'{_closest(value, values)}; its {plural}: {listed}"

@@ -336,8 +336,14 @@ def publish_unpublished(ws: Workspace, plan: dict[str, Any]) -> list[dict[str, A
 def mint_keys(
     ws: Workspace, keys: list[MintKey], *, jobs: int, on_event: Callable[[MintKey, str], None] | None = None
 ) -> list[MintKey]:
-    """Mint, admit and record each key, `jobs` at once; returns them with `result` filled."""
+    """Mint, admit and record each key, `jobs` at once; returns them with `result` filled.
+
+    Keys past the first `jobs` are announced as waiting for a free slot until a worker takes them.
+    """
     store = Store(ws.cg.store_dir)
+    if on_event:
+        for mk in keys[max(1, jobs) :]:
+            on_event(mk, f"waiting for a free mint slot ({max(1, jobs)} at once, -j to change)")
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return list(pool.map(lambda mk: mint_one(ws, mk, store, on_event), keys))
 

@@ -204,17 +204,22 @@ def render(d: dict[str, Any], fmt: str) -> str:
         if d["entries"]:
             lines += ["", "| change | target | detail |", "|---|---|---|"]
             for e in d["entries"]:
-                lines.append(
-                    f"| {e['change']}{' (re-mint)' if e['remint'] else ''} | `{e['label']}` | {e['detail']} |"
-                )
+                lines.append(f"| {e['change']}{_tag(e, '({})')} | `{e['label']}` | {e['detail']} |")
         return "\n".join(printable(line) for line in lines) + "\n"
     for fam, c in d["families"].items():
         lines.append(f"{fam}: {_family_line(c)}")
     for e in d["entries"]:
-        flag = " [re-mint]" if e["remint"] else ""
-        lines.append(f"  {e['change']:<8} {e['label']}{flag}: {e['detail']}")
+        lines.append(f"  {e['change']:<8} {e['label']}{_tag(e, '[{}]')}: {e['detail']}")
     lines.append(f"{d['remint']} re-mint(s)" if d["entries"] else "no target moved")
     return "\n".join(printable(line) for line in lines) + "\n"
+
+
+def _tag(e: dict[str, Any], form: str) -> str:
+    """` [re-mint]` for a target whose key moved, ` [mint]` for a brand-new one: it was never
+    minted, so nothing is minted again."""
+    if not e["remint"]:
+        return ""
+    return " " + form.format("mint" if e["change"] == "added" else "re-mint")
 
 
 def _family_line(c: dict[str, int]) -> str:

@@ -31,21 +31,51 @@ def _target(value: Any) -> bool:
         isinstance(value, dict)
         and isinstance(value.get("key"), str | type(None))
         and isinstance(value.get("trace_inputs"), str | type(None))
-        and _axes(value.get("axes", {}))
+        and isinstance(value.get("env"), str | type(None))
+        and isinstance(value.get("fam"), str | type(None))
+        and isinstance(value.get("new", False), bool)
+        and _axes(value.get("axes") or {})
+    )
+
+
+def _targets(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and _target(v) for k, v in value.items())
+
+
+def _environment(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and is_str_map(value.get("dists", {}))
+        and isinstance(value.get("rule"), int)
+        and isinstance(value.get("python"), str)
+    )
+
+
+def _family(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("entry"), str)
+        and isinstance(value.get("config", {}), dict)
+        and isinstance(value.get("lanes", []), list)
+        and is_str_map(value.get("files", {}))
     )
 
 
 def _toolchains(value: Any) -> bool:
     if not isinstance(value, dict):
         return False
-    for block in value.values():
-        if not isinstance(block, dict) or not isinstance(block.get("components", {}), dict):
+    for components in value.values():
+        if not isinstance(components, dict):
             return False
         try:
-            canonical_json(block.get("components", {}))
+            canonical_json(components)
         except NotCanonical:
             return False
     return True
+
+
+def _snapshots(value: Any, ok: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and ok(v) for k, v in value.items())
 
 
 def valid(doc: Any, schema: str) -> bool:
@@ -53,8 +83,9 @@ def valid(doc: Any, schema: str) -> bool:
     return (
         isinstance(doc, dict)
         and doc.get("schema") == schema
-        and isinstance(doc.get("targets", {}), dict)
-        and all(isinstance(label, str) and _target(t) for label, t in doc.get("targets", {}).items())
-        and is_str_map(doc.get("environment", {}))
+        and _targets(doc.get("targets", {}))
+        and _targets(doc.get("pending", {}))
+        and _snapshots(doc.get("environments", {}), _environment)
+        and _snapshots(doc.get("families", {}), _family)
         and _toolchains(doc.get("toolchains", {}))
     )

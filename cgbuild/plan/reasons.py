@@ -1,0 +1,127 @@
+"""Reasons: why a target has its status, as frozen typed values (DESIGN §3b, docs/plan.md).
+
+The planner builds a `Reason` at the line that decides a status or notices a move; rendering
+(the plan JSON's dict, the human `plan` and `why`) only reads it. Each names what moved: the file
+relative to the Cgfile, the config key path, the distribution with both versions, the rule
+version, the axis and toolchain component, so no reader has to guess from a digest.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+# Stable reason codes (documented in docs/plan.md).
+REASON_CODES = (
+    "new-target",
+    "axis-moved",
+    "missing-from-store",
+    "malformed-ref",
+    "quarantined",
+    "trace-input-moved",
+    "early-cutoff",
+    "graph-unknown",
+    "no-cuda-torch",
+    "trace-failed",
+    "entry-error",
+    "literal-hidden",
+    "worker-crashed",
+    "layout-below-sm-floor",
+    "layout-toolchain-unsupported",
+    "layout-topology-mismatch",
+)
+
+# Blocked because of this machine, not the declaration: a CPU CI box blocks every GPU target
+# this way, so `plan --exit-code` does not count them.
+ENVIRONMENT_CODES = frozenset({"no-cuda-torch", "layout-below-sm-floor"})
+
+
+@dataclass(frozen=True)
+class Reason:
+    """One reason. `root`: a root cause (what a person changed), else what propagated from one.
+
+    `component` names the moved thing within its kind: a toolchain component, a file relative to
+    the Cgfile, a config key path (`family.toy.config.hidden`), a distribution, `trace-rule`."""
+
+    code: str
+    detail: str
+    root: bool
+    axis: str | None = None
+    component: str | None = None
+    old: str | None = None
+    new: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.code not in REASON_CODES:
+            raise ValueError(f"unknown reason code {self.code!r}")
+
+    def propagated(self) -> Reason:
+        return self if not self.root else replace(self, root=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def _value(v: Any) -> str:
+    text = v if isinstance(v, str) else json.dumps(v, sort_keys=True, separators=(",", ":"), default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def file_moved(path: str, old: str | None, new: str | None, *, root: bool) -> Reason:
+    what = "added" if old is None else "removed" if new is None else "changed"
+    return Reason(
+        "trace-input-moved",
+        f"{path} {what}",
+        root,
+        component=path,
+        old=old[:12] if old else None,
+        new=new[:12] if new else None,
+    )
+
+
+def setting_moved(path: str, old: Any, new: Any, *, root: bool) -> Reason:
+    """A Cgfile value a trace reads (a config key, the entry, the lanes) moved."""
+    before = "absent" if old is None else _value(old)
+    after = "absent" if new is None else _value(new)
+    return Reason(
+        "trace-input-moved",
+        f"{path} changed ({before} → {after})",
+        root,
+        component=path,
+        old=before,
+        new=after,
+    )
+
+
+def version_moved(name: str, old: str | None, new: str | None, *, root: bool) -> Reason:
+    """A distribution, the tracing torch, Python or the trace rule moved from one version to another."""
+    before, after = old or "absent", new or "absent"
+    return Reason(
+        "trace-input-moved", f"{name} {before} → {after}", root, component=name, old=before, new=after
+    )
+
+
+def more_moved(n: int, kind: str, *, root: bool) -> Reason:
+    return Reason("trace-input-moved", f"and {n} more {kind} moved", root)
+
+
+def unnamed_inputs_moved(*, root: bool) -> Reason:
+    return Reason(
+        "trace-input-moved",
+        "trace inputs moved, none of them recorded by name (the module's spec or the quant rule's facts)",
+        root,
+    )
+
+
+def axis_moved(axis: str, old: str, new: str, *, root: bool, component: str | None = None) -> Reason:
+    what = f"{component} " if component else ""
+    return Reason(
+        "axis-moved", f"{axis}: {what}{old} → {new}", root, axis=axis, component=component, old=old, new=new
+    )
+
+
+def early_cutoff() -> Reason:
+    return Reason(
+        "early-cutoff", "re-traced: the graph digest did not move (early cutoff)", False, axis="graph"
+    )

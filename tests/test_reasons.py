@@ -1,0 +1,35 @@
+"""Reasons are frozen typed values; the plan JSON's dict is rendered from them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cgbuild.plan import reasons
+
+
+def test_unknown_code_is_refused_and_values_are_frozen() -> None:
+    with pytest.raises(ValueError, match="unknown reason code"):
+        reasons.Reason("moved-somehow", "?", True)
+    r = reasons.file_moved("pkg/model.py", None, "ab" * 32, root=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.root = False  # type: ignore[misc]
+    assert r.propagated().root is False and r.root is True
+
+
+def test_json_names_what_moved_and_omits_what_is_absent() -> None:
+    assert reasons.file_moved("pkg/model.py", None, "ab" * 32, root=True).to_json() == {
+        "code": "trace-input-moved",
+        "detail": "pkg/model.py added",
+        "root": True,
+        "component": "pkg/model.py",
+        "new": "abababababab",
+    }
+    dist = reasons.version_moved("diffusers", "0.30.0", None, root=False).to_json()
+    assert dist["detail"] == "diffusers 0.30.0 → absent" and dist["old"] == "0.30.0"
+    setting = reasons.setting_moved("family.f.config.unet", {"heads": 8}, {"heads": 16}, root=True)
+    assert setting.detail == 'family.f.config.unet changed ({"heads":8} → {"heads":16})'
+    assert reasons.axis_moved("toolchain", "3.6.0", "3.7.0", root=True, component="triton").detail == (
+        "toolchain: triton 3.6.0 → 3.7.0"
+    )
