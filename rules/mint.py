@@ -422,26 +422,51 @@ def normalize_package(src: Path, dest: Path, sandbox: str, march: str | None) ->
     return aoti
 
 
-def _constants_table(ep: Any) -> dict[str, list[dict[str, Any]]]:
-    """State constants (bound from the live module at adopt) and literals (sealed), with layout."""
-    from cgbuild_rules.digest import dtype_name
+def _constants_table(ep: Any, bound: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """The constants the compiled package binds (`bound`, its loader's FQNs), with their layout:
+    state constants (bound from the live module at adopt) and literals (sealed).
 
+    Exactly what the package names, never what the export lifted: Inductor drops tensors the
+    program never reads (a BatchNorm's `num_batches_tracked`, an unused encoder) and binds a
+    tied tensor under ONE of its names. Each state row lists under `aliases` the other
+    state-dict names that were that same tensor at trace (a tied embedding and LM head): the
+    program reads them through the bound name, so adopt requires the live module to keep them
+    tied. A package constant the export does not know raises `constant-table-mismatch`.
+    """
+    from cgbuild_rules.digest import dtype_name
+    from cgbuild_rules.loader import same_view
+
+    names = set(bound)
+    wanted = set(names)
     table: dict[str, list[dict[str, Any]]] = {"state": [], "literal": []}
     for s in ep.graph_signature.input_specs:
         kind = s.kind.name
+        if s.target not in wanted:
+            continue
         if kind == "PARAMETER" or (kind == "BUFFER" and s.persistent is not False):
             group, t = "state", ep.state_dict[s.target]
         elif kind in ("BUFFER", "CONSTANT_TENSOR"):
             group, t = "literal", ep.constants[s.target]
         else:
             continue
-        table[group].append(
-            {
-                "fqn": str(s.target),
-                "dtype": dtype_name(t.dtype),
-                "shape": [int(d) for d in t.shape],
-                "stride": [int(d) for d in t.stride()],
-            }
+        wanted.discard(s.target)
+        row: dict[str, Any] = {
+            "fqn": str(s.target),
+            "dtype": dtype_name(t.dtype),
+            "shape": [int(d) for d in t.shape],
+            "stride": [int(d) for d in t.stride()],
+        }
+        if group == "state":
+            row["aliases"] = sorted(
+                name
+                for name, other in ep.state_dict.items()
+                if name != s.target and name not in names and same_view(t, other)
+            )
+        table[group].append(row)
+    if wanted:
+        raise MintFailure(
+            "constant-table-mismatch",
+            f"the package binds constants the exported program does not lift: {sorted(wanted)[:5]}",
         )
     return {g: sorted(rows, key=lambda r: r["fqn"]) for g, rows in table.items()}
 
@@ -519,6 +544,7 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
 
     import torch
     from cgbuild_rules import trace
+    from cgbuild_rules.loader import Package
 
     job = trace.parse_job(req["job"])
     _device_refusal(job.device, req["sm"])
@@ -555,7 +581,8 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     march = str(clamp["march"]) if clamp and clamps else None
     aoti = normalize_package(raw, work / PACKAGE, req["sandbox"], march)
     compile_s = time.perf_counter() - t
-    table = _constants_table(ep)
+    # Loading never calls the package (calling it unbound would segfault); it names what it binds.
+    table = _constants_table(ep, Package(work / PACKAGE).constant_fqns)
     if table["literal"]:
         from safetensors.torch import save_file
 
@@ -624,7 +651,7 @@ def stage_verify(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     _fault("verify")
     import torch
     from cgbuild_rules import trace
-    from cgbuild_rules.loader import Package
+    from cgbuild_rules.loader import Package, state_tensors
 
     job = trace.parse_job(req["job"])
     built = trace.build(job, "real")
@@ -638,7 +665,7 @@ def stage_verify(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     with torch.no_grad():
         want = built.module(*built.args, **built.kwargs)
     package = Package(work / PACKAGE)
-    live = {**dict(built.module.named_parameters()), **dict(built.module.named_buffers()), **literals}
+    live = {**state_tensors(built.module), **literals}
     missing = sorted(set(package.constant_fqns) - set(live))
     if missing:
         raise MintFailure(
@@ -694,7 +721,7 @@ def stage_measure(req: Mapping[str, Any], work: Path, lane: str) -> dict[str, An
     import torch
     from cgbuild_rules import lanes as lane_rt
     from cgbuild_rules import trace
-    from cgbuild_rules.loader import Package
+    from cgbuild_rules.loader import Package, state_tensors
 
     from cgbuild import lanes
 
@@ -712,7 +739,7 @@ def stage_measure(req: Mapping[str, Any], work: Path, lane: str) -> dict[str, An
         from safetensors.torch import load_file
 
         literals = {k: v.to(job.device) for k, v in load_file(str(work / LITERALS)).items()}
-    live = {**dict(built.module.named_parameters()), **dict(built.module.named_buffers()), **literals}
+    live = {**state_tensors(built.module), **literals}
     rows = _lane_rows(req, job, built.module)
     choice = lanes.split(lane, [r["axis"] for r in rows])
     package = Package(work / PACKAGE)
