@@ -24,14 +24,14 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from cgbuild_rules.lanes import bindings, device_memory_bytes
-from cgbuild_rules.loader import Package, host_runtime
+from cgbuild_rules.loader import Package, host_runtime, same_view, state_tensors
 from cgbuild_rules.sealed import metadata_problem
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -231,13 +231,22 @@ class Artifact:
 
 
 def _weights(
-    module: nn.Module, meta: Mapping[str, Any], device: torch.device
+    module: nn.Module, meta: Mapping[str, Any], device: torch.device, names: Collection[str]
 ) -> tuple[dict[str, torch.Tensor], Refusal | None]:
-    """The live module's tensors for the artifact's state constants, each checked; no copies."""
-    live = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    """The live module's tensors for the state constants the package binds (`names`), each
+    checked; no copies.
+
+    Only what the package names is bound and checked: artifacts sealed before the table was cut
+    to the package's own constants list every tensor the export lifted (unused ones included).
+    A row's `aliases` were the same tensor at mint (tied weights): the program reads them through
+    the bound name, so each must still be that tensor in the live module (`weights-untied`).
+    """
+    live = state_tensors(module)
     out: dict[str, torch.Tensor] = {}
     for row in (meta.get("constants") or {}).get("state", []):
         fqn = row["fqn"]
+        if fqn not in names:
+            continue
         t = live.get(fqn)
         if t is None:
             return {}, Refusal("weights-missing", f"the module has no tensor {fqn!r}")
@@ -257,8 +266,73 @@ def _weights(
             return {}, Refusal(
                 "weights-mismatch", f"{fqn}: on {t.device}, the artifact runs on {device.type}"
             )
+        for alias in row.get("aliases", []):
+            other = live.get(alias)
+            if other is None or not same_view(t, other):
+                held = "no such tensor" if other is None else "a separate tensor"
+                return {}, Refusal(
+                    "weights-untied",
+                    f"{alias} was tied to {fqn} at mint and the program reads it through {fqn}; "
+                    f"the module holds {held}",
+                )
         out[fqn] = t.detach()
     return out, None
+
+
+def _attribute(module: nn.Module, fqn: str) -> torch.Tensor | None:
+    """The tensor the live module holds at `fqn` (a buffer or a plain attribute), if any."""
+    prefix, _, name = fqn.rpartition(".")
+    try:
+        owner = module.get_submodule(prefix) if prefix else module
+    except AttributeError:
+        return None
+    value = getattr(owner, name, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _literals(
+    module: nn.Module, meta: Mapping[str, Any], sealed: Mapping[str, torch.Tensor], names: Collection[str]
+) -> tuple[dict[str, torch.Tensor], Refusal | None]:
+    """The trace-baked literals the package binds (non-persistent buffers, tensor attributes).
+
+    The program was traced, digested and verified with the sealed values. A live module that
+    holds the same value at that FQN has it bound in place (no copy: in-place updates reach
+    both paths); one that holds another value would compute something else eager, so the
+    artifact is refused (`literal-mismatch`); a literal the module does not hold (a constant
+    created in `forward`) is bound from the artifact. Lane switches are the lane choice's to
+    bind and are not compared.
+    """
+    switches = {r["fqn"] for r in (meta.get("lanes") or {}).get("axes") or []}
+    out: dict[str, torch.Tensor] = {}
+    for fqn, value in sealed.items():
+        if fqn not in names:
+            continue
+        t = None if fqn in switches else _attribute(module, fqn)
+        if t is None:
+            out[fqn] = value
+            continue
+        same_value = t.dtype == value.dtype and t.shape == value.shape
+        if not same_value or not torch.equal(t.detach().to(value.device), value):
+            return {}, Refusal(
+                "literal-mismatch",
+                f"{fqn}: the module holds another value than the one the program was traced with "
+                f"({str(t.dtype).removeprefix('torch.')}{list(t.shape)})",
+            )
+        same = t.device == value.device and t.stride() == value.stride()
+        out[fqn] = t.detach() if same else value
+    return out, None
+
+
+def _bindings(
+    art: Artifact, package: Package, module: nn.Module, device: torch.device
+) -> tuple[dict[str, torch.Tensor], Refusal | None]:
+    """Everything the package binds, by FQN: live weights and literals, checked; no copies."""
+    names = set(package.constant_fqns)
+    weights, refusal = _weights(module, art.metadata, device, names)
+    if refusal:
+        return {}, refusal
+    literals, refusal = _literals(module, art.metadata, art.literals, names)
+    return ({}, refusal) if refusal else ({**weights, **literals}, None)
 
 
 def layout_refusal(meta: Mapping[str, Any], module: nn.Module) -> Refusal | None:
@@ -274,7 +348,7 @@ def layout_refusal(meta: Mapping[str, Any], module: nn.Module) -> Refusal | None
     rows = block.get("tensors") or []
     if not rows:
         return None
-    live = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    live = state_tensors(module)
     stamp = block.get("stamp") or "the artifact's layout"
     rule = (block.get("rule") or {}).get("name")
     hint = ""
@@ -327,10 +401,6 @@ def _arm(
     memory_bytes: int | None = None,
     pin: str | None = None,
 ) -> None:
-    weights, refusal = _weights(module, art.metadata, device)
-    if refusal:
-        art.refusal = refusal
-        return
     if LITERALS in files:
         from safetensors.torch import load_file
 
@@ -353,17 +423,20 @@ def _arm(
         for group in ("state", "literal")
         for r in (art.metadata.get("constants") or {}).get(group, [])
     }
-    if set(package.constant_fqns) != table:
-        extra, lacking = (
-            sorted(set(package.constant_fqns) - table),
-            sorted(table - set(package.constant_fqns)),
-        )
+    # The package's list is the truth of what it binds; the sealed table must describe each
+    # (dtype, shape, stride to check). A table naming more is an artifact sealed before the
+    # table was cut to the package's list: the extra rows are never bound.
+    extra = sorted(set(package.constant_fqns) - table)
+    if extra:
         art.refusal = Refusal(
-            "constant-table-mismatch",
-            f"package wants {extra[:3]} beyond the metadata; metadata names {lacking[:3]} the package lacks",
+            "constant-table-mismatch", f"package binds {extra[:3]} that the sealed table does not describe"
         )
         return
-    package.bind({**weights, **art.literals})
+    bound, refusal = _bindings(art, package, module, device)
+    if refusal:
+        art.refusal = refusal
+        return
+    package.bind(bound)
     art.package = package
 
 
@@ -485,13 +558,13 @@ class Adopted:
         """Re-bind after the module's tensors were REPLACED (in-place updates need nothing)."""
         device = module_device(self.module)
         for art in self.armed:
+            assert art.package is not None
             refusal = layout_refusal(art.metadata, self.module)
-            weights, refusal = ({}, refusal) if refusal else _weights(self.module, art.metadata, device)
+            bound, refusal = ({}, refusal) if refusal else _bindings(art, art.package, self.module, device)
             if refusal:
                 art.refusal, art.package = refusal, None
             else:
-                assert art.package is not None
-                art.package.bind({**weights, **art.literals})
+                art.package.bind(bound)
 
     def install(self) -> Adopted:
         """Serve `module(...)` through this object (an instance attribute; hooks stay intact)."""

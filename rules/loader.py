@@ -84,6 +84,29 @@ class Package:
         return self.run_flat([x for x in leaves if isinstance(x, torch.Tensor)])
 
 
+def state_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `module` under EVERY name it has.
+
+    `named_parameters()` reports a tied tensor (an embedding shared with an LM head) under its
+    first name only, but a package may bind it under the other: both names must resolve.
+    """
+    return {
+        **dict(module.named_parameters(remove_duplicate=False)),
+        **dict(module.named_buffers(remove_duplicate=False)),
+    }
+
+
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One tensor under two names: the same storage, offset, dtype, shape and stride."""
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
 def _versions(data: bytes) -> dict[str, tuple[int, ...]]:
     """Highest GLIBC / GLIBCXX / CXXABI symbol version named in a binary."""
     best: dict[str, tuple[int, ...]] = {}

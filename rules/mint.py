@@ -22,8 +22,15 @@ typed failure of a stage, never a lost result.
    and numerically sound; none when fewer than two): 3 warm-ups, reset peak, 9 timed calls,
    median and peak (`cgbuild_rules.lanes.measure`); the worker applies the fit rule
    (`cgbuild.lanes.decide`) for the request's SKU.
-4. Only then the worker writes the metadata (with the discrete lane verdict) and seals
-   (`cgbuild.store.seal`).
+4. Then the worker writes the metadata (with the discrete lane verdict) and seals
+   (`cgbuild.store.seal`) into its work folder.
+5. `serve` stage, in a fresh process: the sealed artifact is adopted as a serving process adopts
+   it (`cgbuild_rules.adopt.adopt`, strict) into the entry's live module, the entry's call must
+   be served compiled, and it is compared with eager; a refusal fails the mint with adopt's own
+   code (docs/adopt.md). Only then does the artifact move to `<out>/<key>.tar.gz`.
+
+The sealed constant table is the package loader's own constant list (docs/adopt.md: unused
+tensors and BatchNorm counters are not in it; tied tensors are one row with their `aliases`).
 
 Normalization, measured on torch 2.13 CPU with two compiles of one graph: the package's
 top-level folder is its file's basename (fixed: `model`); each generated `.cpp` gets `// Compile
@@ -52,8 +59,9 @@ override), `out` (folder for `<key>.tar.gz`),
 `compare_with` (an earlier artifact of the key: the result adds `seal.compare_artifacts`'s
 `reproducible`, `differing` members, metadata `fields` and `verdict_moved`), `timeout_s` (per stage).
 Result: `{"id", "ok": true, "key", "artifact", "sha256", "size", "members": {name: sha256},
-"verify": [{"output", "rel_rms", "max_abs"}], "phases": {"export", "compile", "verify", "lanes"?,
-"seal", "total"}, "lane_evidence"?: {raw timings, samples, peaks, device, numerics, verdict}}` (the
+"verify": [{"output", "dtype", "rel_rms", "tolerance", "max_abs", "lane"?}] (from the serve stage),
+"served": [{"lane"?, "counters", "seconds"}], "phases": {"export", "compile", "verify", "lanes"?,
+"seal", "adopt", "total"}, "lane_evidence"?: {raw timings, samples, peaks, device, numerics, verdict}}` (the
 engine files the evidence beside the artifact, never in it) or `{"id", "ok": false, "code",
 "retryable", "phase", "detail", ...}` with `old`/`new`
 (drift), `changes` (toolchain components), `needed`/`found` (device) or `signal`. Codes:
@@ -62,6 +70,7 @@ engine files the evidence beside the artifact, never in it) or `{"id", "ok": fal
 floor, this torch on this sm, or the kernel's probe on the device), `entry-error`,
 `trace-failed`, `literal-hidden`, `compile-failed`, `clamp-not-applied`,
 `constant-table-mismatch`, `verify-mismatch`, `verify-failed`, `seal-failed`, `stage-error`,
+adopt's refusal codes from the serve stage (e.g. `weights-untied`, `literal-mismatch`),
 `mint-error`; retryable: `oom`, `worker-killed`, `worker-signal`, `timeout`. A failed mint leaves
 its stage logs in `<out>/.mint-<key16>-<pid>/`.
 """
@@ -296,11 +305,19 @@ def mint(req: dict[str, Any], progress: Callable[[str], None] | None = None) -> 
         members = {PACKAGE: work / PACKAGE}
         if (work / LITERALS).exists():
             members[LITERALS] = work / LITERALS
-        artifact = out / f"{key}.tar.gz"
-        sha = seal(artifact, _metadata(req, built, lanes_block), members)
-        if read_metadata(artifact)["key"] != key:
+        staged = work / f"{key}.tar.gz"
+        sha = seal(staged, _metadata(req, built, lanes_block), members)
+        if read_metadata(staged)["key"] != key:
             raise MintFailure("seal-failed", "sealed metadata does not read back with its key")
         seal_s = time.perf_counter() - t
+        phase = "adopt"
+        if progress:
+            progress(phase)
+        t = time.perf_counter()
+        served = run_stage("serve", work, {**env, "TMPDIR": str(work / "tmp")}, timeout, [str(staged)])
+        adopt_s = time.perf_counter() - t
+        artifact = out / f"{key}.tar.gz"
+        os.replace(staged, artifact)  # only an artifact a serving process adopted leaves the mint
         result: dict[str, Any] = {
             "id": req["id"],
             "ok": True,
@@ -309,12 +326,14 @@ def mint(req: dict[str, Any], progress: Callable[[str], None] | None = None) -> 
             "sha256": sha,
             "size": artifact.stat().st_size,
             "members": member_digests(artifact),
-            "verify": checked["errors"],
+            "verify": served["errors"],
+            "served": served["served"],
             "phases": {
                 **built["seconds"],
                 "verify": round(verify_s, 3),
                 **({"lanes": round(lanes_s, 3)} if lanes_block else {}),
                 "seal": round(seal_s, 3),
+                "adopt": round(adopt_s, 3),
                 "total": round(time.perf_counter() - start, 3),
             },
         }
@@ -433,26 +452,51 @@ def normalize_package(src: Path, dest: Path, sandbox: str, march: str | None) ->
     return aoti
 
 
-def _constants_table(ep: Any) -> dict[str, list[dict[str, Any]]]:
-    """State constants (bound from the live module at adopt) and literals (sealed), with layout."""
-    from cgbuild_rules.digest import dtype_name
+def _constants_table(ep: Any, bound: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """The constants the compiled package binds (`bound`, its loader's FQNs), with their layout:
+    state constants (bound from the live module at adopt) and literals (sealed).
 
+    Exactly what the package names, never what the export lifted: Inductor drops tensors the
+    program never reads (a BatchNorm's `num_batches_tracked`, an unused encoder) and binds a
+    tied tensor under ONE of its names. Each state row lists under `aliases` the other
+    state-dict names that were that same tensor at trace (a tied embedding and LM head): the
+    program reads them through the bound name, so adopt requires the live module to keep them
+    tied. A package constant the export does not know raises `constant-table-mismatch`.
+    """
+    from cgbuild_rules.digest import dtype_name
+    from cgbuild_rules.loader import same_view
+
+    names = set(bound)
+    wanted = set(names)
     table: dict[str, list[dict[str, Any]]] = {"state": [], "literal": []}
     for s in ep.graph_signature.input_specs:
         kind = s.kind.name
+        if s.target not in wanted:
+            continue
         if kind == "PARAMETER" or (kind == "BUFFER" and s.persistent is not False):
             group, t = "state", ep.state_dict[s.target]
         elif kind in ("BUFFER", "CONSTANT_TENSOR"):
             group, t = "literal", ep.constants[s.target]
         else:
             continue
-        table[group].append(
-            {
-                "fqn": str(s.target),
-                "dtype": dtype_name(t.dtype),
-                "shape": [int(d) for d in t.shape],
-                "stride": [int(d) for d in t.stride()],
-            }
+        wanted.discard(s.target)
+        row: dict[str, Any] = {
+            "fqn": str(s.target),
+            "dtype": dtype_name(t.dtype),
+            "shape": [int(d) for d in t.shape],
+            "stride": [int(d) for d in t.stride()],
+        }
+        if group == "state":
+            row["aliases"] = sorted(
+                name
+                for name, other in ep.state_dict.items()
+                if name != s.target and name not in names and same_view(t, other)
+            )
+        table[group].append(row)
+    if wanted:
+        raise MintFailure(
+            "constant-table-mismatch",
+            f"the package binds constants the exported program does not lift: {sorted(wanted)[:5]}",
         )
     return {g: sorted(rows, key=lambda r: r["fqn"]) for g, rows in table.items()}
 
@@ -530,6 +574,7 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
 
     import torch
     from cgbuild_rules import trace
+    from cgbuild_rules.loader import Package
 
     job = trace.parse_job(req["job"])
     _device_refusal(job.device, req["sm"])
@@ -566,7 +611,8 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     march = str(clamp["march"]) if clamp and clamps else None
     aoti = normalize_package(raw, work / PACKAGE, req["sandbox"], march)
     compile_s = time.perf_counter() - t
-    table = _constants_table(ep)
+    # Loading never calls the package (calling it unbound would segfault); it names what it binds.
+    table = _constants_table(ep, Package(work / PACKAGE).constant_fqns)
     if table["literal"]:
         from safetensors.torch import save_file
 
@@ -626,7 +672,13 @@ def compare_outputs(got: Any, want: Any) -> list[dict[str, Any]]:
                 "verify-mismatch", f"output {i}: relative RMS error {err:.3g} > {tol:g} ({w.dtype})"
             )
         errors.append(
-            {"output": i, "rel_rms": err, "max_abs": float((g - w).abs().max()) if g.numel() else 0.0}
+            {
+                "output": i,
+                "dtype": str(w.dtype).removeprefix("torch."),
+                "rel_rms": err,
+                "tolerance": tol,
+                "max_abs": float((g - w).abs().max()) if g.numel() else 0.0,
+            }
         )
     return errors
 
@@ -635,7 +687,7 @@ def stage_verify(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     _fault("verify")
     import torch
     from cgbuild_rules import trace
-    from cgbuild_rules.loader import Package
+    from cgbuild_rules.loader import Package, state_tensors
 
     job = trace.parse_job(req["job"])
     built = trace.build(job, "real")
@@ -649,7 +701,7 @@ def stage_verify(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     with torch.no_grad():
         want = built.module(*built.args, **built.kwargs)
     package = Package(work / PACKAGE)
-    live = {**dict(built.module.named_parameters()), **dict(built.module.named_buffers()), **literals}
+    live = {**state_tensors(built.module), **literals}
     missing = sorted(set(package.constant_fqns) - set(live))
     if missing:
         raise MintFailure(
@@ -663,6 +715,57 @@ def stage_verify(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     if req.get("lanes"):
         result["lanes"] = _verify_lanes(req, job, built, package, bound)
     return result
+
+
+def stage_serve(req: Mapping[str, Any], work: Path, artifact: str) -> dict[str, Any]:
+    """The sealed artifact as a serving process meets it, in this fresh process: the live module
+    from the entry (seed-0 weights, its own literals), `adopt` (strict: a refusal fails the mint
+    with adopt's own code), the entry's call served through it, which must run compiled (no
+    eager fallback, by the router's counters), compared against eager. An artifact with lanes
+    is adopted once per lane it can serve, each pinned, against eager with the same lane.
+    """
+    _fault("serve")
+    import torch
+    from cgbuild_rules import lanes as lane_rt
+    from cgbuild_rules import trace
+    from cgbuild_rules.adopt import AdoptRefused, adopt
+
+    from cgbuild import lanes
+
+    job = trace.parse_job(req["job"])
+    built = trace.build(job, "real")
+    block = read_metadata(artifact).get("lanes") or {}
+    rows = block.get("axes") or []
+    axes = [r["axis"] for r in rows]
+    excluded = set(block.get("excluded") or {})
+    choices: list[str | None] = [
+        lane
+        for lane in lanes.combinations([(r["axis"], r["values"]) for r in rows])
+        if not {f"{a}.{v}" for a, v in lanes.split(lane, axes).items()} & excluded
+    ] or [None]
+    errors: list[dict[str, Any]] = []
+    served: list[dict[str, Any]] = []
+    for lane in choices:
+        if lane is not None:
+            lane_rt.set_lanes(built.module, lanes.split(lane, axes))
+        with torch.no_grad():
+            want = built.module(*built.args, **built.kwargs)
+        try:
+            adopted = adopt(artifact, built.module, strict=True, lane=lane)
+        except AdoptRefused as e:
+            detail = f"adopt refuses the sealed artifact: {e.refusal.detail}"
+            raise MintFailure(e.refusal.code, detail) from None
+        with torch.no_grad():
+            got = adopted(*built.args, **built.kwargs)
+        counters = dict(adopted.counters)
+        if counters != {"compiled": 1}:
+            why = adopted.last_reason
+            code, detail = (why.code, why.detail) if why else ("verify-failed", f"counters {counters}")
+            raise MintFailure(code, f"adopted, but the entry's own call was served eager: {detail}")
+        tag = {} if lane is None else {"lane": lane}
+        errors += [{**e, **tag} for e in compare_outputs(got, want)]
+        served.append({**tag, "counters": counters, "seconds": round(adopted.armed[0].seconds, 3)})
+    return {"ok": True, "errors": errors, "served": served}
 
 
 def _lane_rows(req: Mapping[str, Any], job: Any, module: Any) -> list[dict[str, Any]]:
@@ -705,7 +808,7 @@ def stage_measure(req: Mapping[str, Any], work: Path, lane: str) -> dict[str, An
     import torch
     from cgbuild_rules import lanes as lane_rt
     from cgbuild_rules import trace
-    from cgbuild_rules.loader import Package
+    from cgbuild_rules.loader import Package, state_tensors
 
     from cgbuild import lanes
 
@@ -723,7 +826,7 @@ def stage_measure(req: Mapping[str, Any], work: Path, lane: str) -> dict[str, An
         from safetensors.torch import load_file
 
         literals = {k: v.to(job.device) for k, v in load_file(str(work / LITERALS)).items()}
-    live = {**dict(built.module.named_parameters()), **dict(built.module.named_buffers()), **literals}
+    live = {**state_tensors(built.module), **literals}
     rows = _lane_rows(req, job, built.module)
     choice = lanes.split(lane, [r["axis"] for r in rows])
     package = Package(work / PACKAGE)
@@ -808,7 +911,9 @@ def _lane_verdict(
 
 def _stage_main(stage: str, work: Path, args: Sequence[str] = ()) -> int:
     req = json.loads((work / "request.json").read_text())
-    fn = {"compile": stage_compile, "verify": stage_verify, "measure": stage_measure}[stage]
+    fn = {"compile": stage_compile, "verify": stage_verify, "measure": stage_measure, "serve": stage_serve}[
+        stage
+    ]
     try:
         result = fn(req, work, *args)
     except MintFailure as e:

@@ -278,6 +278,33 @@ def _set_attribute(module: nn.Module, fqn: str, value: torch.Tensor) -> None:
         setattr(owner, name, value)
 
 
+def _ties(module: nn.Module) -> list[list[str]]:
+    """Names under which one parameter or buffer object is registered (tied weights), per object."""
+    names: dict[int, list[str]] = {}
+    for fqn, t in [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]:
+        names.setdefault(id(t), []).append(fqn)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _retie(module: nn.Module, ties: list[list[str]]) -> None:
+    """Tie again what `to_empty` untied: it gives every registration its own new tensor, so a
+    tied embedding and LM head would export as two weights (another program: `graph-drift`)."""
+    for first, *rest in ties:
+        prefix, _, name = first.rpartition(".")
+        owner = module.get_submodule(prefix) if prefix else module
+        shared = owner._parameters.get(name)
+        if shared is None:
+            shared = owner._buffers[name]
+        for fqn in rest:
+            prefix, _, name = fqn.rpartition(".")
+            other = module.get_submodule(prefix) if prefix else module
+            table = other._parameters if name in other._parameters else other._buffers
+            table[name] = shared
+
+
 def call_entry(fn: Callable[[dict[str, Any]], Any], spec: dict[str, Any], quant: str) -> Built:
     try:
         built = _unpack(fn(dict(spec)))
@@ -310,8 +337,10 @@ def build(job: Job, mode: Mode, fn: Callable[[dict[str, Any]], Any] | None = Non
             stack.enter_context(device)
         built = call_entry(fn, job.spec, job.quant)
     if mode == "empty":
+        ties = _ties(built.module)
         with torch.no_grad():
             built.module.to_empty(device=device)
+        _retie(built.module, ties)
 
         def real(x: Any) -> Any:
             if isinstance(x, torch.Tensor) and x.is_meta:

@@ -137,6 +137,22 @@ def test_live_weights_are_checked_by_fqn(art_a: Path, tmp_path_factory: pytest.T
     assert missing.code == "weights-missing" and "fc2" in missing.detail
 
 
+def test_a_table_naming_more_than_the_package_binds_adopts(
+    art_a: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Artifacts sealed before the table was cut to the package's own list name every tensor the
+    export lifted (the stored H200 archives among them): adopt binds what the package names."""
+    ghost = {"fqn": "encoder.weight", "dtype": "float32", "shape": [3], "stride": [1]}
+    older = edited(art_a, tmp_path / "older.tar.gz", lambda meta: meta["constants"]["state"].append(ghost))
+    m = tiny(tmp_path_factory)  # holds no encoder.weight
+    m.extra = torch.nn.Linear(3, 3)  # and tensors no artifact names
+    served = adopt(older, m, strict=True)
+    with torch.no_grad():
+        x = torch.randn(1, 8, 64)
+        torch.testing.assert_close(served(x), m(x), rtol=1e-5, atol=1e-6)
+    assert served.counters == {"compiled": 1}
+
+
 def test_adopt_from_the_store_verifies_and_never_fails_a_call(
     art_a: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -159,7 +159,8 @@ def test_mint_seals_a_verified_artifact(
     req, result = mint_a
     print("\nmint phases (s):", json.dumps(result["phases"]), "artifact bytes:", result["size"])
     assert result["key"] == req["key"] and Path(result["artifact"]).name == f"{req['key']}.tar.gz"
-    assert set(result["phases"]) == {"export", "compile", "verify", "seal", "total"}
+    assert set(result["phases"]) == {"export", "compile", "verify", "seal", "adopt", "total"}
+    assert result["served"] == [{"counters": {"compiled": 1}, "seconds": result["served"][0]["seconds"]}]
     assert result["verify"][0]["rel_rms"] < 1e-5
     meta = read_metadata(result["artifact"])
     assert meta["key"] == req["key"] and meta["graph"]["digest"] == req["graph_digest"]

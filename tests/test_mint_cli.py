@@ -254,7 +254,8 @@ def test_toy_lanes_verdict_evidence_and_inspect(minted_toy: Path) -> None:
             assert m["peak_method"].startswith("VmHWM") and m["device"]["type"] == "cpu"
         assert "samples_ns" not in json.dumps(block)
     ran = json.loads(cli(minted_toy, "verify", MLP8, "--run", "--json").stdout)["artifacts"][0]
-    assert ran["status"] == "ok" and set(ran["run"]["lanes"]["checked"]) == {"baseline", "chunked"}
+    assert ran["status"] == "ok" and {s["lane"] for s in ran["run"]["served"]} == {"baseline", "chunked"}
+    assert all(s["counters"] == {"compiled": 1} for s in ran["run"]["served"])
     proc = cli(minted_toy, "inspect", MLP8, env={**os.environ, "COLUMNS": "250"})
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(cli(minted_toy, "inspect", MLP8, "--json").stdout)

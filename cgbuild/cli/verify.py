@@ -1,14 +1,17 @@
 """`cgbuild verify [LABEL]`: re-hash stored artifacts, re-read their metadata, optionally run them.
 
-Without `--run` this needs no torch. With `--run` each artifact is unsealed into a temp folder and
-the mint's own verification stage loads it through the real loader, binds random weights and
-compares with eager, in a child process (a bad package must not take cgbuild down).
+Without `--run` this needs no torch. With `--run` each artifact is adopted the way a serving
+process adopts it, by the mint's own `serve` stage in a fresh child process (a bad package must
+not take cgbuild down): the live module built by the entry (seed-0 weights), `adopt` (a refusal
+fails with adopt's code), the entry's call, which must be served compiled (no eager fallback),
+compared against eager; an artifact with lanes once per lane. The numbers compared are printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -28,51 +31,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_artifact(
-    ws: Any,
-    key: str,
-    path: Path,
-    label: str,
-    components: dict[str, Any] | None = None,
-    meta: dict[str, Any] | None = None,
+    ws: Any, key: str, path: Path, label: str, components: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The mint's verification stage on a stored artifact: loader + random weights vs eager.
-
-    With the platform's toolchain `components` and the sealed metadata, an artifact with lanes
-    is checked on EVERY lane it carries, each against eager with the same lane.
-    """
+    """The mint's serving check on a stored artifact: adopt into the entry's live module, served
+    compiled, against eager (`cgbuild_rules.mint.stage_serve`); every lane an artifact carries."""
     from cgbuild.config.targets import expand
     from cgbuild.protocol.trace import job_for
-    from cgbuild.store.seal import unseal
 
     target = next(t for t in expand(ws.cg) if t.label == label)
     request: dict[str, Any] = {"job": job_for(ws.cg, target, components).with_id(key).to_json()}
-    rows = ((meta or {}).get("lanes") or {}).get("axes") or []
-    if rows:
-        request["lanes"] = {"axes": [[r["axis"], r["values"]] for r in rows]}
     with tempfile.TemporaryDirectory(prefix="cgbuild-verify-") as tmp:
         work = Path(tmp)
-        unseal(path, work)
         (work / "request.json").write_text(json.dumps(request))
         proc = subprocess.run(
-            [sys.executable, "-m", "cgbuild_rules.mint", "--stage", "verify", str(work)],
+            [sys.executable, "-m", "cgbuild_rules.mint", "--stage", "serve", str(work), str(path)],
             capture_output=True,
             text=True,
+            env={**os.environ, "TMPDIR": str(work)},
         )
-        result_file = work / "verify.json"
+        result_file = work / "serve.json"
         if result_file.exists():
             return dict(json.loads(result_file.read_text()))
         return {
             "ok": False,
             "code": "worker-crashed",
-            "detail": f"verify stage exit {proc.returncode}: "
+            "detail": f"serve stage exit {proc.returncode}: "
             f"{' | '.join(proc.stderr.strip().splitlines()[-2:])}",
         }
+
+
+def compared(ran: dict[str, Any]) -> list[str]:
+    """One line per output compared: the lane, the error against eager, the calls served."""
+    calls = {s.get("lane"): s["counters"] for s in ran.get("served", [])}
+    lines = []
+    for e in ran.get("errors", []):
+        lane = e.get("lane")
+        served = ", ".join(f"{k} {v}" for k, v in sorted(calls.get(lane, {}).items()))
+        lines.append(
+            f"  {'lane ' + lane + ' ' if lane else ''}output {e['output']} ({e.get('dtype')}): "
+            f"rel-rms {e['rel_rms']:.3g} (tolerance {e.get('tolerance')}), max-abs {e['max_abs']:.3g}; "
+            f"served {served}"
+        )
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
     from cgbuild.plan.planner import make_plan
     from cgbuild.store.local import Store
-    from cgbuild.store.seal import read_metadata
 
     ws = workspace(args)
     store = Store(ws.cg.store_dir)
@@ -98,9 +103,8 @@ def run(args: argparse.Namespace) -> int:
                 report.update(status=sealed.status, detail=sealed.detail)
             elif args.run:
                 path = store.resolve(key, verify=False).path
-                meta = read_metadata(path)
                 components = plan["toolchains"][platform[key]]["components"]
-                ran = run_artifact(ws, key, path, names[0], components, meta)
+                ran = run_artifact(ws, key, path, names[0], components)
                 report["run"] = ran
                 if not ran.get("ok"):
                     report.update(status="run-failed", detail=f"{ran.get('code')}: {ran.get('detail')}")
@@ -114,5 +118,8 @@ def run(args: argparse.Namespace) -> int:
             style = "green" if r["status"] == "ok" else "red"
             ran = " (ran vs eager)" if "run" in r and r["status"] == "ok" else ""
             out.print(f"[{style}]{r['status']}[/] {r['key'][:12]} {' '.join(r['labels'])}{ran} {r['detail']}")
+            if "run" in r:
+                for line in compared(r["run"]):
+                    out.print(line, markup=False, highlight=False)
         out.print(f"{len(reports) - len(bad)} verified, {len(bad)} bad")
     return 1 if bad else 0

@@ -97,6 +97,8 @@ class Code(StrEnum):
     COMPILER_FAMILY = "compiler-family"
     WEIGHTS_MISSING = "weights-missing"
     WEIGHTS_MISMATCH = "weights-mismatch"
+    WEIGHTS_UNTIED = "weights-untied"
+    LITERAL_MISMATCH = "literal-mismatch"
     CALL_STRUCTURE = "call-structure"
     CONSTANT_ARG = "constant-arg"
     NOT_A_TENSOR = "not-a-tensor"

@@ -1,0 +1,172 @@
+"""The serving zoo: each model planned, minted, adopted and served compiled, on the CPU.
+
+Tiny configs, random weights, real compiles (one per model, about 10-30 s each on two cores).
+Each model carries a state table real models have and adopt once refused: BatchNorm counters
+the program never reads, an encoder a `decode` graph never uses, an output head tied to the
+input embedding, non-persistent rotary buffers. The mint itself adopts every artifact in a fresh
+process before sealing (`stage_serve`); here a serving module with weights of its own (another
+seed than the mint's) adopts each from the store and must be served compiled on every call,
+within the verify tolerance of eager.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from cgbuild_rules.adopt import adopt
+from cgbuild_rules.mint import TOLERANCE
+
+from cgbuild.config import cgfile
+from cgbuild.store.local import Store
+from cgbuild.store.seal import read_metadata
+
+pytestmark = pytest.mark.slow
+ZOO = Path(__file__).resolve().parent / "zoo"
+LABELS = {
+    "bnconv": "//zoo/bnconv/16x16-b1@fp32:cpu",
+    "vae.decode": "//zoo/vae.decode/8x8-b1@fp32:cpu",
+    "lm": "//zoo/lm/1x8-b1@fp32:cpu",
+    "rotary": "//zoo/rotary/1x8-b1@fp32:cpu",
+}
+
+
+def cli(ws: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True
+    )
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """(workspace, mint summary) after `cgbuild mint //zoo:cpu`: four compiles."""
+    ws = tmp_path_factory.mktemp("zoo") / "ws"
+    shutil.copytree(ZOO, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+    plan = json.loads(cli(ws, "plan", "//zoo", "--json").stdout)
+    assert {t["label"] for t in plan["targets"]} == set(LABELS.values())
+    assert all(t["status"] == "mint" for t in plan["targets"])
+    proc = cli(ws, "mint", "//zoo:cpu", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return ws, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def served_module(ws: Path, label: str, seed: int = 7) -> tuple[torch.nn.Module, tuple[Any, ...]]:
+    """The target's module as a serving process holds it: built by the entry, weights of its own."""
+    from cgbuild_rules import trace
+
+    from cgbuild.config.targets import expand
+    from cgbuild.plan.planner import Workspace, trace_job
+
+    cg = cgfile.load(ws / "Cgfile")
+    target = next(t for t in expand(cg) if t.label == label)
+    torch.manual_seed(seed)
+    built = trace.build(trace.parse_job({**trace_job(Workspace(cg), target), "id": label}), "real")
+    return built.module, built.args
+
+
+def artifact(ws: Path, label: str) -> Path:
+    plan = json.loads(cli(ws, "plan", label, "--json").stdout)
+    (target,) = plan["targets"]
+    assert target["status"] == "fresh", target
+    return Store(ws / ".cgbuild" / "store").resolve(target["key"]).path
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize("module", sorted(LABELS))
+def test_every_zoo_model_serves_compiled(zoo: tuple[Path, dict[str, Any]], module: str) -> None:
+    ws, _ = zoo
+    path = artifact(ws, LABELS[module])
+    m, args = served_module(ws, LABELS[module])
+    served = adopt(path, m, strict=True)
+    with torch.no_grad():
+        for _ in range(3):
+            x = tuple(
+                torch.randn_like(a) if a.is_floating_point() else torch.randint_like(a, 64) for a in args
+            )
+            got, want = served(*x), m(*x)
+            assert rel_rms(got, want) < float(TOLERANCE["float32"])
+    assert served.counters == {"compiled": 3}
+
+
+def test_the_sealed_table_is_what_the_package_binds(zoo: tuple[Path, dict[str, Any]]) -> None:
+    """No BatchNorm counter, no encoder tensor; the tied head under one name, its alias named."""
+    ws, _ = zoo
+    from cgbuild_rules.loader import Package
+
+    from cgbuild.store.seal import unseal
+
+    tables = {}
+    for module, label in LABELS.items():
+        path = artifact(ws, label)
+        meta = read_metadata(path)
+        files = unseal(path, ws / "unsealed" / module)
+        bound = set(Package(files["model.pt2"]).constant_fqns)
+        constants = meta["constants"]
+        assert {r["fqn"] for g in ("state", "literal") for r in constants[g]} == bound
+        tables[module] = constants
+    bn = {r["fqn"] for r in tables["bnconv"]["state"]}
+    assert "bn1.running_mean" in bn and not any(f.endswith("num_batches_tracked") for f in bn)
+    vae = {r["fqn"] for r in tables["vae.decode"]["state"]}
+    assert vae and all(f.startswith(("vae.decoder.", "vae.post_quant_conv.")) for f in vae)
+    (head,) = [r for r in tables["lm"]["state"] if r["aliases"]]
+    assert {head["fqn"], *head["aliases"]} == {"embed.weight", "lm_head.weight"}
+    literals = {r["fqn"] for r in tables["rotary"]["literal"]}
+    assert literals == {"cos", "sin"} or literals == {"cos", "sin", "inv_freq"}
+    assert "unused_cache" not in literals
+
+
+def test_an_untied_head_is_refused(zoo: tuple[Path, dict[str, Any]]) -> None:
+    """The program reads the head through the embedding's storage: untied, it would serve the
+    embedding for both, so adopt refuses it and the module serves eager."""
+    ws, _ = zoo
+    m, args = served_module(ws, LABELS["lm"])
+    m.lm_head.weight = torch.nn.Parameter(m.embed.weight.detach().clone() * 2)
+    served = adopt(artifact(ws, LABELS["lm"]), m)
+    (refusal,) = served.refusals.values()
+    assert refusal.code == "weights-untied" and "lm_head.weight" in refusal.detail + "embed.weight"
+    with torch.no_grad():
+        torch.testing.assert_close(served(*args), m(*args))
+    assert served.counters == {"eager:weights-untied": 1}
+
+
+def test_live_literals_bind_in_place_and_a_changed_one_is_refused(zoo: tuple[Path, dict[str, Any]]) -> None:
+    ws, _ = zoo
+    path = artifact(ws, LABELS["rotary"])
+    m, args = served_module(ws, LABELS["rotary"])
+    served = adopt(path, m, strict=True)
+    with torch.no_grad():
+        m.cos.mul_(0.5)  # in place: the package reads the module's own buffer
+        torch.testing.assert_close(served(*args), m(*args), rtol=1e-4, atol=1e-5)
+    m2, _ = served_module(ws, LABELS["rotary"])
+    m2.sin = m2.sin * 2  # another value than the program was traced with
+    (refusal,) = adopt(path, m2).refusals.values()
+    assert refusal.code == "literal-mismatch" and refusal.detail.startswith("sin:")
+
+
+def test_verify_run_adopts_and_prints_what_it_compared(zoo: tuple[Path, dict[str, Any]]) -> None:
+    ws, _ = zoo
+    proc = cli(ws, "verify", LABELS["bnconv"], "--run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "output 0 (float32): rel-rms" in proc.stdout and "served compiled 1" in proc.stdout
+
+
+def test_a_mint_adopt_would_refuse_seals_nothing(zoo: tuple[Path, dict[str, Any]]) -> None:
+    """A literal drawn at random on construction: the serving process's module holds another
+    value than the sealed one, so the mint fails with adopt's own refusal and stores nothing."""
+    ws, _ = zoo
+    proc = cli(ws, "mint", "//zoo-random:cpu", "--json")
+    assert proc.returncode != 0
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    (failed,) = summary["failed"]
+    assert failed["code"] == "literal-mismatch" and "jitter" in failed["detail"], failed
+    plan = json.loads(cli(ws, "plan", "//zoo-random", "--json").stdout)
+    assert plan["targets"][0]["status"] == "mint"
