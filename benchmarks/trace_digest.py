@@ -3,7 +3,7 @@
 Both sides build the same FLUX.2 [klein] 4B-shaped transformer under FakeTensorMode (bf16, 4096
 image tokens = 1024x1024, 512 text tokens, batch 1, CPU) from the example entry and export it with
 the default (pre-decomposition) torch.export. `bare` stops there; `trace` is the trace rule's
-whole job (`trace_job`). They alternate in one process (ABBA order), after one untimed warm-up
+whole job (`run_job`). They alternate in one process (ABBA order), after one untimed warm-up
 export (the first export pays one-off imports), and the median of the repetitions is reported, in wall time
 and in process CPU time (steadier than wall time on a shared 2-core box). `digest_only` times
 `graph_facts` alone on the bare program.
@@ -31,7 +31,7 @@ from typing import Any
 import diffusers
 import torch
 from cgbuild_rules.digest import graph_facts
-from cgbuild_rules.trace import default_dtype, load_entry, parse_job, trace_job
+from cgbuild_rules.trace import default_dtype, load_entry, parse_job, run_job
 from plan_scale import machine  # one description of the box for every benchmark
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -92,7 +92,7 @@ def bare_export() -> tuple[float, float, Any]:
 def traced() -> tuple[float, float, dict[str, Any]]:
     """The trace rule's whole job: (wall, cpu, result line)."""
     start, cpu = time.perf_counter(), time.process_time()
-    line = trace_job(JOB)
+    line = run_job(JOB)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     if not line["ok"]:
         raise SystemExit(f"trace failed: {line}")
@@ -152,7 +152,7 @@ def main() -> None:
         "graph": {"digest": line["graph_digest"], "nodes": line["nodes"], "params": params},
         "seconds": {
             "bare_export": [round(s, 3) for s in bare],
-            "trace_job": [round(s, 3) for s in trace],
+            "run_job": [round(s, 3) for s in trace],
             "digest_only": [round(s, 4) for s in digest_only],
             "bare_export_median": round(bare_med, 3),
             "trace_job_median": round(trace_med, 3),
@@ -160,7 +160,7 @@ def main() -> None:
         },
         "cpu_seconds": {
             "bare_export": [round(s, 3) for s in bare_cpu],
-            "trace_job": [round(s, 3) for s in trace_cpu],
+            "run_job": [round(s, 3) for s in trace_cpu],
             "bare_export_median": round(bare_cpu_med, 3),
             "trace_job_median": round(trace_cpu_med, 3),
         },

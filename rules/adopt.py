@@ -18,6 +18,7 @@ call and routes each call to the artifact whose contract fits.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import re
@@ -496,8 +497,10 @@ class Adopted:
     """A module served through its artifacts: `__call__` runs compiled when a call fits one, else
     eager, naming and counting the reason. Never raises because of an artifact."""
 
-    def __init__(self, module: nn.Module, artifacts: Iterable[Artifact]) -> None:
+    def __init__(self, module: nn.Module, artifacts: Iterable[Artifact], *, strict: bool = False) -> None:
         self.module = module
+        self.strict = strict
+        # strict: raise AdoptRefused instead of serving a call eager (a caller with no eager path)
         self._eager = type(module).forward.__get__(module)
         # Static classes before dynamic ones: an exact bucket beats a range that also covers it.
         self.artifacts = sorted(artifacts, key=lambda a: a.dynamic)
@@ -547,6 +550,8 @@ class Adopted:
                 art.refusal = Refusal("compiled-error", f"{type(e).__name__}: {e}")
                 art.package = None
                 why = art.refusal
+        if self.strict:
+            raise AdoptRefused(why)
         self.counters[f"eager:{why.code}"] += 1
         self.last_reason = why
         if why.code not in self._warned:
@@ -594,6 +599,70 @@ def adopt(
     if strict and art.refusal is not None:
         raise AdoptRefused(art.refusal)
     return Adopted(module, [art])
+
+
+class _CheckpointTensors(nn.Module):
+    """A checkpoint's tensors under their state-dict names, and nothing else: the shape adopt's
+    checks read (names, dtypes, strides, device), with no model code behind it.
+
+    It has no forward: serving a call eager would need the module the entry builds, so the
+    `Adopted` over it is strict (a call the artifact cannot serve raises `AdoptRefused`).
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        for fqn, tensor in tensors.items():
+            *path, name = fqn.split(".")
+            owner: nn.Module = self
+            for part in path:
+                child = owner._modules.get(part)
+                if child is None:
+                    child = nn.Module()
+                    owner.add_module(part, child)
+                owner = child
+            owner.register_buffer(name, tensor)  # the caller's tensor itself: no copy
+
+
+def _tie_aliases(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint saves a tied tensor once (`save_model`, `save_pretrained`): give it back its
+    other names from the sealed table, so adopt finds every alias tied as at mint."""
+    out = dict(tensors)
+    for row in (meta.get("constants") or {}).get("state", []):
+        names = [row["fqn"], *row.get("aliases", [])]
+        held = next((out[n] for n in names if n in out), None)
+        if held is not None:
+            for name in names:
+                out.setdefault(name, held)
+    return out
+
+
+def serve_checkpoint(
+    artifact: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    store: Store | SharedStore | None = None,
+    memory_bytes: int | None = None,
+    lane: str | None = None,
+) -> Adopted:
+    """Serve a sealed artifact from a checkpoint's tensors alone, without the model's code.
+
+    The package carries the program and binds its constants by name, so a serving worker that
+    has the weights (e.g. `cgbuild_rules.weights.read_checkpoint(path, "cuda")`) need not import
+    the entry or its libraries. The same checks as `adopt` run on the tensors; what differs is
+    the fallback: there is no eager path without the module, so an artifact this host or these
+    tensors refuse raises `AdoptRefused`, and so does a call outside the artifact's contract.
+    Trace-baked literals come from the artifact. Weight swaps: assign new tensors to
+    `served.module` (same names) and call `served.rebind()`.
+    """
+    meta: Mapping[str, Any] = {}
+    path = Path(artifact)
+    with contextlib.suppress(StoreError, RemoteError, SealError, OSError, ValueError):
+        meta = read_metadata(store.resolve(str(artifact), verify=True).path if store is not None else path)
+    holder = _CheckpointTensors(_tie_aliases(meta, tensors))
+    art = load_artifact(artifact, holder, store=store, memory_bytes=memory_bytes, lane=lane)
+    if art.refusal is not None:
+        raise AdoptRefused(art.refusal)
+    return Adopted(holder, [art], strict=True)
 
 
 def adopt_manifest(

@@ -411,7 +411,7 @@ def _one_line(text: str, limit: int = 600) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-def trace_job(job: Mapping[str, Any]) -> dict[str, Any]:
+def run_job(job: Mapping[str, Any]) -> dict[str, Any]:
     """Trace one raw job and return its result line; never raises for a job's own failure."""
     start = time.perf_counter()
     job_id = job.get("id") if isinstance(job, Mapping) else None
@@ -465,7 +465,7 @@ def main() -> int:
         return 2
     for job in jobs:
         line = (
-            trace_job(job)
+            run_job(job)
             if isinstance(job, dict)
             else {"id": None, "ok": False, "code": "trace-failed", "detail": "bad job: not an object"}
         )

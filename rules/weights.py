@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from cgbuild_rules import trace
 from torch import nn
 
 CheckpointPath = str | os.PathLike[str]
@@ -60,6 +59,8 @@ def module_from_checkpoint(
 ) -> nn.Module:
     """The entry's module for `job` (a trace job: `cgbuild.protocol.trace.TraceJob.to_json()`),
     weights assigned from `tensors`, literals computed on `device`; nothing initialised."""
+    from cgbuild_rules import trace  # the trace rule imports torch.export: only a build pays for it
+
     parsed = trace.parse_job({**job, "spec": {**job["spec"], "device": torch.device(device).type}})
     fn = trace.load_entry(parsed.entry, parsed.root)
     with trace.default_dtype(parsed.dtype), torch.no_grad(), trace.weights_on_meta(), torch.device(device):

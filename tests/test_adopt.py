@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from cgbuild_rules.adopt import AdoptRefused, adopt, adopt_manifest, fit
+from cgbuild_rules.adopt import AdoptRefused, adopt, adopt_manifest, fit, serve_checkpoint
 from test_mint import minted, session_dirs
 
 from cgbuild.store.local import Store
@@ -295,3 +295,31 @@ def test_a_failing_compiled_call_is_served_eager_and_disarms(
         torch.testing.assert_close(served(x), m(x))
         served(x)
     assert served.armed == [] and served.counters == {"eager:compiled-error": 2}
+
+
+def test_serve_from_a_checkpoint_without_the_models_code(
+    art_a: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The artifact bound to a checkpoint's tensors alone: compiled, no copies, a weight swap
+    through rebind, and no eager path to fall back to (a refused call raises by name)."""
+    from cgbuild_rules.weights import read_checkpoint, write_checkpoint
+
+    m = tiny(tmp_path_factory, seed=3)
+    path = write_checkpoint(m, tmp_path_factory.mktemp("ckpt") / "w.safetensors")
+    tensors = read_checkpoint(path, "cpu")
+    served = serve_checkpoint(art_a, tensors)
+    x = torch.randn(1, 8, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(served(x), m(x), rtol=1e-5, atol=1e-6)
+        swapped = {k: v * 0.5 for k, v in tensors.items()}  # new weights of the same layout
+        served.module.load_state_dict(swapped, assign=True)
+        served.rebind()
+        m.load_state_dict(swapped)
+        torch.testing.assert_close(served(x), m(x), rtol=1e-5, atol=1e-6)
+        with pytest.raises(AdoptRefused, match="shape"):
+            served(torch.randn(1, 9, 64))  # outside the contract, and no eager to serve it
+    assert served.counters == {"compiled": 2}
+    with pytest.raises(AdoptRefused, match="weights-missing"):
+        serve_checkpoint(art_a, {k: v for k, v in tensors.items() if k != "fc1.weight"})
+    with pytest.raises(AdoptRefused, match="weights-mismatch"):
+        serve_checkpoint(art_a, {**tensors, "fc1.weight": tensors["fc1.weight"].double()})

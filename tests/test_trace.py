@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from cgbuild_rules.digest import TraceError
-from cgbuild_rules.trace import REQUEST_SCHEMA, EntryError, apply_quant, load_entry, trace_job
+from cgbuild_rules.trace import REQUEST_SCHEMA, EntryError, apply_quant, load_entry, run_job
 from test_digest import BANKED, TOY, flux_job, make_job
 from torch import nn
 
@@ -131,7 +131,7 @@ def test_worker_refuses_a_bad_request() -> None:
 @pytest.mark.skipif(not CPU_ONLY_TORCH, reason="needs a CPU-only torch build")
 def test_cuda_on_cpu_torch_is_refused_without_attempting() -> None:
     # A non-existent entry proves nothing was imported or built.
-    line = trace_job(make_job(device="cuda", entry="not_imported:build"))
+    line = run_job(make_job(device="cuda", entry="not_imported:build"))
     assert line["ok"] is False and line["code"] == "no-cuda-torch"
 
 

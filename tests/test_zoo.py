@@ -61,12 +61,12 @@ def served_module(ws: Path, label: str, seed: int = 7) -> tuple[torch.nn.Module,
     from cgbuild_rules import trace
 
     from cgbuild.config.targets import expand
-    from cgbuild.plan.planner import Workspace, trace_job
+    from cgbuild.protocol.trace import job_for
 
     cg = cgfile.load(ws / "Cgfile")
     target = next(t for t in expand(cg) if t.label == label)
     torch.manual_seed(seed)
-    built = trace.build(trace.parse_job({**trace_job(Workspace(cg), target), "id": label}), "real")
+    built = trace.build(trace.parse_job(job_for(cg, target).with_id(label).to_json()), "real")
     return built.module, built.args
 
 

@@ -1,0 +1,320 @@
+"""A serving worker's whole cold start, part by part, each worker a new process.
+
+    python benchmarks/cold_start_gpu.py WORK OUT_JSON --store-archive STORE.tgz [--label L] [--reps N]
+
+Every path reads the same safetensors checkpoint (written once from the entry's seed-0 weights)
+the same way, `cgbuild_rules.weights.read_checkpoint` straight onto the GPU, and runs the same
+inputs. Parts, timed inside the worker from its first line (the parent also times the whole
+process, interpreter start included):
+  import_torch   `import torch` (and CUDA's initialisation, forced by the first device call)
+  import_model   importing the entry (the model's code: diffusers); the headless path skips it
+  weights        the module built on the meta device (nothing initialised) and the checkpoint's
+                 tensors read onto the GPU and assigned to it; headless: the read alone
+  prepare        adopt (cgbuild), `torch.compile(...)` (compile paths), nothing (eager)
+  first_call     the first output
+The harness (reading the Cgfile for the call's shapes and making the inputs) is timed apart: a
+serving process gets its call from its request; `to_first_output_less_harness` leaves it out.
+Paths: eager; torch.compile over a warm cache (a cold compile fills it first, in the same WORK);
+cgbuild adopt (the module from the entry, eager fallback available); cgbuild headless
+(`cgbuild_rules.adopt.serve_checkpoint`: the artifact bound to the checkpoint's tensors, the
+model's code never imported, no eager fallback). Warm: the checkpoint in the page cache.
+Cold: a fresh copy of the file written with O_DIRECT (`dd iflag=direct oflag=direct`), so no
+page of it is cached when the worker reads it. A weight swap (`Adopted.rebind()` after new
+tensors of the same layout are assigned) is timed in the adopt worker. Steady step: 3 warm-up
+calls, median of 15 CUDA-event-timed calls. Writes one JSON document (machine, versions, date).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+T0 = time.perf_counter()
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "flux2_klein"
+DEFAULT_LABEL = "//flux2-klein/transformer/1024x1024-t512-b1@bf16:sm_90"
+SUMMARY = (
+    "process_wall",
+    "to_first_output",
+    "to_first_output_less_harness",
+    "harness",
+    "import_torch",
+    "import_cgbuild",
+    "import_model",
+    "weights",
+    "prepare",
+    "first_call",
+    "steady_ms",
+)
+
+
+def _since() -> float:
+    return round(time.perf_counter() - T0, 3)
+
+
+def _job(ws: Path, label: str) -> dict[str, Any]:
+    from cgbuild.config import cgfile
+    from cgbuild.config.targets import expand
+    from cgbuild.protocol.trace import job_for
+
+    cg = cgfile.load(ws / "Cgfile")
+    target = next(t for t in expand(cg) if t.label == label)
+    return job_for(cg, target).with_id("bench").to_json()
+
+
+def _inputs(job: dict[str, Any]) -> tuple[Any, ...]:
+    """The transformer's call at this graph class, built with torch alone (no model code)."""
+    import torch
+
+    spec, model = job["spec"], job["config"]["model"]
+    rows, cols, text = spec["height"] // 16, spec["width"] // 16, spec["text_len"]
+    g = torch.Generator().manual_seed(0)
+    img = torch.zeros(rows * cols, 4, dtype=torch.int64)
+    img[:, 1] = torch.arange(rows).repeat_interleave(cols)
+    img[:, 2] = torch.arange(cols).repeat(rows)
+    txt = torch.zeros(text, 4, dtype=torch.int64)
+    txt[:, 3] = torch.arange(text)
+    dt = torch.bfloat16
+    return (
+        torch.randn(1, rows * cols, model["in_channels"], generator=g).to("cuda", dt),
+        torch.randn(1, text, model["joint_attention_dim"], generator=g).to("cuda", dt),
+        torch.rand(1, generator=g).to("cuda", dt),
+        img.cuda(),
+        txt.cuda(),
+    )
+
+
+def _steady(fn: Any, args: tuple[Any, ...]) -> float:
+    import torch
+
+    times = []
+    with torch.inference_mode():
+        for _ in range(3):
+            fn(*args)
+        torch.cuda.synchronize()
+        for _ in range(15):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    return round(statistics.median(times), 3)
+
+
+def worker(path: str, ws: Path, label: str, ckpt: Path, artifact: Path | None) -> dict[str, Any]:
+    """One worker's cold start, from its first line to its first output."""
+    rec: dict[str, Any] = {"path": path, "checkpoint": ckpt.name}
+    import torch
+
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    rec["import_torch"] = _since()
+    t = time.perf_counter()
+    job = _job(ws, label)
+    args = _inputs(job)
+    torch.cuda.synchronize()
+    rec["harness"] = round(time.perf_counter() - t, 3)
+    if path == "headless":
+        t = time.perf_counter()
+        from cgbuild_rules.adopt import serve_checkpoint
+        from cgbuild_rules.weights import read_checkpoint
+
+        rec["import_cgbuild"] = round(time.perf_counter() - t, 3)
+        t = time.perf_counter()
+        tensors = read_checkpoint(ckpt, "cuda")
+        torch.cuda.synchronize()
+        rec["weights"] = round(time.perf_counter() - t, 3)
+        t = time.perf_counter()
+        fn: Any = serve_checkpoint(artifact, tensors)
+        rec["prepare"] = round(time.perf_counter() - t, 3)
+        rec["model_code_imported"] = "diffusers" in sys.modules
+    else:
+        t = time.perf_counter()
+        sys.path.insert(0, str(ws))
+        import flux2_entry  # noqa: F401  (the model's code, as a serving process imports it)
+
+        rec["import_model"] = round(time.perf_counter() - t, 3)
+        from cgbuild_rules.weights import module_from_checkpoint, read_checkpoint
+
+        t = time.perf_counter()
+        module = module_from_checkpoint(job, read_checkpoint(ckpt, "cuda"), "cuda")
+        torch.cuda.synchronize()
+        rec["weights"] = round(time.perf_counter() - t, 3)
+        t = time.perf_counter()
+        if path == "adopt":
+            from cgbuild_rules.adopt import adopt
+
+            fn = adopt(artifact, module)
+        elif path.startswith("compile"):
+            fn = torch.compile(module)
+        else:
+            fn = module
+        rec["prepare"] = round(time.perf_counter() - t, 3)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = fn(*args)
+    torch.cuda.synchronize()
+    rec["first_call"] = round(time.perf_counter() - t, 3)
+    rec["to_first_output"] = _since()
+    rec["to_first_output_less_harness"] = round(rec["to_first_output"] - rec["harness"], 3)
+    rec["steady_ms"] = _steady(fn, args)
+    if path in ("adopt", "headless"):
+        rec["served"] = dict(fn.counters)
+    if path == "adopt":
+        # a weight swap: new tensors of the same layout (a merged LoRA, say), bound without a re-mint
+        with torch.no_grad():
+            swapped = {k: v * 1.01 if v.is_floating_point() else v for k, v in module.state_dict().items()}
+        module.load_state_dict(swapped, assign=True)
+        t = time.perf_counter()
+        fn.rebind()
+        torch.cuda.synchronize()
+        rec["rebind_s"] = round(time.perf_counter() - t, 4)
+        with torch.inference_mode():
+            got = fn(*args).float()
+            want = module(*args).float()
+        rec["rebind_rel_err_vs_eager"] = float((got - want).norm() / want.norm())
+        rec["served_after_rebind"] = dict(fn.counters)
+    rec["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    del out
+    return rec
+
+
+def _spawn(args: list[str], env: dict[str, str]) -> dict[str, Any]:
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env)
+    wall = round(time.perf_counter() - t, 3)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    rec = json.loads(lines[-1]) if lines else {"path": args[1], "error": proc.stderr[-3000:]}
+    rec["process_wall"] = wall
+    return rec
+
+
+def _fresh_copy(src: Path, dest: Path) -> None:
+    """A copy none of whose pages is cached (O_DIRECT on both sides)."""
+    dest.unlink(missing_ok=True)
+    subprocess.run(
+        ["dd", f"if={src}", f"of={dest}", "bs=64M", "iflag=direct", "oflag=direct", "status=none"], check=True
+    )
+
+
+def _setup(work: Path, label: str, archive: Path) -> tuple[Path, Path, Path]:
+    import torch
+    from cgbuild_rules import trace
+    from cgbuild_rules.weights import write_checkpoint
+
+    from cgbuild.store.local import Store
+
+    ws = work / "ws"
+    if not ws.exists():
+        shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+    store_root = work / "store"
+    if not store_root.exists():
+        with tarfile.open(archive) as tar:
+            tar.extractall(work, filter="data")
+    plan = json.loads((ROOT / "benchmarks" / "results" / "gpu_sm90_plan.json").read_text())
+    key = next(t["key"] for t in plan["targets"] if t["label"] == label)
+    artifact = Store(store_root).resolve(key, verify=True).path
+    ckpt = work / "weights.safetensors"
+    if not ckpt.exists():
+        built = trace.build(trace.parse_job(_job(ws, label)), "real")
+        write_checkpoint(built.module, ckpt)
+        del built
+        torch.cuda.empty_cache()
+    return ws, ckpt, artifact
+
+
+def main_all(work: Path, out_json: Path, label: str, archive: Path, reps: int) -> dict[str, Any]:
+    import torch
+
+    work.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    ws, ckpt, artifact = _setup(work, label, archive)
+    setup_s = round(time.perf_counter() - t, 1)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"), "PYTHONUNBUFFERED": "1"}
+    base = [str(ws), label]
+    runs: list[dict[str, Any]] = []
+
+    def run(path: str, checkpoint: Path, page_cache: str) -> None:
+        rec = _spawn(["worker", path, *base, str(checkpoint), str(artifact)], env)
+        rec["page_cache"] = page_cache
+        runs.append(rec)
+        print(json.dumps(rec), flush=True)
+
+    run("compile_cold", ckpt, "warm")  # fills the inductor cache the warm compile worker reads
+    for _ in range(reps):
+        for path in ("headless", "adopt", "eager", "compile_warm"):
+            run(path, ckpt, "warm")
+    cold = work / "weights.cold.safetensors"
+    for path in ("headless", "adopt"):
+        _fresh_copy(ckpt, cold)
+        run(path, cold, "cold")
+    cold.unlink(missing_ok=True)
+    summary: dict[str, Any] = {}
+    for path in ("headless", "adopt", "eager", "compile_warm"):
+        for cache in ("warm", "cold"):
+            done = [r for r in runs if r["path"] == path and r["page_cache"] == cache and "error" not in r]
+            if done:
+                summary.setdefault(path, {})[cache] = {
+                    k: round(statistics.median(r[k] for r in done), 3)
+                    for k in SUMMARY
+                    if all(k in r for r in done)
+                }
+    doc = {
+        "benchmark": "cold_start_gpu",
+        "what": "a serving worker's whole cold start to first output, part by part, new process each",
+        "date": datetime.date.today().isoformat(),
+        "label": label,
+        "machine": {
+            "gpu": torch.cuda.get_device_name(),
+            "system": f"{platform.system()} {platform.machine()}",
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "diffusers": _version("diffusers"),
+            "safetensors": _version("safetensors"),
+        },
+        "checkpoint_gib": round(ckpt.stat().st_size / 2**30, 2),
+        "setup_s": setup_s,
+        "reps": reps,
+        "runs": runs,
+        "median": summary,
+    }
+    out_json.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def _version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        _, _, path, ws, label, ckpt, artifact = sys.argv
+        print(json.dumps(worker(path, Path(ws), label, Path(ckpt), Path(artifact))), flush=True)
+        sys.exit(0)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("work", type=Path)
+    p.add_argument("out_json", type=Path)
+    p.add_argument("--store-archive", type=Path, required=True)
+    p.add_argument("--label", default=DEFAULT_LABEL)
+    p.add_argument("--reps", type=int, default=2)
+    a = p.parse_args()
+    main_all(a.work, a.out_json, a.label, a.store_archive, a.reps)
