@@ -173,4 +173,10 @@ def _save(
         "pending": pending,
         **{kind: {k: v for k, v in snapshots[kind].items() if k in named[kind]} for kind in named},
     }
-    fs.write_atomic(path, json.dumps(doc, sort_keys=True, default=str))  # default: a TOML date in a config
+    text = json.dumps(doc, sort_keys=True, default=str)  # default: a TOML date in a config
+    try:
+        if path.read_bytes() == text.encode():
+            return  # unchanged: a no-op plan leaves the file (and its stamp) as it was
+    except OSError:
+        pass
+    fs.write_atomic(path, text)

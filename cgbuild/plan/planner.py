@@ -39,48 +39,16 @@ from cgbuild.plan.inputs import SourceHasher
 from cgbuild.plan.moved import Movement, Snapshots
 from cgbuild.plan.reasons import REASON_CODES, Reason
 from cgbuild.plan.tracecache import TraceCache, trace_inputs
+from cgbuild.plan.workspace import Workspace
 from cgbuild.protocol.trace import TraceJob, job_for, request, target_lanes
 from cgbuild.store.local import Store
 
 if TYPE_CHECKING:
-    from cgbuild.store.s3 import Remote
     from cgbuild.store.shared import SharedStore
+
 
 PLAN_SCHEMA = "cgbuild.plan/1"
 LAST_PLAN_SCHEMA = laststate.SCHEMA
-
-
-@dataclass
-class Workspace:
-    cg: Cgfile
-    toolchain_lock: str | None = None
-
-    @property
-    def state(self) -> Path:
-        return self.cg.state_dir
-
-    def store(self) -> Store:
-        return Store(self.cg.store_dir)
-
-    @functools.cached_property
-    def remote(self) -> Remote | None:
-        """The declared shared store's S3 side (one client per workspace), or None."""
-        if not self.cg.remote:
-            return None
-        from cgbuild.store.s3 import Remote
-
-        return Remote(self.cg.remote)
-
-    def shared(self, local: Store | None = None) -> SharedStore | None:
-        """The local store (`local`, or the workspace's) as a cache in front of the declared
-        remote, with the workspace's trusted keys; None when no remote is declared, so a
-        workspace without one never imports boto3 or cryptography."""
-        if self.remote is None:
-            return None
-        from cgbuild.core.platform import host_name
-        from cgbuild.store.shared import SharedStore
-
-        return SharedStore(local or self.store(), self.remote, self.cg.trusted, host_name())
 
 
 @dataclass
@@ -195,6 +163,12 @@ def make_plan(
     `record` advances the workspace's recorded references (`plan` and `mint` only: a read-only
     command such as `why` must not consume the explanation it shows)."""
     ctx = PlanContext(ws, run_traces=run_traces, workers=workers, progress=progress)
+    return plan_in_full(ctx, selector, record=record)
+
+
+def plan_in_full(ctx: PlanContext, selector: Selector, *, record: bool) -> dict[str, Any]:
+    """Every stage over `ctx` (left filled in: the memo reads the ref states it found)."""
+    ws = ctx.ws
     ctx.targets = select(ws.cg, expand(ws.cg), selector)
     _resolve_inputs(ctx)
     _group_units(ctx)
