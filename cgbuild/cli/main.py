@@ -89,7 +89,7 @@ def add_workspace_args(p: argparse.ArgumentParser) -> None:
 
 def workspace(args: argparse.Namespace):  # -> planner.Workspace (import deferred)
     from cgbuild.config import cgfile
-    from cgbuild.plan.planner import Workspace
+    from cgbuild.plan.workspace import Workspace
 
     if args.directory is not None and not _is_dir(args.directory):
         raise UserError(f"not a folder: {args.directory!r}", field="-C")

@@ -42,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cgbuild.exec import fleet, mint
+    from cgbuild.plan.approval import approve
     from cgbuild.plan.planner import make_plan, record_minted
 
     if not args.label and not args.plan:
@@ -54,31 +55,14 @@ def run(args: argparse.Namespace) -> int:
             )
         fleet.connect(executor)  # before planning: an unreachable cluster fails at once
     selector = parse_selector(args.label or "//...")
-    recorded = mint.recorded_plan_keys(args.plan) if args.plan else {}  # bad input fails before a trace
+    recorded = mint.recorded_plan_keys(args.plan) if args.plan else None  # bad input fails before a trace
     ws = workspace(args)
     update, close = progress_bar("tracing")
     try:
         plan = make_plan(ws, selector, progress=update, record=True)
     finally:
         close()
-    refused: list[dict[str, Any]] = []
-    if args.plan:
-        for t in plan["targets"]:
-            if t["label"] in recorded and t["key"] != recorded[t["label"]]:
-                refused.append(
-                    {
-                        "label": t["label"],
-                        "code": "plan-stale",
-                        "detail": f"key moved since the plan was approved "
-                        f"({recorded[t['label']][:12]} → {(t['key'] or 'unknown')[:12]})",
-                    }
-                )
-        plan = {**plan, "targets": [t for t in plan["targets"] if recorded.get(t["label"]) == t["key"]]}
-    for t in plan["targets"]:
-        if t["status"] in ("blocked", "trace"):
-            r = t["reasons"][0]
-            refused.append({"label": t["label"], "code": r["code"], "detail": r["detail"]})
-
+    plan, refused = approve(plan, recorded)
     if args.check:
         return _check(args, ws, plan, refused)
     keys = mint.approved(plan, ws)
@@ -94,9 +78,25 @@ def run(args: argparse.Namespace) -> int:
     shared = ws.shared()
     if shared is not None:
         shared.save_seen()  # the keys published here: the next plan need not list them
-    failed = [mk for mk in results if not mk.result.get("ok")]
     record_minted(ws, {mk.key for mk in results if mk.result.get("ok")})
-    summary = {
+    summary = _summary(results, refused, published, fresh, time.perf_counter() - started)
+    if args.json:
+        print_json(summary)
+    else:
+        _show(summary, ws)
+    unpublished = [p for p in published if p["publish"] in ("failed", "conflict")]
+    return 1 if summary["failed"] or refused or unpublished else 0
+
+
+def _summary(
+    results: list[Any],
+    refused: list[dict[str, Any]],
+    published: list[dict[str, Any]],
+    fresh: int,
+    seconds: float,
+) -> dict[str, Any]:
+    """The `cgbuild.mint-summary/1` document of one mint."""
+    return {
         "schema": "cgbuild.mint-summary/1",
         "minted": [
             {
@@ -114,19 +114,14 @@ def run(args: argparse.Namespace) -> int:
                 "labels": mk.labels,
                 **{k: mk.result.get(k) for k in ("code", "retryable", "phase", "detail")},
             }
-            for mk in failed
+            for mk in results
+            if not mk.result.get("ok")
         ],
         "refused": refused,
         "published": published,
         "fresh": fresh,
-        "seconds": round(time.perf_counter() - started, 3),
+        "seconds": round(seconds, 3),
     }
-    if args.json:
-        print_json(summary)
-    else:
-        _show(summary, ws)
-    unpublished = [p for p in published if p["publish"] in ("failed", "conflict")]
-    return 1 if failed or refused or unpublished else 0
 
 
 STEPS = ("compile", "verify", "lanes", "seal", "admitting", "done")

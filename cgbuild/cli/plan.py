@@ -8,7 +8,7 @@ from collections import Counter
 from typing import Any
 
 from cgbuild.cli.main import add_workspace_args, positive_int, workspace
-from cgbuild.cli.render import STATUS_STYLE, console, print_json, progress_bar
+from cgbuild.cli.render import STATUS_STYLE, console, progress_bar
 from cgbuild.config.labels import parse_selector
 from cgbuild.core.errors import UserError
 
@@ -30,39 +30,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def compute(args: argparse.Namespace) -> dict[str, Any]:
-    from cgbuild.plan.planner import make_plan
+def compute(args: argparse.Namespace):  # -> memo.PlanOutput (import deferred)
+    from cgbuild.plan.memo import plan_output
 
     ws = workspace(args)
     update, close = progress_bar("tracing")
     try:
-        return make_plan(
-            ws,
-            parse_selector(args.label),
-            run_traces=not args.no_trace,
-            workers=args.jobs,
-            progress=update,
-            record=True,
+        return plan_output(
+            ws, parse_selector(args.label), run_traces=not args.no_trace, workers=args.jobs, progress=update
         )
     finally:
         close()
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = compute(args)
+    out = compute(args)
     if args.output:
         try:
             with open(args.output, "w") as f:
-                print_json(plan, f)
+                f.write(out.text)
         except (OSError, ValueError) as exc:  # ValueError: a NUL in the name
             raise UserError(
                 f"cannot write the plan: {getattr(exc, 'strerror', None) or exc}", file=args.output
             ) from None
     if args.json:
-        print_json(plan)
+        sys.stdout.write(out.text)
     else:
-        show(plan, every=args.all)
-    return 1 if args.exit_code and gate(plan) else 0
+        show(out.summary(), every=args.all)
+    return 1 if args.exit_code and gate(out.summary()) else 0
 
 
 def gate(plan: dict[str, Any]) -> list[str]:

@@ -92,6 +92,8 @@ def _moved_axes(base: dict[str, Any], head: dict[str, Any]) -> list[str]:
 
 
 def diff_plans(base: dict[str, Any], head: dict[str, Any]) -> dict[str, Any]:
+    """Each target that was added, removed, moved or became unknown between two plans, with
+    per-family counts and how many need a (re-)mint."""
     base_t = {t["label"]: t for t in base["targets"]}
     head_t = {t["label"]: t for t in head["targets"]}
     base_keys = {t["key"] for t in base["targets"] if t["key"]}
@@ -107,72 +109,13 @@ def diff_plans(base: dict[str, Any], head: dict[str, Any]) -> dict[str, Any]:
         b, h = base_t.get(label), head_t.get(label)
         if b is None:
             assert h is not None
-            remint = h["key"] is None or h["key"] not in base_keys
-            entries.append(
-                {
-                    "label": label,
-                    "family": h["family"],
-                    "change": "added",
-                    "key": h["key"],
-                    "remint": remint,
-                    "detail": "new target",
-                }
-            )
-            continue
-        if h is None:
-            entries.append(
-                {
-                    "label": label,
-                    "family": b["family"],
-                    "change": "removed",
-                    "key": b["key"],
-                    "remint": False,
-                    "detail": "target removed",
-                }
-            )
-            continue
-        if h["key"] is None:
-            tc_b = (b.get("axes") or {}).get("toolchain") or {}
-            tc_h = (h.get("axes") or {}).get("toolchain") or {}
-            certain = tc_b.get("fold") != tc_h.get("fold")
-            detail = _toolchain_detail(comp_changes[device_of(h["sm"])]) if certain else "graph not yet known"
-            entries.append(
-                {
-                    "label": label,
-                    "family": h["family"],
-                    "change": "unknown",
-                    "key": None,
-                    "remint": certain,
-                    "certain": certain,
-                    "base_key": b["key"],
-                    "detail": ("re-mint certain: " + detail) if certain else detail,
-                }
-            )
-            continue
-        if b["key"] == h["key"]:
-            continue
-        axes = _moved_axes(b, h)
-        details = []
-        for axis in axes:
-            if axis == "toolchain":
-                details.append(_toolchain_detail(comp_changes[device_of(h["sm"])]))
-            else:
-                old = b["axes"][axis]
-                new = h["axes"][axis]
-                field = IDENTITY_FIELDS[axis][0]
-                details.append(f"{axis}: {str(old.get(field))[:12]} → {str(new.get(field))[:12]}")
-        entries.append(
-            {
-                "label": label,
-                "family": h["family"],
-                "change": "moved",
-                "axes": axes,
-                "base_key": b["key"],
-                "key": h["key"],
-                "remint": h["key"] not in base_keys,
-                "detail": "; ".join(details) or "key moved",
-            }
-        )
+            entries.append(_added(label, h, base_keys))
+        elif h is None:
+            entries.append(_removed(label, b))
+        elif h["key"] is None:
+            entries.append(_unknown(label, b, h, comp_changes))
+        elif b["key"] != h["key"]:
+            entries.append(_moved(label, b, h, base_keys, comp_changes))
     families: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for e in entries:
         families[e["family"]][e["change"]] += 1
@@ -183,6 +126,75 @@ def diff_plans(base: dict[str, Any], head: dict[str, Any]) -> dict[str, Any]:
         "families": {f: dict(c) for f, c in sorted(families.items())},
         "remint": sum(1 for e in entries if e["remint"]),
         "toolchain_changes": {p: [f"{n} {a} → {b}" for n, a, b in c] for p, c in comp_changes.items() if c},
+    }
+
+
+Changes = dict[str, list[tuple[str, str, str]]]  # platform → toolchain component changes
+
+
+def _added(label: str, h: dict[str, Any], base_keys: set[str]) -> dict[str, Any]:
+    remint = h["key"] is None or h["key"] not in base_keys
+    return {
+        "label": label,
+        "family": h["family"],
+        "change": "added",
+        "key": h["key"],
+        "remint": remint,
+        "detail": "new target",
+    }
+
+
+def _removed(label: str, b: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "label": label,
+        "family": b["family"],
+        "change": "removed",
+        "key": b["key"],
+        "remint": False,
+        "detail": "target removed",
+    }
+
+
+def _unknown(label: str, b: dict[str, Any], h: dict[str, Any], comp_changes: Changes) -> dict[str, Any]:
+    """A head graph not known yet: a re-mint is already certain when the toolchain fold moved."""
+    tc_b = (b.get("axes") or {}).get("toolchain") or {}
+    tc_h = (h.get("axes") or {}).get("toolchain") or {}
+    certain = tc_b.get("fold") != tc_h.get("fold")
+    detail = _toolchain_detail(comp_changes[device_of(h["sm"])]) if certain else "graph not yet known"
+    return {
+        "label": label,
+        "family": h["family"],
+        "change": "unknown",
+        "key": None,
+        "remint": certain,
+        "certain": certain,
+        "base_key": b["key"],
+        "detail": ("re-mint certain: " + detail) if certain else detail,
+    }
+
+
+def _moved(
+    label: str, b: dict[str, Any], h: dict[str, Any], base_keys: set[str], comp_changes: Changes
+) -> dict[str, Any]:
+    """A key that moved, by axis; a head key some base target already had needs no mint."""
+    axes = _moved_axes(b, h)
+    details = []
+    for axis in axes:
+        if axis == "toolchain":
+            details.append(_toolchain_detail(comp_changes[device_of(h["sm"])]))
+        else:
+            field = IDENTITY_FIELDS[axis][0]
+            old, new = b["axes"][axis].get(field), h["axes"][axis].get(field)
+            details.append(f"{axis}: {str(old)[:12]} → {str(new)[:12]}")
+    return {
+        "label": label,
+        "family": h["family"],
+        "change": "moved",
+        "axes": axes,
+        "base_key": b["key"],
+        "key": h["key"],
+        "remint": h["key"] not in base_keys,
+        "detail": "; ".join(details) or "key moved",
     }
 
 

@@ -5,79 +5,50 @@ key → store lookup. Traces run only on a cache miss, in child interpreters; a 
 yields the same graph digest stops there (early cutoff). `fresh` comes only from a ref in the
 store, never from an earlier plan.
 
-What moved is said against each target's reference in `<state>/last-plan.json`: the state it had
-when last seen fresh (or first seen). Only `plan` and `mint` write it (`record=True`); a target
-that still needs a mint keeps its reference, so its root causes stay until its key is fresh
-again, however often `plan` or `why` runs in between.
+`make_plan` runs named stages over one `PlanContext`, each reading what the stages before it
+filled in: select targets → resolve toolchains and inputs → group trace units → cached facts
+(local, then shared) → trace what is left → per target: axes, key, status and reasons → record.
+
+What moved is said against each target's reference in `<state>/last-plan.json` (`laststate`,
+`moved`): the state it had when last seen fresh (or first seen). Only `plan` and `mint` write it
+(`record=True`); a target that still needs a mint keeps its reference, so its root causes stay
+until its key is fresh again, however often `plan` or `why` runs in between.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cgbuild.config.cgfile import Cgfile
 from cgbuild.config.labels import Selector
 from cgbuild.config.targets import Target, expand, select
-from cgbuild.core import statefile
 from cgbuild.core.canon import digest
 from cgbuild.core.errors import UserError
 from cgbuild.identity import layout, toolchain
-from cgbuild.identity.keys import AXES, IDENTITY_FIELDS, Axis, graph_axis, key_of, sm_axis, toolchain_axis
+from cgbuild.identity.keys import Axis, graph_axis, key_of, sm_axis, toolchain_axis
 from cgbuild.plan import environment, laststate
-from cgbuild.plan import reasons as why
 from cgbuild.plan.inputs import SourceHasher
+from cgbuild.plan.moved import Movement, Snapshots
 from cgbuild.plan.reasons import REASON_CODES, Reason
-from cgbuild.plan.tracecache import TRACE_RULE_VERSION, TraceCache, trace_inputs
+from cgbuild.plan.tracecache import TraceCache, trace_inputs
+from cgbuild.plan.workspace import Workspace
 from cgbuild.protocol.trace import TraceJob, job_for, request, target_lanes
 from cgbuild.store.local import Store
 
 if TYPE_CHECKING:
-    from cgbuild.store.s3 import Remote
     from cgbuild.store.shared import SharedStore
 
+
 PLAN_SCHEMA = "cgbuild.plan/1"
-LAST_PLAN_SCHEMA = "cgbuild.last-plan/2"
-
-
-@dataclass
-class Workspace:
-    cg: Cgfile
-    toolchain_lock: str | None = None
-
-    @property
-    def state(self) -> Path:
-        return self.cg.state_dir
-
-    def store(self) -> Store:
-        return Store(self.cg.store_dir)
-
-    @functools.cached_property
-    def remote(self) -> Remote | None:
-        """The declared shared store's S3 side (one client per workspace), or None."""
-        if not self.cg.remote:
-            return None
-        from cgbuild.store.s3 import Remote
-
-        return Remote(self.cg.remote)
-
-    def shared(self, local: Store | None = None) -> SharedStore | None:
-        """The local store (`local`, or the workspace's) as a cache in front of the declared
-        remote, with the workspace's trusted keys; None when no remote is declared, so a
-        workspace without one never imports boto3 or cryptography."""
-        if self.remote is None:
-            return None
-        from cgbuild.core.platform import host_name
-        from cgbuild.store.shared import SharedStore
-
-        return SharedStore(local or self.store(), self.remote, self.cg.trusted, host_name())
+LAST_PLAN_SCHEMA = laststate.SCHEMA
 
 
 @dataclass
@@ -85,6 +56,77 @@ class TraceUnit:
     inputs: str
     job: TraceJob
     targets: list[Target] = field(default_factory=list)
+
+
+class _UnitShape(NamedTuple):
+    """What a trace depends on besides the sm: targets of one unit differ only in sm."""
+
+    family: str
+    module: str
+    graph_class: str
+    layout: str
+    device: str
+    torch: str
+    lanes: str
+
+
+class _LayoutOf(NamedTuple):
+    """One layout axis: per (layout, family, component) and trace unit (none when untraced)."""
+
+    layout: str
+    family: str
+    component: str
+    inputs: str
+
+
+@dataclass
+class PlanContext:
+    """One plan's inputs and what its stages derive from them, filled in stage by stage.
+
+    The shared values (axes, topologies, ref states) are computed once per plan and reused by
+    every target that names them: a fleet of 10,000 targets has a few dozen distinct blocks."""
+
+    ws: Workspace
+    run_traces: bool = True
+    workers: int | None = None
+    progress: Callable[[int, int, str], None] | None = None
+    # select
+    targets: list[Target] = field(default_factory=list)
+    # resolve
+    dists: dict[str, str] = field(default_factory=dict)
+    env_digest: str = ""
+    local_torch: dict[str, Any] | None = None
+    toolchains: dict[str, Any] = field(default_factory=dict)
+    tc_source: str = ""
+    fam_inputs: dict[str, tuple[str, dict[str, str]]] = field(default_factory=dict)
+    now: Snapshots | None = None
+    # units
+    units: dict[str, TraceUnit] = field(default_factory=dict)
+    unit_of: dict[str, str] = field(default_factory=dict)  # label → trace inputs
+    floors: dict[str, Reason] = field(default_factory=dict)  # label → its layout's floor
+    # facts (by trace inputs)
+    facts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    blocked: dict[str, Reason] = field(default_factory=dict)
+    unknown: dict[str, Reason] = field(default_factory=dict)
+    shared: SharedStore | None = None
+    # per target
+    last: dict[str, Any] = field(default_factory=dict)
+    movement: Movement | None = None
+    store: Store | SharedStore | None = None
+    sm_axes: dict[str, Axis] = field(default_factory=dict)
+    toolchain_axes: dict[str, Axis] = field(default_factory=dict)  # by platform
+    graph_axes: dict[str, Axis] = field(default_factory=dict)  # by trace inputs
+    layout_axes: dict[_LayoutOf, tuple[Axis | None, str | None]] = field(default_factory=dict)
+    references: dict[tuple[str, str], tuple[Any, str]] = field(default_factory=dict)
+    ref_states: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def cg(self) -> Cgfile:
+        return self.ws.cg
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.ws.state / "cache"
 
 
 def resolve_toolchains(ws: Workspace, cache_dir: Path) -> tuple[dict[str, Any], str]:
@@ -107,18 +149,6 @@ def _torch_of(block: dict[str, Any]) -> str | None:
         return None
 
 
-def _load_last(path: Path) -> dict[str, Any]:
-    doc = statefile.read_json(path, lambda d: laststate.valid(d, LAST_PLAN_SCHEMA), "last plan")
-    return doc or {}
-
-
-def _save_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, sort_keys=True, default=str))  # a TOML date in a config
-    os.replace(tmp, path)
-
-
 def make_plan(
     ws: Workspace,
     selector: Selector,
@@ -132,139 +162,308 @@ def make_plan(
 
     `record` advances the workspace's recorded references (`plan` and `mint` only: a read-only
     command such as `why` must not consume the explanation it shows)."""
-    cg = ws.cg
-    targets = select(cg, expand(cg), selector)
-    cache_dir = ws.state / "cache"
-    dists = environment.installed(cache_dir / "dists.json")
-    env_digest = digest(sorted(dists.items()))
-    local_torch = environment.torch_build()
-    toolchains, tc_source = resolve_toolchains(ws, cache_dir)
-    selected_families = {t.id.family for t in targets}
+    ctx = PlanContext(ws, run_traces=run_traces, workers=workers, progress=progress)
+    return plan_in_full(ctx, selector, record=record)
+
+
+def plan_in_full(ctx: PlanContext, selector: Selector, *, record: bool) -> dict[str, Any]:
+    """Every stage over `ctx` (left filled in: the memo reads the ref states it found)."""
+    ws = ctx.ws
+    ctx.targets = select(ws.cg, expand(ws.cg), selector)
+    _resolve_inputs(ctx)
+    _group_units(ctx)
+    _cached_facts(ctx)
+    _trace_missing(ctx)
+    _references(ctx)
+    plan = _plan_document(ctx, [_plan_target(ctx, t) for t in ctx.targets])
+    if record:
+        assert ctx.now is not None
+        laststate.record(ws.state / "last-plan.json", plan, ctx.last, ctx.now)
+    return plan
+
+
+def record_minted(ws: Workspace, keys: set[str]) -> None:
+    """A minted key is fresh: its targets' references become what they were planned as."""
+    laststate.record_minted(ws.state / "last-plan.json", keys)
+
+
+def _resolve_inputs(ctx: PlanContext) -> None:
+    """Installed distributions, the local torch, toolchains, and each selected family's inputs."""
+    cg, cache_dir = ctx.cg, ctx.cache_dir
+    ctx.dists = environment.installed(cache_dir / "dists.json")
+    ctx.env_digest = digest(sorted(ctx.dists.items()))
+    ctx.local_torch = environment.torch_build()
+    ctx.toolchains, ctx.tc_source = resolve_toolchains(ctx.ws, cache_dir)
+    selected = {t.id.family for t in ctx.targets}
     hasher = SourceHasher(cache_dir / "sources.json")
-    fam_inputs = {
-        name: hasher.family_inputs(cg, fam) for name, fam in cg.families.items() if name in selected_families
+    ctx.fam_inputs = {
+        name: hasher.family_inputs(cg, fam) for name, fam in cg.families.items() if name in selected
     }
     hasher.save()
-    now = Snapshots.of(cg, fam_inputs, dists, env_digest)
+    ctx.now = Snapshots.of(cg, ctx.fam_inputs, ctx.dists, ctx.env_digest)
 
-    units: dict[str, TraceUnit] = {}
-    unit_of: dict[str, str] = {}
+
+def _group_units(ctx: PlanContext) -> None:
+    """Each target's trace inputs, and the trace units of those that may be minted: a target
+    below its layout's floor is never minted, so never traced for its sake."""
+    by_shape: dict[_UnitShape, str] = {}
     jobs: dict[str, TraceJob] = {}
-    by_unit: dict[tuple[str, ...], str] = {}  # targets of one trace unit differ only in sm
-    floors: dict[str, Reason] = {}
-    for t in targets:
-        tc_block = toolchains[t.device]
+    for t in ctx.targets:
+        tc_block = ctx.toolchains[t.device]
         tc_torch = _torch_of(tc_block) or "absent"
         # lanes buildable on one sm may not be on another of the same device type (min_sm)
-        lane_id = json.dumps(target_lanes(t, tc_block.get("components")), sort_keys=True)
-        unit_id = (t.id.family, t.id.module, t.id.graph_class, t.id.layout, t.device, tc_torch, lane_id)
-        inputs = by_unit.get(unit_id, "")
+        lanes = json.dumps(target_lanes(t, tc_block.get("components")), sort_keys=True)
+        shape = _UnitShape(t.id.family, t.id.module, t.id.graph_class, t.id.layout, t.device, tc_torch, lanes)
+        inputs = by_shape.get(shape, "")
         if not inputs:
-            job = job_for(ws.cg, t, tc_block.get("components"))
+            job = job_for(ctx.cg, t, tc_block.get("components"))
             inputs = trace_inputs(
-                family_inputs=fam_inputs[t.id.family][0],
+                family_inputs=ctx.fam_inputs[t.id.family][0],
                 module=t.id.module,
                 spec=dict(job.spec),
                 quant=job.quant,
                 torch=tc_torch,
-                environment=env_digest,
+                environment=ctx.env_digest,
             )
-            by_unit[unit_id] = inputs
+            by_shape[shape] = inputs
             jobs[inputs] = job
-        unit_of[t.label] = inputs
-        floor = _floor(cg.layouts[t.id.layout].quant, t.id.sm, None if tc_torch == "absent" else tc_torch)
+        ctx.unit_of[t.label] = inputs
+        floor = _floor(ctx.cg.layouts[t.id.layout].quant, t.id.sm, None if tc_torch == "absent" else tc_torch)
         if floor is not None:
-            floors[t.label] = floor  # never minted, so never traced for its sake
+            ctx.floors[t.label] = floor
             continue
-        units.setdefault(inputs, TraceUnit(inputs, jobs[inputs].with_id(inputs))).targets.append(t)
+        ctx.units.setdefault(inputs, TraceUnit(inputs, jobs[inputs].with_id(inputs))).targets.append(t)
 
-    cache = TraceCache(ws.state / "traces.sqlite")
-    facts = cache.get_many(list(units))
-    shared = ws.shared()
-    if shared is not None:  # a trace another machine published costs a listing, not a trace
-        for inputs, fact in shared.pull_facts([i for i in units if i not in facts]).items():
-            cache.put(inputs, fact)
-            facts[inputs] = fact
-    blocked: dict[str, Reason] = {}
-    graph_unknown: dict[str, Reason] = {}
-    todo: list[TraceUnit] = []
-    local_version = local_torch["version"] if local_torch else None
-    for inputs, unit in units.items():
-        if inputs in facts:
-            continue
-        device = unit.job.spec["device"]
-        tc_torch = _torch_of(toolchains[device])
-        if local_torch is None:
-            graph_unknown[inputs] = Reason(
-                "graph-unknown", "torch is not installed here: cannot trace", root=True
-            )
-        elif tc_torch != local_version:
-            graph_unknown[inputs] = Reason(
-                "graph-unknown",
-                f"toolchain torch {tc_torch} differs from the tracing torch {local_version}; "
-                "no trace under that torch is cached",
-                True,
-                component="torch",
-                old=local_version,
-                new=tc_torch,
-            )
-        elif device == "cuda" and not local_torch["cuda"]:
-            blocked[inputs] = Reason(
-                "no-cuda-torch",
-                f"torch {local_version} is a CPU-only build: CUDA graphs "
-                "trace only with a CUDA build of torch (no GPU needed)",
-                root=True,
-            )
-        elif not run_traces:
-            graph_unknown[inputs] = Reason("graph-unknown", "not traced yet (tracing disabled)", root=True)
-        else:
-            todo.append(unit)
 
-    if todo:
-        _run_traces(todo, cache, facts, blocked, workers=workers, progress=progress)
-        if shared is not None:
-            shared.push_facts({u.inputs: facts[u.inputs] for u in todo if u.inputs in facts})
-    cache.close()
+def _cached_facts(ctx: PlanContext) -> None:
+    """Trace facts from the local cache, then from the shared store (a trace another machine
+    published costs a listing, not a trace)."""
+    with _trace_cache(ctx) as cache:
+        ctx.facts = cache.get_many(list(ctx.units))
+        ctx.shared = ctx.ws.shared()
+        if ctx.shared is not None:
+            for inputs, fact in ctx.shared.pull_facts([i for i in ctx.units if i not in ctx.facts]).items():
+                cache.put(inputs, fact)
+                ctx.facts[inputs] = fact
 
-    last = _load_last(ws.state / "last-plan.json")
-    last_targets: dict[str, Any] = last.get("targets", {})
-    store = shared or ws.store()
-    out_targets = []
-    ref_states: dict[str, str] = {}
-    memo: dict[tuple[str, ...], Any] = {("dists",): dists}
-    for t in targets:
-        inputs = unit_of[t.label]
-        entry = _plan_target(
-            ws,
-            t,
-            inputs,
-            facts.get(inputs),
-            blocked.get(inputs),
-            graph_unknown.get(inputs),
-            floors.get(t.label),
-            toolchains,
-            tc_source,
-            last_targets.get(t.label),
-            last,
-            now,
-            store,
-            ref_states,
-            memo,
+
+def _trace_missing(ctx: PlanContext) -> None:
+    """Trace the units without facts that this machine can trace; say why of the others."""
+    todo = [unit for unit in ctx.units.values() if unit.inputs not in ctx.facts and _traceable(ctx, unit)]
+    if not todo:
+        return
+    with _trace_cache(ctx) as cache:
+        _run_traces(todo, cache, ctx.facts, ctx.blocked, workers=ctx.workers, progress=ctx.progress)
+    if ctx.shared is not None:
+        ctx.shared.push_facts({u.inputs: ctx.facts[u.inputs] for u in todo if u.inputs in ctx.facts})
+
+
+def _traceable(ctx: PlanContext, unit: TraceUnit) -> bool:
+    """Whether this machine can trace `unit`; if not, its reason is recorded where it is decided."""
+    device = unit.job.spec["device"]
+    tc_torch = _torch_of(ctx.toolchains[device])
+    local = ctx.local_torch
+    local_version = local["version"] if local else None
+    if local is None:
+        ctx.unknown[unit.inputs] = Reason(
+            "graph-unknown", "torch is not installed here: cannot trace", root=True
         )
-        out_targets.append(entry)
+    elif tc_torch != local_version:
+        ctx.unknown[unit.inputs] = Reason(
+            "graph-unknown",
+            f"toolchain torch {tc_torch} differs from the tracing torch {local_version}; "
+            "no trace under that torch is cached",
+            True,
+            component="torch",
+            old=local_version,
+            new=tc_torch,
+        )
+    elif device == "cuda" and not local["cuda"]:
+        ctx.blocked[unit.inputs] = Reason(
+            "no-cuda-torch",
+            f"torch {local_version} is a CPU-only build: CUDA graphs "
+            "trace only with a CUDA build of torch (no GPU needed)",
+            root=True,
+        )
+    elif not ctx.run_traces:
+        ctx.unknown[unit.inputs] = Reason("graph-unknown", "not traced yet (tracing disabled)", root=True)
+    else:
+        return True
+    return False
 
-    plan = {
+
+def _trace_cache(ctx: PlanContext) -> contextlib.closing[TraceCache]:
+    """The workspace's trace cache, open for one stage and closed after it."""
+    return contextlib.closing(TraceCache(ctx.ws.state / "traces.sqlite"))
+
+
+def _plan_document(ctx: PlanContext, targets: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
         "schema": PLAN_SCHEMA,
-        "workspace": {"cgfile": str(cg.path), "store": str(cg.store_dir)},
+        "workspace": {"cgfile": str(ctx.cg.path), "store": str(ctx.cg.store_dir)},
         "toolchains": {
-            p: {"fold": b["fold"], "source": tc_source, "components": b["components"]}
-            for p, b in toolchains.items()
+            p: {"fold": b["fold"], "source": ctx.tc_source, "components": b["components"]}
+            for p, b in ctx.toolchains.items()
         },
-        "targets": out_targets,
+        "targets": targets,
     }
-    if record:
-        _record(ws, plan, last, now)
-    return plan
+
+
+def _references(ctx: PlanContext) -> None:
+    """The last plan's references, and the store the keys are looked up in."""
+    assert ctx.now is not None
+    ctx.last = laststate.load(ctx.ws.state / "last-plan.json")
+    ctx.movement = Movement(ctx.last, ctx.now, ctx.toolchains)
+    ctx.store = ctx.shared or ctx.ws.store()
+
+
+def _plan_target(ctx: PlanContext, t: Target) -> dict[str, Any]:
+    """One target's plan entry: its axes, then its status and key with the reason that decided
+    them, then what moved since its reference."""
+    inputs = ctx.unit_of[t.label]
+    fact = ctx.facts.get(inputs)
+    axes, mismatch = _axes_of(ctx, t, inputs, fact)
+    status, key, reasons = _status_of(ctx, t, inputs, fact, axes, mismatch)
+    last = ctx.last.get("targets", {}).get(t.label)
+    assert ctx.movement is not None
+    moved = ctx.movement.since(t, key, axes, inputs, last)
+    if status == "fresh":
+        reasons = [r.propagated() for r in reasons + moved]
+    elif status in ("blocked", "trace"):  # its one root cause is what stops it, moved or not
+        reasons += [r.propagated() for r in moved]
+    else:
+        reasons += moved
+    return {
+        "label": t.label,
+        "family": t.id.family,
+        "module": t.id.module,
+        "graph_class": t.id.graph_class,
+        "layout": t.id.layout,
+        "stamp": _stamp(ctx, t, axes["layout"]),
+        "sm": t.id.sm,
+        "skus": list(t.skus),
+        "envelope": t.facet,
+        "key": key,
+        "status": status,
+        "axes": {name: (axis.readable if axis else None) for name, axis in axes.items()},
+        "reasons": [r.to_json() for r in reasons],
+        "trace_inputs": inputs,
+    }
+
+
+def _stamp(ctx: PlanContext, t: Target, layout_axis: Axis | None) -> str:
+    """`<family>.<component>@N+<quant>@N`, from the layout axis when it is known."""
+    if layout_axis is not None:
+        return str(layout_axis.readable["stamp"])
+    quant = layout.QUANT_RULES[ctx.cg.layouts[t.id.layout].quant]
+    return f"{t.id.family}.{t.module.component}@{layout.TOPOLOGY_SCHEME}+{quant.display}"
+
+
+def _axes_of(
+    ctx: PlanContext, t: Target, inputs: str, fact: dict[str, Any] | None
+) -> tuple[dict[str, Axis | None], str | None]:
+    """The target's four axes (graph and layout None while unknown) and any reference-vs-trace
+    mismatch; each axis object is shared by every target naming it, so it renders once."""
+    sm = ctx.sm_axes.get(t.id.sm)
+    if sm is None:
+        sm = ctx.sm_axes[t.id.sm] = sm_axis(t.id.sm)
+    platform = t.device
+    tc = ctx.toolchain_axes.get(platform)
+    if tc is None:
+        tc = ctx.toolchain_axes[platform] = toolchain_axis(
+            platform, ctx.toolchains[platform]["fold"], ctx.tc_source
+        )
+    graph: Axis | None = None
+    if fact is not None:
+        graph = ctx.graph_axes.get(inputs)
+        if graph is None:
+            graph = graph_axis(fact["graph_digest"], torch=fact["torch"], nodes=fact.get("nodes"))
+            ctx.graph_axes[inputs] = graph
+    lay, mismatch = _layout_of(ctx, t, inputs, fact)
+    return {"graph": graph, "sm": sm, "toolchain": tc, "layout": lay}, mismatch
+
+
+def _layout_of(
+    ctx: PlanContext, t: Target, inputs: str, fact: dict[str, Any] | None
+) -> tuple[Axis | None, str | None]:
+    """The layout axis and any reference-vs-trace mismatch, once per (layout, component, trace unit):
+    targets of one unit differ only in sm, and topologies of real models have hundreds of rows."""
+    lay = ctx.cg.layouts[t.id.layout]
+    component = t.module.component
+    memo_key = _LayoutOf(lay.name, t.id.family, component, inputs if fact is not None else "")
+    if memo_key in ctx.layout_axes:
+        return ctx.layout_axes[memo_key]
+    quant = layout.QUANT_RULES[lay.quant]
+    axis: Axis | None = None
+    mismatch: str | None = None
+    if lay.reference is not None:
+        ref_key = (lay.name, component)
+        if ref_key not in ctx.references:
+            topo = layout.topology_from_reference(lay.reference, component)
+            ctx.references[ref_key] = (topo, layout.topology_digest(topo))
+        topo, topo_digest = ctx.references[ref_key]
+        axis = Axis(*layout.layout_axis(t.id.family, component, quant, topo_digest, "reference"))
+        if fact is not None:
+            mismatch = layout.topology_mismatch(topo, layout.from_trace(fact["topology"]))
+    elif fact is not None:
+        topo_digest = layout.topology_digest(layout.from_trace(fact["topology"]))
+        axis = Axis(*layout.layout_axis(t.id.family, component, quant, topo_digest, "trace"))
+    ctx.layout_axes[memo_key] = (axis, mismatch)
+    return axis, mismatch
+
+
+def _status_of(
+    ctx: PlanContext,
+    t: Target,
+    inputs: str,
+    fact: dict[str, Any] | None,
+    axes: dict[str, Axis | None],
+    mismatch: str | None,
+) -> tuple[str, str | None, list[Reason]]:
+    """(status, key, reasons): the first thing that stops the target decides, with its reason."""
+    stop = ctx.floors.get(t.label) or ctx.blocked.get(inputs)
+    if stop is not None:
+        return "blocked", None, [stop]
+    if mismatch is not None:
+        detail = f"reference checkpoint of '{t.module.component}' and the traced module disagree: {mismatch}"
+        return "blocked", None, [Reason("layout-topology-mismatch", detail, root=True)]
+    if fact is None:
+        return (
+            "trace",
+            None,
+            [ctx.unknown.get(inputs) or Reason("graph-unknown", "graph not traced", root=True)],
+        )
+    key = key_of({name: axis for name, axis in axes.items() if axis is not None})
+    state = ctx.ref_states.get(key)
+    if state is None:
+        assert ctx.store is not None
+        state = ctx.ref_states[key] = ctx.store.ref_state(key)
+    if state == "fresh":
+        return "fresh", key, []
+    last = ctx.last.get("targets", {}).get(t.label)
+    return "mint", key, [_store_reason(state, key, last)]
+
+
+def _store_reason(state: str, key: str, last: dict[str, Any] | None) -> Reason:
+    """Why a known key must be minted, by what the store holds for it."""
+    if state == "quarantined":
+        return Reason(
+            "quarantined",
+            "the stored artifact failed verification and was quarantined; a new verified mint repairs it",
+            root=True,
+        )
+    if state == "malformed":
+        return Reason(
+            "malformed-ref",
+            "the store's ref for this key is not a ref; the next command that writes "
+            "the store (mint, verify, gc, fetch) quarantines it",
+            root=True,
+        )
+    return Reason(
+        "missing-from-store",
+        "no verified ref for this key in the store",
+        root=last is not None and not last.get("new") and last.get("key") == key,
+    )
 
 
 def _run_traces(
@@ -317,400 +516,3 @@ def _floor(quant: str, sm: str, torch: str | None) -> Reason | None:
     """The floor reason of a quant rule on an sm under a toolchain torch (docs/layouts.md), or None."""
     refusal = layout.floor_refusal(layout.QUANT_RULES[quant], sm, torch)
     return None if refusal is None else Reason(refusal[0], refusal[1], root=True)
-
-
-def _plan_target(
-    ws: Workspace,
-    t: Target,
-    inputs: str,
-    fact: dict[str, Any] | None,
-    blocked: Reason | None,
-    unknown: Reason | None,
-    floor: Reason | None,
-    toolchains: dict[str, Any],
-    tc_source: str,
-    last: dict[str, Any] | None,
-    last_plan: dict[str, Any],
-    now: Snapshots,
-    store: Store | SharedStore,
-    ref_states: dict[str, str],
-    memo: dict[tuple[str, ...], Any],
-) -> dict[str, Any]:
-    cg = ws.cg
-    lay = cg.layouts[t.id.layout]
-    quant = layout.QUANT_RULES[lay.quant]
-    platform = t.device
-    tc = toolchains[platform]
-    # Axis objects are shared through `memo` so each renders its canonical block once per plan.
-    sm_key, tc_key = ("sm", t.id.sm), ("toolchain", platform)
-    if sm_key not in memo:
-        memo[sm_key] = sm_axis(t.id.sm)
-    if tc_key not in memo:
-        memo[tc_key] = toolchain_axis(platform, tc["fold"], tc_source)
-    axes: dict[str, Axis | None] = {
-        "graph": None,
-        "sm": memo[sm_key],
-        "toolchain": memo[tc_key],
-        "layout": None,
-    }
-    axes["layout"], mismatch = _layout_of(ws, t, inputs, fact, memo)
-    if fact is not None:
-        graph_key = ("graph", inputs)
-        if graph_key not in memo:
-            memo[graph_key] = graph_axis(fact["graph_digest"], torch=fact["torch"], nodes=fact.get("nodes"))
-        axes["graph"] = memo[graph_key]
-    stamp = (
-        axes["layout"].readable["stamp"]
-        if axes["layout"]
-        else f"{t.id.family}.{t.module.component}@{layout.TOPOLOGY_SCHEME}+{quant.display}"
-    )
-
-    reasons: list[Reason] = []
-    key: str | None = None
-    if floor is not None:
-        status = "blocked"
-        reasons.append(floor)
-    elif blocked is not None:
-        status = "blocked"
-        reasons.append(blocked)
-    elif mismatch is not None:
-        status = "blocked"
-        reasons.append(
-            Reason(
-                "layout-topology-mismatch",
-                f"reference checkpoint of '{t.module.component}' and the traced module disagree: {mismatch}",
-                root=True,
-            )
-        )
-    elif fact is None:
-        status = "trace"
-        reasons.append(unknown or Reason("graph-unknown", "graph not traced", root=True))
-    else:
-        key = key_of({name: axis for name, axis in axes.items() if axis is not None})
-        state = ref_states.get(key) or store.ref_state(key)
-        ref_states[key] = state
-        status = "fresh" if state == "fresh" else "mint"
-        if state == "quarantined":
-            reasons.append(
-                Reason(
-                    "quarantined",
-                    "the stored artifact failed verification and was "
-                    "quarantined; a new verified mint repairs it",
-                    root=True,
-                )
-            )
-        elif state == "malformed":
-            reasons.append(
-                Reason(
-                    "malformed-ref",
-                    "the store's ref for this key is not a ref; the next command that writes "
-                    "the store (mint, verify, gc, fetch) quarantines it",
-                    root=True,
-                )
-            )
-        elif state != "fresh":
-            reasons.append(
-                Reason(
-                    "missing-from-store",
-                    "no verified ref for this key in the store",
-                    root=last is not None and not last.get("new") and last.get("key") == key,
-                )
-            )
-    moved = _moved(t, key, axes, inputs, last, last_plan, now, toolchains, memo)
-    if status == "fresh":
-        reasons = [r.propagated() for r in reasons + moved]
-    elif status in ("blocked", "trace"):  # its one root cause is what stops it, moved or not
-        reasons += [r.propagated() for r in moved]
-    else:
-        reasons += moved
-    readable = {name: (axis.readable if axis else None) for name, axis in axes.items()}
-    return {
-        "label": t.label,
-        "family": t.id.family,
-        "module": t.id.module,
-        "graph_class": t.id.graph_class,
-        "layout": t.id.layout,
-        "stamp": stamp,
-        "sm": t.id.sm,
-        "skus": list(t.skus),
-        "envelope": t.facet,
-        "key": key,
-        "status": status,
-        "axes": readable,
-        "reasons": [r.to_json() for r in reasons],
-        "trace_inputs": inputs,
-    }
-
-
-def _layout_of(
-    ws: Workspace, t: Target, inputs: str, fact: dict[str, Any] | None, memo: dict[tuple[str, ...], Any]
-) -> tuple[Axis | None, str | None]:
-    """The layout axis and any reference-vs-trace mismatch, once per (layout, component, trace unit):
-    targets of one unit differ only in sm, and topologies of real models have hundreds of rows."""
-    lay = ws.cg.layouts[t.id.layout]
-    component = t.module.component
-    memo_key = ("layout", lay.name, t.id.family, component, inputs if fact is not None else "")
-    if memo_key in memo:
-        return memo[memo_key]  # type: ignore[no-any-return]
-    quant = layout.QUANT_RULES[lay.quant]
-    axis: Axis | None = None
-    mismatch: str | None = None
-    if lay.reference is not None:
-        ref_key = ("reference", lay.name, component)
-        if ref_key not in memo:
-            topo = layout.topology_from_reference(lay.reference, component)
-            memo[ref_key] = (topo, layout.topology_digest(topo))
-        topo, topo_digest = memo[ref_key]
-        axis = Axis(*layout.layout_axis(t.id.family, component, quant, topo_digest, "reference"))
-        if fact is not None:
-            mismatch = layout.topology_mismatch(topo, layout.from_trace(fact["topology"]))
-    elif fact is not None:
-        topo_digest = layout.topology_digest(layout.from_trace(fact["topology"]))
-        axis = Axis(*layout.layout_axis(t.id.family, component, quant, topo_digest, "trace"))
-    memo[memo_key] = (axis, mismatch)
-    return axis, mismatch
-
-
-def _moved(
-    t: Target,
-    key: str | None,
-    axes: dict[str, Axis | None],
-    inputs: str,
-    last: dict[str, Any] | None,
-    last_plan: dict[str, Any],
-    now: Snapshots,
-    toolchains: dict[str, Any],
-    memo: dict[tuple[str, ...], Any],
-) -> list[Reason]:
-    """What moved since the target's recorded reference, as reasons (root causes first)."""
-    if last is None:
-        return [why.Reason("new-target", "new target: not in this workspace's recorded plans", True)]
-    out: list[Reason] = []
-    if last.get("new"):  # never fresh since first seen
-        out.append(why.Reason("new-target", "new target: not minted since it first appeared in a plan", True))
-    trace_moved = last.get("trace_inputs") != inputs
-    if not trace_moved and key is not None and last.get("key") == key:
-        return out  # the warm path: nothing this target depends on moved
-    last_axes = last.get("axes", {})
-    new_graph, old_graph = axes.get("graph"), last_axes.get("graph")
-    cutoff = trace_moved and new_graph is not None and old_graph is not None
-    cutoff = cutoff and _identity_of("graph", old_graph) == new_graph.identity  # type: ignore[union-attr]
-    if trace_moved:
-        new_torch = new_graph.readable.get("traced_with") if new_graph is not None else None
-        out.extend(_inputs_moved(t, last, last_plan, now, new_torch, memo, root=not cutoff))
-    for name in AXES:
-        new = axes.get(name)
-        old = last_axes.get(name)
-        if new is None or old is None:
-            continue
-        if _identity_of(name, old) == new.identity:
-            continue
-        if name == "toolchain":
-            old_comp = last_plan.get("toolchains", {}).get(old.get("fold"), {})
-            new_comp = toolchains[t.device]["components"]
-            changes = toolchain.component_changes(old_comp, new_comp)
-            for comp, before, after in changes or [("fold", old.get("fold"), new.identity["fold"])]:
-                out.append(why.axis_moved(name, str(before), str(after), root=True, component=comp))
-        else:
-            # the graph, and a topology read from the trace, move because the trace inputs did
-            traced = name == "graph" or new.readable.get("topology_source") == "trace"
-            root = not (trace_moved and traced)
-            out.append(why.axis_moved(name, _short(name, old), _short(name, new.readable), root=root))
-    if cutoff:
-        out.append(why.early_cutoff())
-    return out
-
-
-def _inputs_moved(
-    t: Target,
-    last: dict[str, Any],
-    last_plan: dict[str, Any],
-    now: Snapshots,
-    new_torch: str | None,
-    memo: dict[tuple[str, ...], Any],
-    *,
-    root: bool,
-) -> list[Reason]:
-    """The trace inputs that moved, each by name; computed once per (old, new) snapshot pair,
-    not per target (a family's thousand targets share them)."""
-    fam = t.id.family
-    old_fam, old_env = last.get("fam"), last.get("env")
-    old_torch = (last.get("axes", {}).get("graph") or {}).get("traced_with")
-    memo_key = ("moved", fam, str(old_fam), str(old_env), str(old_torch), str(new_torch), str(root))
-    if memo_key in memo:
-        return memo[memo_key]  # type: ignore[no-any-return]
-    out: list[Reason] = []
-    before = last_plan.get("families", {}).get(old_fam)
-    after = now.families[now.fam_ids[fam]]
-    if before is not None and old_fam != now.fam_ids[fam]:
-        out.extend(_family_moved(fam, before, after, root=root))
-    env_before = last_plan.get("environments", {}).get(old_env)
-    if env_before is not None and old_env != now.env_id:
-        for name in ("rule", "python"):
-            if env_before.get(name) != now.env[name]:
-                label = "trace-rule" if name == "rule" else "python"
-                out.append(why.version_moved(label, str(env_before.get(name)), str(now.env[name]), root=root))
-        dists = _changed_dists(env_before.get("dists", {}), now.env["dists"])
-        out.extend(why.version_moved(n, a, b, root=root) for n, a, b in dists[:MAX_NAMED])
-        if len(dists) > MAX_NAMED:
-            out.append(why.more_moved(len(dists) - MAX_NAMED, "distributions", root=root))
-    if old_torch and new_torch and old_torch != new_torch:
-        out.append(why.version_moved("torch (tracing)", old_torch, new_torch, root=root))
-    memo[memo_key] = out or [why.unnamed_inputs_moved(root=root)]
-    return memo[memo_key]  # type: ignore[no-any-return]
-
-
-MAX_NAMED = 6  # moved distributions (or files) named per target; the rest are counted
-
-
-def _family_moved(fam: str, before: dict[str, Any], after: dict[str, Any], *, root: bool) -> list[Reason]:
-    out: list[Reason] = []
-    if before.get("entry") != after["entry"]:
-        out.append(why.setting_moved(f"family.{fam}.entry", before.get("entry"), after["entry"], root=root))
-    old_cfg = dict(_flatten(before.get("config") or {}, f"family.{fam}.config"))
-    new_cfg = dict(_flatten(after["config"], f"family.{fam}.config"))
-    for path in sorted(set(old_cfg) | set(new_cfg)):
-        if old_cfg.get(path, _ABSENT) != new_cfg.get(path, _ABSENT):
-            out.append(why.setting_moved(path, old_cfg.get(path), new_cfg.get(path), root=root))
-    if before.get("lanes") != after["lanes"]:
-        out.append(why.setting_moved(f"family.{fam}.lanes", before.get("lanes"), after["lanes"], root=root))
-    old_files, new_files = before.get("files") or {}, after["files"]
-    files = [p for p in sorted(set(old_files) | set(new_files)) if old_files.get(p) != new_files.get(p)]
-    out.extend(why.file_moved(p, old_files.get(p), new_files.get(p), root=root) for p in files[:MAX_NAMED])
-    if len(files) > MAX_NAMED:
-        out.append(why.more_moved(len(files) - MAX_NAMED, "files", root=root))
-    return out
-
-
-_ABSENT = object()
-
-
-def _flatten(value: Any, prefix: str) -> list[tuple[str, Any]]:
-    """Config as (key path, leaf value) pairs: `family.toy.config.unet.attention_head_dim`."""
-    if isinstance(value, dict) and value:
-        return [pair for k, v in value.items() for pair in _flatten(v, f"{prefix}.{k}")]
-    return [(prefix, value)]
-
-
-def _identity_of(name: str, readable: dict[str, Any]) -> dict[str, Any]:
-    return {f: readable.get(f) for f in IDENTITY_FIELDS[name]}
-
-
-def _short(name: str, readable: dict[str, Any]) -> str:
-    if name == "sm":
-        return str(readable["sm"])
-    if name == "layout":
-        return f"{readable.get('stamp')} ({str(readable['topology'])[:12]}/{str(readable['quant'])[:12]})"
-    return str(readable.get("digest") or readable.get("fold"))[:16]
-
-
-def _changed_dists(old: dict[str, str], new: dict[str, str]) -> list[tuple[str, str | None, str | None]]:
-    return [(n, old.get(n), new.get(n)) for n in sorted(set(old) | set(new)) if old.get(n) != new.get(n)]
-
-
-@dataclass(frozen=True)
-class Snapshots:
-    """What this plan's trace inputs are made of, by name, once per family and once for the
-    environment: the record keeps one copy of each, so reasons can name what moved."""
-
-    env_id: str
-    env: dict[str, Any]
-    fam_ids: dict[str, str]
-    families: dict[str, dict[str, Any]]
-
-    @classmethod
-    def of(
-        cls, cg: Cgfile, fam_inputs: dict[str, tuple[str, dict[str, str]]], dists: dict[str, str], env: str
-    ) -> Snapshots:
-        python = f"{sys.version_info.major}.{sys.version_info.minor}"
-        env_block = {"dists": dists, "rule": TRACE_RULE_VERSION, "python": python}
-        fam_ids: dict[str, str] = {}
-        families: dict[str, dict[str, Any]] = {}
-        for name, (fam_digest, files) in fam_inputs.items():
-            fam = cg.families[name]
-            snap = {
-                "entry": fam.entry,
-                "config": fam.config,
-                "lanes": [[axis, list(values)] for axis, values in fam.lanes],
-                "files": files,
-            }
-            fam_ids[name] = digest([fam_digest, snap["lanes"]])[:16]
-            families[fam_ids[name]] = snap
-        return cls(digest([env, TRACE_RULE_VERSION, python])[:16], env_block, fam_ids, families)
-
-
-def _record(ws: Workspace, plan: dict[str, Any], last: dict[str, Any], snaps: Snapshots) -> None:
-    """Advance each planned target's reference: a fresh target's becomes what it is now; one that
-    still needs a mint keeps its own (its root causes stand until it is fresh), with what it is
-    now kept apart (`pending`) so a mint of that key can advance it (`record_minted`)."""
-    refs: dict[str, Any] = dict(last.get("targets", {}))
-    pending: dict[str, Any] = dict(last.get("pending", {}))
-    for entry in plan["targets"]:
-        label = entry["label"]
-        now = {
-            "key": entry["key"],
-            "axes": entry["axes"],
-            "trace_inputs": entry["trace_inputs"],
-            "env": snaps.env_id,
-            "fam": snaps.fam_ids[entry["family"]],
-        }
-        ref = refs.get(label)
-        pending.pop(label, None)
-        if entry["status"] == "fresh":
-            refs[label] = now
-            continue
-        if ref is None:
-            refs[label] = {**now, "new": True}
-        elif entry["key"] is None:
-            # An unknown graph says nothing new about the key: keep the last known one, but note
-            # the inputs seen, or every later plan would report them as moved again.
-            refs[label] = {**ref, **{k: now[k] for k in ("trace_inputs", "env", "fam")}}
-        if entry["key"] is not None:
-            pending[label] = now
-    _save_last(
-        ws,
-        refs,
-        pending,
-        {
-            "environments": {**last.get("environments", {}), snaps.env_id: snaps.env},
-            "families": {**last.get("families", {}), **snaps.families},
-            "toolchains": {
-                **last.get("toolchains", {}),
-                **{b["fold"]: b["components"] for b in plan["toolchains"].values()},
-            },
-        },
-    )
-
-
-def record_minted(ws: Workspace, keys: set[str]) -> None:
-    """A minted key is fresh: its targets' references become what they were planned as."""
-    last = _load_last(ws.state / "last-plan.json")
-    refs: dict[str, Any] = dict(last.get("targets", {}))
-    pending: dict[str, Any] = dict(last.get("pending", {}))
-    for label, now in list(pending.items()):
-        if now["key"] in keys:
-            refs[label] = now
-            del pending[label]
-    _save_last(ws, refs, pending, {k: last.get(k, {}) for k in ("environments", "families", "toolchains")})
-
-
-def _save_last(
-    ws: Workspace, refs: dict[str, Any], pending: dict[str, Any], snapshots: dict[str, dict[str, Any]]
-) -> None:
-    """Write the references with only the snapshots they still name: one copy of each
-    environment, family and toolchain, however many targets name it."""
-    rows = [*refs.values(), *pending.values()]
-    named = {
-        "environments": {r.get("env") for r in rows},
-        "families": {r.get("fam") for r in rows},
-        "toolchains": {((r.get("axes") or {}).get("toolchain") or {}).get("fold") for r in rows},
-    }
-    _save_json(
-        ws.state / "last-plan.json",
-        {
-            "schema": LAST_PLAN_SCHEMA,
-            "targets": refs,
-            "pending": pending,
-            **{kind: {k: v for k, v in snapshots[kind].items() if k in named[kind]} for kind in named},
-        },
-    )

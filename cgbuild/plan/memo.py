@@ -1,0 +1,315 @@
+"""A no-op plan served from the last identical one: a memo keyed on the stat stamps of its inputs.
+
+A plan is a function of its inputs: the Cgfile, the toolchain locks, the toolchain probe's own
+inputs (the files it validates its cache with, the variables and host it keys on), the import
+path's folders (installed distributions, the local torch), each selected family's entry and
+source files (re-globbed: a new file matching a pattern is an input), reference checkpoints, the
+trace cache, the last plan, the engine's own source files and the store's refs. The memo keeps,
+per request (selector, locks, tracing on or off, interpreter, workspace paths), the plan's exact
+JSON text and the stat stamp (mtime ns, size, inode) of each of those inputs, taken before the
+plan was computed and again after it was recorded: it is written only when nothing moved in
+between and recording changed nothing (so the plan it holds is the one this state gives).
+
+`fresh` is never inferred from the memo alone. A hit re-checks every key the plan names, now:
+a `fresh` key's ref must be the very file that was read (same stamp) and its object must exist
+with the size that ref records (one stat each: the same check `Store.ref_state` makes); a `mint`
+key's ref must still be absent and it must still not be quarantined. Anything else is a miss and
+the plan is computed in full. A workspace with a shared store never uses the memo (the remote's
+listing is not a local file).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cgbuild.core import fs
+
+if TYPE_CHECKING:
+    from cgbuild.config.cgfile import Cgfile
+    from cgbuild.config.labels import Selector
+    from cgbuild.plan.workspace import Workspace
+
+SCHEMA = "cgbuild.plan-memo/2"
+ENGINE = Path(__file__).resolve().parents[1]  # the cgbuild package: its code is an input too
+PROBE_ENV = ("PATH",)  # with the toolchain policy's recorded variables (see `request_of`)
+
+
+@dataclass
+class Request:
+    """What a plan was asked: the memo holds one plan per request."""
+
+    doc: dict[str, Any]
+
+    @property
+    def id(self) -> str:
+        return hashlib.sha256(json.dumps(self.doc, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def request_of(cg: Cgfile, selector: str, toolchain_lock: str | None, run_traces: bool) -> Request:
+    from cgbuild.identity.policy import PASS_RECORDED
+
+    env = {v: os.environ.get(v) for v in (*PROBE_ENV, *PASS_RECORDED)}
+    return Request(
+        {
+            "schema": SCHEMA,
+            "selector": selector,
+            "toolchain_lock": toolchain_lock and os.path.abspath(toolchain_lock),
+            "run_traces": run_traces,
+            "cgfile": str(cg.path),
+            "store": str(cg.store_dir),
+            "python": [sys.executable, sys.version, list(sys.path)],
+            "host": [platform.node(), platform.machine()],
+            "env": env,
+        }
+    )
+
+
+def input_stamps(cg: Cgfile, toolchain_lock: str | None) -> dict[str, list[int] | None]:
+    """path → stat stamp of every file the plan reads (see the module's docstring)."""
+    from cgbuild.core.entry import entry_files
+
+    paths: list[str] = [str(cg.path)]
+    paths += [str(p) for p in (cg.toolchain_lock, toolchain_lock) if p]
+    paths += [entry or "." for entry in sys.path]
+    state = cg.state_dir
+    paths += [str(state / name) for name in ("last-plan.json", "traces.sqlite", "traces.sqlite-wal")]
+    paths += _probe_inputs(state / "cache" / "toolchain.json")
+    for fam in cg.families.values():
+        files: set[Path] = set(entry_files(cg.root, fam.entry))
+        for pattern in fam.sources:
+            files.update(p for p in cg.root.glob(pattern) if p.is_file())
+        paths += [str(p) for p in files]
+    for lay in cg.layouts.values():
+        if lay.reference is not None:
+            paths += _tree(str(lay.reference))
+    paths += _tree(str(ENGINE), suffix=".py")
+    return {p: fs.stat_stamp(p) for p in sorted(set(paths))}
+
+
+def _probe_inputs(cache: Path) -> list[str]:
+    """The files the toolchain probe validates its cache with (its search folders, each RECORD
+    it read, the compiler): a change to any of them is a change of toolchain."""
+    try:
+        doc = json.loads(cache.read_bytes())
+        return [p or "." for entry in doc["entries"].values() for p in entry["stats"]] + [str(cache)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return [str(cache)]
+
+
+def _tree(root: str, suffix: str = "") -> list[str]:
+    """`root` and, for a folder, every folder and file under it (ending in `suffix`)."""
+    out = [root]
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        out += [os.path.join(folder, d) for d in dirs]
+        out += [os.path.join(folder, f) for f in files if f.endswith(suffix)]
+    return out
+
+
+@dataclass
+class StoreCheck:
+    """The store as the plan saw it, one row per key: `[key, ref stamp, object path, size]` for
+    a fresh key, `[key, None, None, None]` for a key the store lacks."""
+
+    rows: list[list[Any]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, store_root: Path, states: dict[str, str]) -> StoreCheck | None:
+        """The rows for `states` (key → ref state), or None when a key is neither fresh nor
+        missing, or the store no longer reads as it did (then nothing is memoised)."""
+        root = str(store_root)
+        rows: list[list[Any]] = []
+        for key, state in sorted(states.items()):
+            ref = f"{root}/refs/{key[:2]}/{key}.json"
+            stamp = fs.stat_stamp(ref)
+            if state == "missing" and stamp is None and not os.path.exists(f"{root}/quarantine/{key}.json"):
+                rows.append([key, None, None, None])
+                continue
+            if state != "fresh" or stamp is None:
+                return None
+            try:
+                with open(ref, "rb") as f:
+                    doc = json.loads(f.read())
+                obj = f"{root}/objects/sha256/{doc['object'][:2]}/{doc['object'][2:]}"
+                size = doc["size"]
+            except (OSError, ValueError, KeyError, TypeError):
+                return None
+            if fs.stat_stamp(ref) != stamp or os.stat(obj).st_size != size:
+                return None
+            rows.append([key, stamp, obj, size])
+        return cls(rows)
+
+    def holds(self, store_root: Path) -> bool:
+        """Whether every key still reads as it did: a fresh key's ref the same file and its
+        object the recorded size; a missing key's ref still absent and not quarantined."""
+        root = str(store_root)
+        for key, stamp, obj, size in self.rows:
+            ref = f"{root}/refs/{key[:2]}/{key}.json"
+            if stamp is None:
+                if os.path.lexists(ref) or os.path.lexists(f"{root}/quarantine/{key}.json"):
+                    return False
+                continue
+            try:
+                st = os.stat(ref)
+                if [st.st_mtime_ns, st.st_size, st.st_ino] != stamp or os.stat(obj).st_size != size:
+                    return False
+            except OSError:
+                return False
+        return True
+
+
+@dataclass
+class Memo:
+    """One remembered plan: its JSON text, the stamps it was computed under, the store it saw and
+    the summary view a person's `plan` reads."""
+
+    request: Request
+    stamps: dict[str, list[int] | None]
+    store: StoreCheck
+    text: str
+    view: list[dict[str, Any]] | None = None
+    view_stamp: list[int] | None = None
+
+    @staticmethod
+    def folder(cg: Cgfile) -> Path:
+        return cg.state_dir / "cache" / "plans"
+
+    @classmethod
+    def load(cls, cg: Cgfile, request: Request, stamps: dict[str, list[int] | None]) -> Memo | None:
+        """The memo of `request` if its inputs still have `stamps` and its store still holds."""
+        base = cls.folder(cg) / request.id
+        try:
+            index = json.loads((base.with_suffix(".json")).read_bytes())
+            if index.get("schema") != SCHEMA or index.get("request") != request.doc:
+                return None
+            if index.get("stamps") != stamps:
+                return None
+            store = StoreCheck(index["store"])
+            if not store.holds(cg.store_dir):
+                return None
+            text_path = base.with_suffix(".plan")
+            if fs.stat_stamp(text_path) != index["text_stamp"]:
+                return None
+            text = text_path.read_text("utf-8")
+            view_stamp = index["view_stamp"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None  # none yet, torn or foreign: the plan is computed in full and rewritten
+        return cls(request, stamps, store, text, view_stamp=view_stamp)
+
+    def load_view(self, cg: Cgfile) -> list[dict[str, Any]] | None:
+        """The summary view saved with this plan, or None (torn, or from another save)."""
+        path = (self.folder(cg) / self.request.id).with_suffix(".view")
+        try:
+            if fs.stat_stamp(path) != self.view_stamp:
+                return None
+            view = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            return None
+        return view if isinstance(view, list) else None
+
+    def save(self, cg: Cgfile) -> None:
+        base = self.folder(cg) / self.request.id
+        fs.write_atomic(base.with_suffix(".plan"), self.text)
+        fs.write_atomic(base.with_suffix(".view"), json.dumps(self.view, separators=(",", ":")))
+        index = {
+            "schema": SCHEMA,
+            "request": self.request.doc,
+            "stamps": self.stamps,
+            "store": self.store.rows,
+            "text_stamp": fs.stat_stamp(base.with_suffix(".plan")),
+            "view_stamp": fs.stat_stamp(base.with_suffix(".view")),
+        }
+        fs.write_atomic(base.with_suffix(".json"), json.dumps(index, separators=(",", ":")))
+        _prune(self.folder(cg))
+
+
+KEEP = 8  # memos kept per workspace (one per request; a 10,000-target plan's is ~13 MB)
+
+
+def _prune(folder: Path) -> None:
+    """Drop all but the `KEEP` most recently written memos."""
+    indexes = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    for index in indexes[KEEP:]:
+        for part in folder.glob(f"{index.stem}.*"):
+            part.unlink(missing_ok=True)
+
+
+def plan_text(plan: dict[str, Any]) -> str:
+    """The plan JSON as `plan --json` prints it: sorted keys, no spaces, one line."""
+    return json.dumps(plan, indent=None, sort_keys=True, separators=(",", ":")) + "\n"
+
+
+VIEW_FIELDS = ("label", "family", "status", "key")  # with each reason's code, detail and root
+
+
+@dataclass
+class PlanOutput:
+    """A plan as `cgbuild plan` prints it: the JSON text, and the plan (or, from the memo, its
+    summary view: per target the fields `VIEW_FIELDS` and its reasons, what the human summary
+    and `--exit-code` read) parsed only when asked."""
+
+    text: str
+    _summary: Callable[[], dict[str, Any]]
+
+    @functools.cached_property
+    def _parsed(self) -> dict[str, Any]:
+        return self._summary()
+
+    def summary(self) -> dict[str, Any]:
+        return self._parsed
+
+
+def _view(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {
+            **{f: t[f] for f in VIEW_FIELDS},
+            "reasons": [{k: r[k] for k in ("code", "detail", "root")} for r in t["reasons"]],
+        }
+        for t in plan["targets"]
+    ]
+
+
+def plan_output(
+    ws: Workspace,
+    selector: Selector,
+    *,
+    run_traces: bool = True,
+    workers: int | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> PlanOutput:
+    """`plan` (recorded), served from the memo when every input and every key's ref reads as
+    it did when the memo was written (docs/plan.md, "A no-op plan"); else planned in full, and
+    memoised when nothing moved while it ran and recording changed nothing."""
+    cg = ws.cg
+    if cg.remote:  # the remote's listing is no local file: a shared store is planned in full
+        from cgbuild.plan.planner import make_plan
+
+        plan = make_plan(ws, selector, run_traces=run_traces, workers=workers, progress=progress, record=True)
+        return PlanOutput(plan_text(plan), lambda: plan)
+    request = request_of(cg, selector.text, ws.toolchain_lock, run_traces)
+    before = input_stamps(cg, ws.toolchain_lock)
+    hit = Memo.load(cg, request, before)
+    if hit is not None:
+        return PlanOutput(hit.text, lambda: {"targets": hit.load_view(cg) or json.loads(hit.text)["targets"]})
+    from cgbuild.plan.planner import (
+        PlanContext,
+        plan_in_full,
+    )  # the engine's heavy half: a hit never needs it
+
+    ctx = PlanContext(ws, run_traces=run_traces, workers=workers, progress=progress)
+    plan = plan_in_full(ctx, selector, record=True)
+    text = plan_text(plan)
+    if input_stamps(cg, ws.toolchain_lock) == before:
+        store = StoreCheck.of(cg.store_dir, ctx.ref_states)
+        if store is not None:
+            Memo(request, before, store, text, _view(plan)).save(cg)
+    return PlanOutput(text, lambda: plan)

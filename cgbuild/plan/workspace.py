@@ -1,0 +1,54 @@
+"""The workspace: a loaded Cgfile and the toolchain lock named on the command line.
+
+Kept apart from the planner so that what only needs the workspace (a plan served from its memo,
+the commands that read the store) does not import the planner's machinery.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cgbuild.config.cgfile import Cgfile
+
+if TYPE_CHECKING:
+    from cgbuild.store.local import Store
+    from cgbuild.store.s3 import Remote
+    from cgbuild.store.shared import SharedStore
+
+
+@dataclass
+class Workspace:
+    cg: Cgfile
+    toolchain_lock: str | None = None
+
+    @property
+    def state(self) -> Path:
+        return self.cg.state_dir
+
+    def store(self) -> Store:
+        from cgbuild.store.local import Store
+
+        return Store(self.cg.store_dir)
+
+    @functools.cached_property
+    def remote(self) -> Remote | None:
+        """The declared shared store's S3 side (one client per workspace), or None."""
+        if not self.cg.remote:
+            return None
+        from cgbuild.store.s3 import Remote
+
+        return Remote(self.cg.remote)
+
+    def shared(self, local: Store | None = None) -> SharedStore | None:
+        """The local store (`local`, or the workspace's) as a cache in front of the declared
+        remote, with the workspace's trusted keys; None when no remote is declared, so a
+        workspace without one never imports boto3 or cryptography."""
+        if self.remote is None:
+            return None
+        from cgbuild.core.platform import host_name
+        from cgbuild.store.shared import SharedStore
+
+        return SharedStore(local or self.store(), self.remote, self.cg.trusted, host_name())
