@@ -546,7 +546,8 @@ def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] |
     if here != asked:
         if want.get("reference") and here["topology"] != asked["topology"]:
             try:
-                ref_rows = layout.topology_from_reference(Path(want["reference"]), want["component"])
+                reading = layout.Reading.from_json(want.get("reading"))
+                ref_rows = layout.topology_from_reference(Path(want["reference"]), want["component"], reading)
                 mismatch = layout.topology_mismatch(ref_rows, rows)
             except UserError:
                 mismatch = None

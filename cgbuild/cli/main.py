@@ -27,6 +27,7 @@ COMMANDS = {
     "toolchain": ("cgbuild.cli.toolchain", "show or lock the toolchain components"),
     "mint": ("cgbuild.cli.mint", "compile, verify, seal and admit what a label selects"),
     "verify": ("cgbuild.cli.verify", "re-hash stored artifacts (and run them against eager)"),
+    "manifest": ("cgbuild.cli.manifest", "write the serving manifest of the selected fresh targets"),
     "inspect": ("cgbuild.cli.inspect", "show an artifact's metadata and evidence"),
     "gc": ("cgbuild.cli.gc", "remove store objects no ref reaches"),
     "fetch": ("cgbuild.cli.fetch", "pull the selection's shared artifacts into the local store, verified"),

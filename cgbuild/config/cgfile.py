@@ -22,7 +22,7 @@ from typing import Any
 from cgbuild.config.tomlpos import KeyLines
 from cgbuild.core.errors import UserError
 from cgbuild.core.publickey import public_key_bytes
-from cgbuild.identity.layout import QUANT_RULES, compute_dtype
+from cgbuild.identity.layout import QUANT_RULES, Reading, compute_dtype
 from cgbuild.lanes import Needs, read_lane_table
 
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
@@ -30,6 +30,7 @@ SM = re.compile(r"cpu|sm_[0-9]{2,3}[a-z]?")
 SHAPE = re.compile(r"([1-9][0-9]{0,6})x([1-9][0-9]{0,6})")
 ENTRY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+VARIANT = re.compile(r"[A-Za-z0-9_-]+")
 # anchored as well: the store module matches it with `match`
 REMOTE = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/([A-Za-z0-9._/-]*))?$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -58,6 +59,16 @@ class Layout:
     reference: Path | None
     dtype: str = "float32"
     """The compute dtype: the one the rule fixes (plain.*) or the one declared (quantized rules)."""
+    variant: str | None = None
+    """The reference's file variant to read (`fp16`: `*.fp16.safetensors`); None: the full files."""
+    prefix: tuple[tuple[str, str], ...] = ()
+    """component → what the entry's module puts before the reference's tensor names (`unet.`)."""
+    tied: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    """component → (omitted tensor → the tensor it is tied to), for checkpoints that record no alias."""
+
+    def reading(self, component: str) -> Reading:
+        """How this layout's reference names `component`'s tensors."""
+        return Reading(dict(self.prefix).get(component, ""), self.variant, dict(self.tied).get(component, ()))
 
 
 @dataclass(frozen=True)
@@ -349,7 +360,7 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
     for name, raw in r.table(data.get("layout", {}), ("layout",), None).items():
         where = ("layout", name)
         r.name(name, *where)
-        t = r.table(raw, where, {"quant", "reference", "dtype"})
+        t = r.table(raw, where, {"quant", "reference", "dtype", "variant", "prefix", "tied"})
         quant = r.get(t, where, "quant", _is_str, "a quant rule name", required=True)
         if quant not in QUANT_RULES:
             raise r.fail(
@@ -363,11 +374,25 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
             dtype = compute_dtype(QUANT_RULES[quant], declared)
         except ValueError as exc:
             raise r.fail(str(exc), *where, "dtype" if declared else "quant") from None
-        layouts[name] = Layout(name, quant, root / ref if ref else None, dtype)
+        variant, prefix, tied = _reading(r, where, t, ref)
+        layouts[name] = Layout(name, quant, root / ref if ref else None, dtype, variant, prefix, tied)
 
     families: dict[str, Family] = {}
     for name, raw in r.table(data.get("family", {}), ("family",), None).items():
         families[name] = _family(r, name, raw, skus, layouts)
+    for lay in layouts.values():  # a declaration for a component no module of the layout has is a typo
+        have = {m.component for f in families.values() if lay.name in f.layouts for m in f.modules.values()}
+        for key, declared in (("prefix", lay.prefix), ("tied", lay.tied)):
+            for component, _ in declared:
+                if component not in have:
+                    raise r.fail(
+                        f"no module using layout '{lay.name}' has component '{component}' "
+                        f"(components: {', '.join(sorted(have)) or 'none'})",
+                        "layout",
+                        lay.name,
+                        key,
+                        component,
+                    )
     if not families:
         raise r.fail("no [family.*] declared: nothing to build", "family")
 
@@ -385,6 +410,43 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
         remote=remote,
         trusted=trusted,
     )
+
+
+def _reading(
+    r: _Reader, where: tuple[str, ...], t: dict[str, Any], ref: str | None
+) -> tuple[str | None, tuple[tuple[str, str], ...], tuple[tuple[str, tuple[tuple[str, str], ...]], ...]]:
+    """A layout's `variant`, `prefix` and `tied`: how its reference names each component's tensors
+    (docs/layouts.md). Each only means something for a reference, so without one it is refused."""
+    variant = r.get(t, where, "variant", _is_str, "a file variant name, e.g. 'fp16'")
+    if variant is not None and not VARIANT.fullmatch(variant):
+        raise r.fail(f"bad variant '{variant}': a file name part of [A-Za-z0-9_-]", *where, "variant")
+    prefix: dict[str, str] = {}
+    for component, value in r.table(t.get("prefix", {}), (*where, "prefix"), None).items():
+        if not isinstance(value, str) or not value or _CONTROL.search(value) or value != value.strip():
+            raise r.fail(
+                f"expected a tensor-name prefix such as 'unet.', got {value!r}", *where, "prefix", component
+            )
+        prefix[component] = value
+    tied: dict[str, tuple[tuple[str, str], ...]] = {}
+    for component, table in r.table(t.get("tied", {}), (*where, "tied"), None).items():
+        pairs = r.table(table, (*where, "tied", component), None)
+        for omitted, kept in pairs.items():
+            if not isinstance(kept, str) or not kept or kept == omitted:
+                raise r.fail(
+                    f"expected the name of the tensor '{omitted}' is tied to, got {kept!r}",
+                    *where,
+                    "tied",
+                    component,
+                    omitted,
+                )
+        tied[component] = tuple(sorted(pairs.items()))
+    if ref is None:
+        for key in ("variant", "prefix", "tied"):
+            if key in t:
+                raise r.fail(
+                    f"'{key}' says how a reference names its tensors, and this layout has none", *where, key
+                )
+    return variant, tuple(sorted(prefix.items())), tuple(sorted(tied.items()))
 
 
 def _shared_store(r: _Reader, ws: dict[str, Any]) -> tuple[str | None, dict[str, bytes]]:

@@ -32,6 +32,7 @@ class Code(StrEnum):
     LAYOUT_TOPOLOGY_MISMATCH = "layout-topology-mismatch"
     LAYOUT_DRIFT = "layout-drift"
     LAYOUT_MISMATCH = "layout-mismatch"
+    LAYOUT_AMBIGUOUS = "layout-ambiguous"
     # mint
     BAD_REQUEST = "bad-request"
     WRONG_DEVICE = "wrong-device"

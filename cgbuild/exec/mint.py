@@ -121,6 +121,7 @@ def _layout_request(ws: Workspace, t: Target, readable: dict[str, Any]) -> dict[
         "dtype": lay.dtype,
         "component": t.module.component,
         "reference": str(lay.reference) if lay.reference else None,
+        "reading": lay.reading(t.module.component).to_json(),
         "topology": readable["topology"],
         "quant_digest": readable["quant"],
     }

@@ -399,7 +399,7 @@ def _layout_of(
     if lay.reference is not None:
         ref_key = (lay.name, component)
         if ref_key not in ctx.references:
-            topo = layout.topology_from_reference(lay.reference, component)
+            topo = layout.topology_from_reference(lay.reference, component, lay.reading(component))
             ctx.references[ref_key] = (topo, layout.topology_digest(topo))
         topo, topo_digest = ctx.references[ref_key]
         axis = Axis(*layout.layout_axis(t.id.family, component, quant, topo_digest, "reference"))

@@ -1,0 +1,217 @@
+"""`cgbuild manifest` and `adopt_manifest`: one module, two layouts, served by the serving device.
+
+Two real compiles: the toy MLP's 8x64 class in its plain and its int8 layout. The CLI writes the
+v2 manifest of both; a serving process adopts from it with a plain live module (the fp32
+artifact serves), a quantized one (the int8 artifact serves), a named layout, a module neither
+layout fits, and a device no entry is for. v1 manifests are still read.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import copy_toy
+
+from cgbuild.config import cgfile
+from cgbuild.protocol.manifest import SCHEMA, SCHEMA_V1, BadManifest, read
+from cgbuild.store.local import Store
+
+MLP = "//toy/mlp/8x64-b1:cpu"
+
+
+def cli(ws: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True
+    )
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory: pytest.TempPathFactory, toy_reference: Path) -> Path:
+    """The toy with `//toy/mlp/8x64-b1` minted in both layouts (two compiles)."""
+    ws = copy_toy(tmp_path_factory.mktemp("manifest") / "toy", toy_reference)
+    proc = cli(ws, "mint", MLP, "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return ws
+
+
+@pytest.fixture(scope="module")
+def doc(ws: Path) -> dict[str, Any]:
+    out = ws / "serving.json"
+    proc = cli(ws, "manifest", MLP, "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "2 artifacts of 1 modules of toy" in proc.stdout
+    return dict(json.loads(out.read_text()))
+
+
+def live_mlp(ws: Path, seed: int = 5) -> tuple[torch.nn.Module, tuple[Any, ...]]:
+    """The MLP as a serving process holds it: built by the entry, weights of its own."""
+    from cgbuild_rules import trace
+
+    from cgbuild.config.targets import expand
+    from cgbuild.protocol.trace import job_for
+
+    cg = cgfile.load(ws / "Cgfile")
+    label = "//toy/mlp/8x64-b1@fp32:cpu"
+    target = next(t for t in expand(cg) if t.label == label)
+    torch.manual_seed(seed)
+    built = trace.build(trace.parse_job(job_for(cg, target).with_id(label).to_json()), "real")
+    return built.module, built.args
+
+
+def serve(ws: Path, doc: dict[str, Any], module: torch.nn.Module, **kw: Any) -> Any:
+    from cgbuild_rules.adopt import adopt_manifest
+
+    return adopt_manifest(doc, {"mlp": module}, store=Store(ws / ".cgbuild" / "store"), **kw)["mlp"]
+
+
+@pytest.mark.slow
+def test_the_manifest_names_every_layout_of_the_fresh_targets(ws: Path, doc: dict[str, Any]) -> None:
+    plan = json.loads(cli(ws, "plan", MLP, "--json").stdout)
+    want = sorted((t["layout"], t["key"], t["stamp"]) for t in plan["targets"])
+    assert doc["schema"] == SCHEMA and doc["family"] == "toy" and list(doc["modules"]) == ["mlp"]
+    rows = doc["modules"]["mlp"]
+    assert {(r["graph_class"], r["sm"]) for r in rows} == {("8x64-b1", "cpu")}
+    assert sorted((r["layout"], r["key"], r["stamp"]) for r in rows) == want
+    assert [r["layout"] for r in rows] == ["fp32", "int8"]  # a fixed order: same selection, same bytes
+    assert json.loads(cli(ws, "manifest", MLP).stdout) == doc  # stdout without -o
+
+
+@pytest.mark.slow
+def test_the_serving_module_picks_the_layout_its_tensors_match(ws: Path, doc: dict[str, Any]) -> None:
+    from cgbuild_rules.quant import convert
+
+    keys = {r["layout"]: r["key"] for r in doc["modules"]["mlp"]}
+    plain, args = live_mlp(ws)
+    served = serve(ws, doc, plain)
+    assert served.refusals == {} and [a.key for a in served.armed] == [keys["fp32"]]
+    with torch.no_grad():
+        torch.testing.assert_close(served(*args), plain(*args), rtol=1e-5, atol=1e-6)
+    assert served.counters == {"compiled": 1}
+
+    quantized, _ = convert(live_mlp(ws)[0], "int8-rowwise", torch.float32)
+    served = serve(ws, doc, quantized)
+    assert served.refusals == {} and [a.key for a in served.armed] == [keys["int8"]]
+    with torch.no_grad():
+        torch.testing.assert_close(served(*args), quantized(*args), rtol=1e-5, atol=1e-5)
+    assert served.counters == {"compiled": 1}
+
+
+@pytest.mark.slow
+def test_a_named_layout_and_modules_no_layout_fits(ws: Path, doc: dict[str, Any]) -> None:
+    plain, args = live_mlp(ws)
+    named = serve(ws, doc, plain, layouts={"mlp": "int8"})  # the caller's choice, not the tensors'
+    (refusal,) = named.refusals.values()
+    assert refusal.code == "layout-mismatch" and "fc1.weight is F32[128, 64]" in refusal.detail
+    with pytest.raises(ValueError, match="no layout 'bf16'"):
+        serve(ws, doc, plain, layouts={"mlp": "bf16"})
+    with pytest.raises(ValueError, match="'conv'"):
+        serve(ws, doc, plain, layouts={"conv": "fp32"})
+
+    half = live_mlp(ws)[0].to(torch.bfloat16)  # neither layout's tensors
+    served = serve(ws, doc, half)
+    (refusal,) = served.refusals.values()
+    assert refusal.code == "layout-mismatch"
+    assert "fp32: " in refusal.detail and "int8: " in refusal.detail and "layouts={'mlp'" in refusal.detail
+    with torch.no_grad():
+        served(*(a.to(torch.bfloat16) for a in args))
+    assert served.counters == {"eager:layout-mismatch": 1}
+
+
+@pytest.mark.slow
+def test_entries_of_another_sm_are_not_loaded(ws: Path, doc: dict[str, Any]) -> None:
+    plain, args = live_mlp(ws)
+    other = {**doc["modules"]["mlp"][0], "sm": "sm_90", "key": "00" * 32}  # not in the store
+    with_gpu = {**doc, "modules": {"mlp": [*doc["modules"]["mlp"], other]}}
+    served = serve(ws, with_gpu, plain)
+    assert served.refusals == {} and len(served.armed) == 1  # the sm_90 key was never resolved
+    gpu_only = {**doc, "modules": {"mlp": [other]}}
+    served = serve(ws, gpu_only, plain)
+    (refusal,) = served.refusals.values()
+    assert refusal.code == "wrong-sm" and "on sm_90, the module is on cpu" in refusal.detail
+    with torch.no_grad():
+        served(*args)
+    assert served.counters == {"eager:wrong-sm": 1}
+
+
+@pytest.mark.slow
+def test_a_v1_manifest_is_still_read(ws: Path, doc: dict[str, Any]) -> None:
+    plain, args = live_mlp(ws)
+    (fp32,) = [r["key"] for r in doc["modules"]["mlp"] if r["layout"] == "fp32"]
+    served = serve(ws, {"schema": SCHEMA_V1, "modules": {"mlp": {"8x64-b1": fp32}}}, plain)
+    with torch.no_grad():
+        torch.testing.assert_close(served(*args), plain(*args), rtol=1e-5, atol=1e-6)
+    assert served.counters == {"compiled": 1} and [a.label for a in served.armed] == ["8x64-b1"]
+
+
+@pytest.mark.slow
+def test_targets_that_are_not_fresh_are_refused_by_name(ws: Path, tmp_path: Path) -> None:
+    out = tmp_path / "serving.json"
+    proc = cli(ws, "manifest", "//toy/mlp:cpu", "-o", str(out))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "2 of 4 selected targets are not fresh" in proc.stderr
+    assert "//toy/mlp/16x64-b1@fp32:cpu (mint)" in proc.stderr
+    assert "//toy/mlp/16x64-b1@int8:cpu (mint)" in proc.stderr and "8x64" not in proc.stderr
+    assert not out.exists()
+
+
+def test_one_family_per_manifest(tmp_path: Path) -> None:
+    """Refused before anything is traced: the selector is what must change."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "Cgfile").write_text(
+        '[sku.cpu]\nsm = "cpu"\nmemory_gib = 8\n[layout.fp32]\nquant = "plain.fp32"\n'
+        + "".join(
+            f'[family.{f}]\nentry = "m:build"\nskus = ["cpu"]\nlayouts = ["fp32"]\n'
+            f'[family.{f}.module.mlp]\nshapes = ["8x64"]\n'
+            for f in ("a", "b")
+        )
+    )
+    proc = cli(ws, "manifest", "//...")
+    assert proc.returncode == 2 and "selects a, b (select one, e.g. //a)" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        ([], "a JSON object"),
+        ({"schema": "cgbuild.serving-manifest/3", "modules": {}}, "schema"),
+        ({"schema": SCHEMA, "modules": []}, "modules"),
+        ({"schema": SCHEMA, "modules": {"m": {"c": "k"}}}, "modules.m: must be a list"),
+        ({"schema": SCHEMA, "modules": {"m": ["k"]}}, "modules.m[0]: an entry"),
+        (
+            {"schema": SCHEMA, "modules": {"m": [{"graph_class": "c", "layout": "l", "sm": "cpu"}]}},
+            "m[0].key",
+        ),
+        (
+            {"schema": SCHEMA, "modules": {"m": [{"graph_class": "c", "layout": "l", "sm": 90, "key": "k"}]}},
+            "m[0].sm",
+        ),
+        (
+            {
+                "schema": SCHEMA,
+                "modules": {
+                    "m": [{"graph_class": "c", "layout": "l", "sm": "cpu", "key": "k", "graph-class": "c"}]
+                },
+            },
+            "unknown field 'graph-class'",
+        ),
+        ({"schema": SCHEMA_V1, "modules": {"m": {"c": 7}}}, "modules.m: must map each graph class"),
+    ],
+)
+def test_a_malformed_manifest_names_its_field(doc: Any, field: str) -> None:
+    with pytest.raises(BadManifest, match=field.replace("[", r"\[").replace("]", r"\]")):
+        read(doc)
+
+
+def test_both_schemas_read_to_entries() -> None:
+    row = {"graph_class": "c", "layout": "fp32", "sm": "cpu", "key": "k", "stamp": "t@1+q@1"}
+    (entry,) = read({"schema": SCHEMA, "modules": {"m": [row]}})["m"]
+    assert entry.to_json() == row
+    (old,) = read({"schema": SCHEMA_V1, "modules": {"m": {"c": "k"}}})["m"]
+    assert (old.graph_class, old.key, old.layout, old.sm) == ("c", "k", None, None)
