@@ -248,7 +248,7 @@ def _check(args: argparse.Namespace, ws: Any, plan: dict[str, Any], refused: lis
     bad = 0
     reports = []
     for mk in keys:
-        result = mint.check_key(ws, mk)
+        result = mint.remint_and_compare(ws, mk)
         same = bool(result.get("ok") and result.get("reproducible"))
         bad += not same
         moved = result.get("verdict_moved")

@@ -349,7 +349,7 @@ def mint_keys(
         return list(pool.map(lambda mk: mint_one(ws, mk, store, on_event), keys))
 
 
-def check_key(ws: Workspace, mk: MintKey) -> dict[str, Any]:
+def remint_and_compare(ws: Workspace, mk: MintKey) -> dict[str, Any]:
     """Re-mint a stored key in a fresh sandbox and compare with the stored artifact, member by member."""
     store = Store(ws.cg.store_dir)
     resolved = store.resolve(mk.key, verify=True)

@@ -172,7 +172,7 @@ class GCReport:
     """Keys whose ref was malformed: quarantined with the reason, never a root."""
 
 
-def check_key(key: str) -> str:
+def validated_key(key: str) -> str:
     """Keys name files: refuse anything that could escape `refs/` or hide as a dotfile."""
     if not isinstance(key, str) or not _KEY_RE.match(key):
         raise StoreError(key if isinstance(key, str) else None, f"not a valid key: {key!r}")
@@ -312,7 +312,7 @@ class Store:
         `conflict`, never overwritten. A key whose ref has lost its object (or that was
         quarantined) is repaired by this admission.
         """
-        check_key(key)
+        validated_key(key)
         summary = dict(metadata or {})
         try:
             canonical_json(summary)  # refuse floats and foreign types before touching the disk
@@ -350,7 +350,7 @@ class Store:
     # ---- reading -----------------------------------------------------------------------------
     def read_ref(self, key: str) -> Ref | None:
         """The key's ref, or None. Never blocks and never hashes."""
-        path = self.ref_path(check_key(key))
+        path = self.ref_path(validated_key(key))
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
@@ -380,7 +380,7 @@ class Store:
         # two thirds of its cost.
         root = self._root_s
         try:
-            with open(f"{root}/refs/{key[:2]}/{check_key(key)}.json", "rb") as f:
+            with open(f"{root}/refs/{key[:2]}/{validated_key(key)}.json", "rb") as f:
                 doc = json.loads(f.read())
         except FileNotFoundError:
             doc = None
@@ -422,7 +422,7 @@ class Store:
 
     def quarantine_record(self, key: str) -> dict[str, Any] | None:
         try:
-            return json.loads(self.quarantine_path(check_key(key)).read_bytes())
+            return json.loads(self.quarantine_path(validated_key(key)).read_bytes())
         except FileNotFoundError:
             return None
 
@@ -626,7 +626,7 @@ class Store:
     def evidence_path(self, key: str, host: str) -> Path:
         if not _HOST_RE.match(host):
             raise StoreError(key, f"not a valid evidence host name: {host!r}")
-        return self.root / "evidence" / check_key(key) / f"{host}.json"
+        return self.root / "evidence" / validated_key(key) / f"{host}.json"
 
     def add_evidence(self, key: str, host: str, run: dict[str, Any]) -> Path:
         """Append one measured run to `evidence/<key>/<host>.json` (accumulating, atomic).
@@ -653,7 +653,7 @@ class Store:
 
     def read_evidence(self, key: str) -> dict[str, dict[str, Any]]:
         """host → that host's evidence document for `key` (empty when none was recorded)."""
-        folder = self.root / "evidence" / check_key(key)
+        folder = self.root / "evidence" / validated_key(key)
         out: dict[str, dict[str, Any]] = {}
         for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             with contextlib.suppress(ValueError, OSError):
@@ -685,5 +685,5 @@ __all__ = [
     "Store",
     "StoreError",
     "Verdict",
-    "check_key",
+    "validated_key",
 ]
