@@ -3,7 +3,7 @@
 Exit codes: 0 success; 1 `diff|plan --exit-code` found work, or a mint/verify failed; 2 bad input
 (Cgfile, label, lock, plan file, a flag); 3 an internal error (a bug: the traceback is printed);
 130 interrupted (Ctrl-C); 143 terminated (SIGTERM, handled like Ctrl-C: the same unwinding, one line).
-Each command lives in its own `cmd_*` module, imported only when it runs, so `cgbuild plan`
+Each command lives in its own module of this package, imported only when it runs, so `cgbuild plan`
 never pays for what `mint` needs.
 """
 
