@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from cgbuild.config.cgfile import Cgfile
 
 if TYPE_CHECKING:
+    from cgbuild.store.backend import Backend
     from cgbuild.store.local import Store
-    from cgbuild.store.s3 import Remote
     from cgbuild.store.shared import SharedStore
 
 
@@ -34,13 +34,13 @@ class Workspace:
         return Store(self.cg.store_dir)
 
     @functools.cached_property
-    def remote(self) -> Remote | None:
+    def remote(self) -> Backend | None:
         """The declared shared store's S3 side (one client per workspace), or None."""
         if not self.cg.remote:
             return None
-        from cgbuild.store.s3 import Remote
+        from cgbuild.store.backend import open_backend
 
-        return Remote(self.cg.remote)
+        return open_backend(self.cg.remote)
 
     def shared(self, local: Store | None = None) -> SharedStore | None:
         """The local store (`local`, or the workspace's) as a cache in front of the declared

@@ -36,6 +36,7 @@ from typing import Any
 from cgbuild.core import fs
 from cgbuild.core.canon import canonical_json, file_digest
 from cgbuild.store import trust
+from cgbuild.store.backend import Backend
 from cgbuild.store.local import (
     EVIDENCE_SCHEMA,
     Admission,
@@ -47,7 +48,7 @@ from cgbuild.store.local import (
     Store,
     StoreError,
 )
-from cgbuild.store.s3 import Remote, RemoteError, RemoteRef
+from cgbuild.store.s3 import RemoteError, RemoteRef
 
 REMOTE_REF_SCHEMA = "cgbuild.remote-ref/1"
 REMOTE_QUARANTINE_SCHEMA = "cgbuild.remote-quarantine/1"
@@ -91,9 +92,9 @@ def _unique(host: str) -> str:
 
 
 class SharedStore:
-    """A local `Store` (the cache) in front of a `Remote`, with the workspace's trusted keys."""
+    """A local `Store` (the cache) in front of a remote `Backend`, with the workspace's trusted keys."""
 
-    def __init__(self, local: Store, remote: Remote, trusted: dict[str, bytes], host: str) -> None:
+    def __init__(self, local: Store, remote: Backend, trusted: dict[str, bytes], host: str) -> None:
         self.local = local
         self.remote = remote
         self.trusted = trusted
