@@ -37,9 +37,10 @@ flags Inductor hashes, and in the `.so` line tables): the same venv reached thro
 path renamed every kernel and wrapper file. Byte-identical packages across machines therefore
 need torch at the same path; `mint --check` names the members that differ.
 
-Failures are typed: `retryable` ones (`oom`, `worker-killed`, `worker-signal`, `timeout`) may
-succeed on another attempt; the others (refusals, compile errors, verification mismatch) will
-not. Phase timings go in the result line, never in the sealed bytes.
+Failures are typed: `retryable` ones (`oom`, `worker-killed`, `worker-signal`, `worker-crashed`,
+`timeout`: how a stage child ended, named by `cgbuild.protocol.spawn`) may succeed on another
+attempt; the others (refusals, compile errors, verification mismatch) will not. Phase timings
+go in the result line, never in the sealed bytes.
 
 Request (`schema: "cgbuild.mint-request/1"`): `id`, `key`, `job` (a trace job), `sm`,
 `graph_digest`, `toolchain` {`platform`, `fold`, `components`}; optional `axes` (readable blocks),
@@ -61,8 +62,8 @@ engine files the evidence beside the artifact, never in it) or `{"id", "ok": fal
 `layout-topology-mismatch`, `layout-below-sm-floor`, `layout-toolchain-unsupported` (the rule's
 floor, this torch on this sm, or the kernel's probe on the device), `entry-error`,
 `trace-failed`, `literal-hidden`, `compile-failed`, `clamp-not-applied`,
-`constant-table-mismatch`, `verify-mismatch`, `verify-failed`, `seal-failed`, `stage-error`,
-`mint-error`; retryable: `oom`, `worker-killed`, `worker-signal`, `timeout`. A failed mint leaves
+`constant-table-mismatch`, `verify-mismatch`, `verify-failed`, `seal-failed`, `mint-error`;
+retryable: `oom`, `worker-killed`, `worker-signal`, `worker-crashed`, `timeout`. A failed mint leaves
 its stage logs in `<out>/.mint-<key16>-<pid>/`.
 """
 
@@ -75,7 +76,6 @@ import os
 import platform
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -87,6 +87,7 @@ from cgbuild.core.codes import RETRYABLE
 from cgbuild.core.platform import normalize_arch
 from cgbuild.identity import compiler, policy
 from cgbuild.identity.toolchain import TRACE_ONLY
+from cgbuild.protocol import spawn
 from cgbuild.protocol.mint import BadRequest, MintRequest
 from cgbuild.store.seal import LITERALS, PACKAGE, compare_artifacts, member_digests, read_metadata, seal
 
@@ -144,50 +145,33 @@ def _sandbox(path: Path, fresh: bool) -> Iterator[None]:
         os.close(fd)
 
 
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(code).name
-    except ValueError:
-        return f"signal {code}"
-
-
 def run_stage(
     stage: str, work: Path, env: Mapping[str, str], timeout_s: float, args: Sequence[str] = ()
 ) -> dict[str, Any]:
-    """Run one stage child; return its result, or raise a typed failure for how it died."""
+    """Run one stage child; return its result, or raise a typed failure for how it died.
+
+    A stage starts programs of its own (the compile stage's compilers), so it dies by SIGTERM
+    and passes it on to its whole group (`spawn.die_with_group`).
+    """
     result_path = work / f"{stage}.json"
     result_path.unlink(missing_ok=True)
-    with open(work / f"{stage}.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cgbuild_rules.mint", "--stage", stage, str(work), *args],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(env),
-        )
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise MintFailure("timeout", f"{stage} stage ran past {timeout_s:.0f} s") from None
-    if result_path.exists():
+    ended = spawn.spawn(
+        "cgbuild_rules.mint",
+        ["--stage", stage, str(work), *args],
+        log=work / f"{stage}.log",
+        env=env,
+        timeout_s=timeout_s,
+        death_signal=signal.SIGTERM,
+    )
+    if result_path.exists() and not ended.timed_out:
         result = json.loads(result_path.read_text())
         if not result.get("ok"):
             extra = {k: v for k, v in result.items() if k not in ("ok", "code", "detail")}
             raise MintFailure(result["code"], result["detail"], **extra)
         return result
-    tail = " | ".join((work / f"{stage}.log").read_text(errors="replace").strip().splitlines()[-3:])
-    if code < 0:
-        name = _signal_name(-code)
-        kind = "worker-killed" if -code == signal.SIGKILL else "worker-signal"
-        why = " (out of memory?)" if kind == "worker-killed" else ""
-        raise MintFailure(
-            kind, f"{stage} stage killed by {name}{why}" + (f": {tail}" if tail else ""), signal=name
-        )
-    if any(s in tail for s in ("MemoryError", "out of memory", "std::bad_alloc")):
-        raise MintFailure("oom", f"{stage} stage ran out of memory: {tail}")
-    raise MintFailure("stage-error", f"{stage} stage exited with status {code} and no result: {tail}")
+    failure = ended.failure(f"{stage} stage", timeout_s)
+    extra = {"signal": failure["signal"]} if "signal" in failure else {}
+    raise MintFailure(failure["code"], failure["detail"], **extra)
 
 
 def _metadata(
@@ -815,6 +799,7 @@ def main(argv: list[str] | None = None) -> int:
     """Worker: one request on stdin, one result line on stdout. `--stage NAME DIR` runs a stage."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--stage"]:
+        spawn.die_with_group()
         return _stage_main(args[1], Path(args[2]), args[3:])
     proto = os.fdopen(os.dup(1), "w", encoding="ascii")
     os.dup2(2, 1)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from typing import Any
 from cgbuild.cli.main import add_workspace_args, workspace
 from cgbuild.cli.render import console, print_json
 from cgbuild.config.labels import parse_selector
+from cgbuild.protocol.spawn import spawn
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,20 +52,11 @@ def run_artifact(
         work = Path(tmp)
         unseal(path, work)
         (work / "request.json").write_text(json.dumps(request))
-        proc = subprocess.run(
-            [sys.executable, "-m", "cgbuild_rules.mint", "--stage", "verify", str(work)],
-            capture_output=True,
-            text=True,
-        )
+        ended = spawn("cgbuild_rules.mint", ["--stage", "verify", str(work)])
         result_file = work / "verify.json"
         if result_file.exists():
             return dict(json.loads(result_file.read_text()))
-        return {
-            "ok": False,
-            "code": "worker-crashed",
-            "detail": f"verify stage exit {proc.returncode}: "
-            f"{' | '.join(proc.stderr.strip().splitlines()[-2:])}",
-        }
+        return ended.failure("verify stage")
 
 
 def run(args: argparse.Namespace) -> int:

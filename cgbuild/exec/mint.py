@@ -11,13 +11,9 @@ written over.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,10 +24,12 @@ from typing import Any
 from cgbuild.config.targets import Target, expand
 from cgbuild.core.codes import RETRYABLE
 from cgbuild.core.errors import UserError
+from cgbuild.core.fs import write_json
 from cgbuild.core.platform import host_name
 from cgbuild.plan.diff import load_plan
 from cgbuild.plan.planner import Workspace
 from cgbuild.protocol.mint import MintRequest
+from cgbuild.protocol.spawn import spawn
 from cgbuild.protocol.trace import job_for
 from cgbuild.store.local import Store, StoreError
 from cgbuild.store.s3 import RemoteError
@@ -108,16 +106,6 @@ def _evidence_run(result: dict[str, Any], how: str) -> dict[str, Any]:
     }
 
 
-def _write_record(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(record, f, sort_keys=True, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _layout_request(ws: Workspace, t: Target, readable: dict[str, Any]) -> dict[str, Any]:
     """What the worker needs to re-derive the layout axis (and refuse drift): the rule, the
     component, the reference it was read from (a path for this machine only: never sealed)."""
@@ -185,42 +173,21 @@ def run_worker(
     The child announces each phase on its protocol stream (`{"progress": "compile"}`) before
     its one result line.
     """
-    log.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] | None = None
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cgbuild_rules.mint"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-        )
-        assert proc.stdin and proc.stdout
-        proc.stdin.write(json.dumps(request))
-        proc.stdin.close()
-        for line in proc.stdout:
-            try:
-                message = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(message, dict):
-                continue
-            if "progress" in message:
-                if on_progress:
-                    on_progress(str(message["progress"]))
-            elif "ok" in message:
-                result = message
-        code = proc.wait()
+
+    def take(message: dict[str, Any]) -> None:
+        nonlocal result
+        if "progress" in message:
+            if on_progress:
+                on_progress(str(message["progress"]))
+        elif "ok" in message:
+            result = message
+
+    ended = spawn("cgbuild_rules.mint", request=request, on_message=take, log=log)
     if result is not None:
         return result
-    how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
-    return {
-        "ok": False,
-        "code": "worker-crashed",
-        "retryable": True,
-        "phase": "worker",
-        "detail": f"mint worker {how} without a result (log: {log})",
-    }
+    failure = ended.failure("mint worker")
+    return {**failure, "phase": "worker", "detail": f"{failure['detail']} (log: {log})"}
 
 
 def mint_one(
@@ -240,9 +207,10 @@ def mint_one(
         "labels": mk.labels,
         "state": "running",
         "started": time.time(),
+        "pid": os.getpid(),  # gc leaves a live mint's build files alone
         "log": str(log),
     }
-    _write_record(record_path, record)
+    write_json(record_path, record, indent=1)
     if on_event:
         on_event(mk, "starting")
 
@@ -282,7 +250,7 @@ def mint_one(
         finished=time.time(),
         result={k: v for k, v in result.items() if k not in ("members", "lane_evidence")},
     )
-    _write_record(record_path, record)
+    write_json(record_path, record, indent=1)
     if on_event:
         on_event(mk, "done" if result.get("ok") else "failed")
     return mk
@@ -344,8 +312,11 @@ def mint_keys(
 ) -> list[MintKey]:
     """Mint, admit and record each key, `jobs` at once; returns them with `result` filled."""
     store = Store(ws.cg.store_dir)
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    try:
         return list(pool.map(lambda mk: mint_one(ws, mk, store, on_event), keys))
+    finally:  # interrupted: keys not yet started never start
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def check_key(ws: Workspace, mk: MintKey) -> dict[str, Any]:
