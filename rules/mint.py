@@ -76,6 +76,7 @@ import os
 import platform
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -94,7 +95,9 @@ from cgbuild.store.seal import LITERALS, PACKAGE, compare_artifacts, member_dige
 ARTIFACT_SCHEMA = "cgbuild.artifact/1"
 ARTIFACT_KIND = "aot-inductor"
 DEFAULT_SANDBOX = "/tmp/cgbuild-sandbox"
-FAULT_ENV = "CGBUILD_MINT_FAULT"  # test hook: "<stage>:<SIGNAL>" makes that stage kill itself
+# test hook: "<stage>:<SIGNAL>" makes that stage kill itself; "<stage>:hang" makes it wait on a
+# child that never ends (a compiler that hangs)
+FAULT_ENV = "CGBUILD_MINT_FAULT"
 # Relative RMS error allowed against eager, by output dtype (as text: identity blocks hold no
 # floats). fp32 compiles measured ~1e-7; klein-4B bf16 measured 2.3% from rounding alone.
 TOLERANCE = {"float32": "1e-4", "float64": "1e-9", "float16": "1e-2", "bfloat16": "5e-2"}
@@ -303,6 +306,8 @@ def mint(req: dict[str, Any], progress: Callable[[str], None] | None = None) -> 
 def _fault(stage: str) -> None:
     spec = os.environ.get(FAULT_ENV, "")
     if spec.partition(":")[0] == stage:
+        if spec.partition(":")[2] == "hang":
+            subprocess.run(["sleep", "3600"], check=False)
         os.kill(os.getpid(), getattr(signal, spec.partition(":")[2] or "SIGKILL"))
 
 

@@ -2,7 +2,7 @@
 
 Exit codes: 0 success; 1 `diff --exit-code` found work, or a mint/verify failed; 2 bad input
 (Cgfile, label, lock, plan file, a flag); 3 an internal error (a bug: the traceback is printed);
-130 interrupted (Ctrl-C).
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM): either kills every child cgbuild started.
 Each command lives in its own `cmd_*` module, imported only when it runs, so `cgbuild plan`
 never pays for what `mint` needs.
 """
@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 
 from cgbuild.core.errors import UserError
+from cgbuild.protocol.spawn import Terminated, stop_children_on_signals
 
 COMMANDS = {
     "plan": ("cgbuild.cli.plan", "what must be minted, and why"),
@@ -110,10 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse has printed the usage line: a bad flag is bad input
         return exc.code if isinstance(exc.code, int) else 2
     try:
-        return int(module.run(args) or 0)  # type: ignore[attr-defined]
+        with stop_children_on_signals():
+            return int(module.run(args) or 0)  # type: ignore[attr-defined]
     except UserError as exc:
         print(f"cgbuild: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Terminated:
+        print("cgbuild: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("cgbuild: interrupted", file=sys.stderr)
         return 130

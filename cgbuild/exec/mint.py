@@ -11,6 +11,7 @@ written over.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -286,6 +287,69 @@ def _admit(mk: MintKey, result: dict[str, Any], store: Store, shared: SharedStor
             )
     finally:
         Path(result["artifact"]).unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    """Running: a zombie (dead, not yet reaped by whoever inherited it) is no live mint."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc here: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _pid_of(name: str) -> int | None:
+    """The pid a build entry's name ends with: `.mint-<key16>-<pid>`, `.<file>.<pid>.tmp`."""
+    stem = name.removesuffix(".tmp")
+    digits = stem.rpartition("-" if name.startswith(".mint-") else ".")[2]
+    return int(digits) if digits.isdigit() else None
+
+
+def _live_mint(state: Path, entry: Path) -> bool:
+    """Whether a build entry may still be in use: its worker (by the pid in its name) runs, or,
+    for a sealed `<key>.tar.gz` awaiting admission, the key's record is `running` under a live
+    cgbuild. A reused pid only keeps an entry longer, never removes a live one."""
+    if entry.name.endswith(".tar.gz"):
+        try:
+            record = json.loads((state / "mint" / f"{entry.name.removesuffix('.tar.gz')}.json").read_bytes())
+        except (OSError, ValueError):
+            return False
+        pid = record.get("pid") if isinstance(record, dict) else None
+        return record.get("state") == "running" and (type(pid) is not int or _alive(pid))
+    pid = _pid_of(entry.name)
+    return pid is not None and _alive(pid)
+
+
+def sweep_build(state: Path, grace_s: float, *, dry_run: bool = False) -> list[str]:
+    """Remove what killed mints left in `<state>/build` (work folders `.mint-*`, sealed
+    `*.tar.gz` never admitted, `*.tmp` seal temps) once older than `grace_s` seconds and no
+    live mint's; returns their names. A mint always cleans up after itself, so anything here
+    past the grace period belongs to a mint that was killed."""
+    build = state / "build"
+    if not build.is_dir():
+        return []
+    removed: list[str] = []
+    cutoff = time.time() - grace_s
+    for entry in sorted(build.iterdir()):
+        leftover = entry.name.startswith(".mint-") or entry.name.endswith((".tar.gz", ".tmp"))
+        try:
+            old = entry.lstat().st_mtime < cutoff
+        except FileNotFoundError:
+            continue
+        if not leftover or not old or _live_mint(state, entry):
+            continue
+        removed.append(entry.name)
+        if not dry_run:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+    return removed
 
 
 def publish_unpublished(ws: Workspace, plan: dict[str, Any]) -> list[dict[str, Any]]:

@@ -43,8 +43,8 @@ _OOM_MARKS = ("MemoryError", "out of memory", "std::bad_alloc")
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
-class Stopping(Exception):
-    """cgbuild is being interrupted: no new child starts."""
+class Stopping(KeyboardInterrupt):
+    """cgbuild is being interrupted: no new child starts (an interruption wherever it surfaces)."""
 
 
 class Terminated(KeyboardInterrupt):
