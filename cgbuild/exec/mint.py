@@ -387,6 +387,8 @@ def check_key(ws: Workspace, mk: MintKey) -> dict[str, Any]:
     """Re-mint a stored key in a fresh sandbox and compare with the stored artifact, member by member."""
     store = Store(ws.cg.store_dir)
     resolved = store.resolve(mk.key, verify=True)
+    if (bad := store.check_sealed_key(mk.key)) is not None:  # another key's object: quarantined
+        return {"ok": False, "code": bad.status, "retryable": False, "phase": "check", "detail": bad.detail}
     with tempfile.TemporaryDirectory(prefix="cgbuild-check-") as tmp:
         req = request_for(ws, mk, Path(tmp), fresh=True, compare_with=str(resolved.path))
         result = run_worker(req, ws.state / "mint" / f"{mk.key}.check.log")
