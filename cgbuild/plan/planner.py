@@ -22,6 +22,7 @@ from cgbuild.config.labels import Selector
 from cgbuild.config.targets import Target, expand, select
 from cgbuild.core.canon import digest
 from cgbuild.core.errors import UserError
+from cgbuild.core.fs import set_aside
 from cgbuild.identity import layout, toolchain
 from cgbuild.identity.keys import AXES, IDENTITY_FIELDS, Axis, graph_axis, key_of, sm_axis, toolchain_axis
 from cgbuild.plan import environment
@@ -130,9 +131,15 @@ def _torch_of(block: dict[str, Any]) -> str | None:
 def _load_last(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
-        return data if data.get("schema") == LAST_PLAN_SCHEMA else {}
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError, RecursionError) as e:
+        set_aside(path, f"does not parse ({type(e).__name__})")
+        return {}
+    if not isinstance(data, dict) or data.get("schema") != LAST_PLAN_SCHEMA:
+        set_aside(path, f"is no {LAST_PLAN_SCHEMA} document")
+        return {}
+    return data
 
 
 def _save_json(path: Path, data: Any) -> None:

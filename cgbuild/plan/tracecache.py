@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild.core.canon import digest_unguarded
+from cgbuild.core.fs import set_aside
 from cgbuild.identity.layout import QUANT_RULES
 
 TRACE_RULE_VERSION = 1
@@ -47,10 +48,26 @@ class TraceCache:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = self._open(path)
+        except sqlite3.DatabaseError as e:  # not a database, or torn: a cache is rebuilt
+            set_aside(path, f"is no trace cache ({e})")
+            for suffix in ("-wal", "-shm"):
+                path.with_name(path.name + suffix).unlink(missing_ok=True)
+            self._db = self._open(path)
+
+    @staticmethod
+    def _open(path: Path) -> sqlite3.Connection:
         # Results arrive on the threads that read the children; callers serialize writes.
-        self._db = sqlite3.connect(path, timeout=30, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS traces (inputs TEXT PRIMARY KEY, facts TEXT NOT NULL)")
+        db = sqlite3.connect(path, timeout=30, check_same_thread=False)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("CREATE TABLE IF NOT EXISTS traces (inputs TEXT PRIMARY KEY, facts TEXT NOT NULL)")
+            db.execute("SELECT inputs, facts FROM traces LIMIT 1").fetchall()
+        except sqlite3.DatabaseError:
+            db.close()
+            raise
+        return db
 
     def get_many(self, inputs: list[str]) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
