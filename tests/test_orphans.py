@@ -111,10 +111,11 @@ def test_sigkill_of_mint_leaves_no_process_and_gc_sweeps_after_the_grace(
     assert not any((build / n).exists() for n in left)
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_a_hung_compiler_dies_with_the_mint(tmp_path: Path, toy_reference: Path, how: signal.Signals) -> None:
     ws = copy_toy(tmp_path / "toy", toy_reference)
-    kill_during_compile(ws, how, tmp_path / "err", CGBUILD_MINT_FAULT="compile:hang")
+    rc, err = kill_during_compile(ws, how, tmp_path / "err", CGBUILD_MINT_FAULT="compile:hang")
+    assert rc == {signal.SIGKILL: -9, signal.SIGTERM: 143, signal.SIGINT: 130}[how] and "Traceback" not in err
 
 
 def test_sigterm_of_mint_is_one_line_exit_143_and_no_process_survives(
