@@ -44,9 +44,10 @@ flags Inductor hashes, and in the `.so` line tables): the same venv reached thro
 path renamed every kernel and wrapper file. Byte-identical packages across machines therefore
 need torch at the same path; `mint --check` names the members that differ.
 
-Failures are typed: `retryable` ones (`oom`, `worker-killed`, `worker-signal`, `timeout`) may
-succeed on another attempt; the others (refusals, compile errors, verification mismatch) will
-not. Phase timings go in the result line, never in the sealed bytes.
+Failures are typed: `retryable` ones (`oom`, `worker-killed`, `worker-signal`, `worker-crashed`,
+`timeout`: how a stage child ended, named by `cgbuild.protocol.spawn`) may succeed on another
+attempt; the others (refusals, compile errors, verification mismatch) will not. Phase timings
+go in the result line, never in the sealed bytes.
 
 Request (`schema: "cgbuild.mint-request/1"`): `id`, `key`, `job` (a trace job), `sm`,
 `graph_digest`, `toolchain` {`platform`, `fold`, `components`}; optional `axes` (readable blocks),
@@ -69,9 +70,9 @@ engine files the evidence beside the artifact, never in it) or `{"id", "ok": fal
 `layout-topology-mismatch`, `layout-below-sm-floor`, `layout-toolchain-unsupported` (the rule's
 floor, this torch on this sm, or the kernel's probe on the device), `entry-error`,
 `trace-failed`, `literal-hidden`, `compile-failed`, `clamp-not-applied`,
-`constant-table-mismatch`, `verify-mismatch`, `verify-failed`, `seal-failed`, `stage-error`,
-adopt's refusal codes from the serve stage (e.g. `weights-untied`, `literal-mismatch`),
-`mint-error`; retryable: `oom`, `worker-killed`, `worker-signal`, `timeout`. A failed mint leaves
+`constant-table-mismatch`, `verify-mismatch`, `verify-failed`, `seal-failed`, adopt's refusal
+codes from the serve stage (e.g. `weights-untied`, `literal-mismatch`), `mint-error`; retryable:
+`oom`, `worker-killed`, `worker-signal`, `worker-crashed`, `timeout`. A failed mint leaves
 its stage logs in `<out>/.mint-<key16>-<pid>/`.
 """
 
@@ -97,13 +98,16 @@ from cgbuild.core.codes import RETRYABLE
 from cgbuild.core.platform import normalize_arch
 from cgbuild.identity import compiler, policy
 from cgbuild.identity.toolchain import TRACE_ONLY
+from cgbuild.protocol import spawn
 from cgbuild.protocol.mint import BadRequest, MintRequest
 from cgbuild.store.seal import LITERALS, PACKAGE, compare_artifacts, member_digests, read_metadata, seal
 
 ARTIFACT_SCHEMA = "cgbuild.artifact/1"
 ARTIFACT_KIND = "aot-inductor"
 DEFAULT_SANDBOX = "/tmp/cgbuild-sandbox"
-FAULT_ENV = "CGBUILD_MINT_FAULT"  # test hook: "<stage>:<SIGNAL>" makes that stage kill itself
+# test hook: "<stage>:<SIGNAL>" makes that stage kill itself; "<stage>:hang" makes it wait on a
+# child that never ends (a compiler that hangs)
+FAULT_ENV = "CGBUILD_MINT_FAULT"
 # Relative RMS error allowed against eager, by output dtype (as text: identity blocks hold no
 # floats). fp32 compiles measured ~1e-7; klein-4B bf16 measured 2.3% from rounding alone.
 TOLERANCE = {"float32": "1e-4", "float64": "1e-9", "float16": "1e-2", "bfloat16": "5e-2"}
@@ -162,13 +166,6 @@ def _sandbox(path: Path, fresh: bool, progress: Callable[[str], None] | None = N
         os.close(fd)
 
 
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(code).name
-    except ValueError:
-        return f"signal {code}"
-
-
 def _echo(log: Path, stage: str) -> None:
     """Copy a stage's output to this worker's stderr, which the engine keeps as the key's log:
     the work folder holding the stage logs is removed when the mint succeeds."""
@@ -180,42 +177,33 @@ def _echo(log: Path, stage: str) -> None:
 def run_stage(
     stage: str, work: Path, env: Mapping[str, str], timeout_s: float, args: Sequence[str] = ()
 ) -> dict[str, Any]:
-    """Run one stage child; return its result, or raise a typed failure for how it died."""
+    """Run one stage child; return its result, or raise a typed failure for how it died.
+
+    A stage starts programs of its own (the compile stage's compilers), so it dies by SIGTERM
+    and passes it on to its whole group (`spawn.die_with_group`).
+    """
     result_path = work / f"{stage}.json"
     result_path.unlink(missing_ok=True)
-    with open(work / f"{stage}.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cgbuild_rules.mint", "--stage", stage, str(work), *args],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(env),
+    try:
+        ended = spawn.spawn(
+            "cgbuild_rules.mint",
+            ["--stage", stage, str(work), *args],
+            log=work / f"{stage}.log",
+            env=env,
+            timeout_s=timeout_s,
+            death_signal=signal.SIGTERM,
         )
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise MintFailure("timeout", f"{stage} stage ran past {timeout_s:.0f} s") from None
-        finally:
-            _echo(work / f"{stage}.log", stage)
-    if result_path.exists():
+    finally:
+        _echo(work / f"{stage}.log", stage)
+    if result_path.exists() and not ended.timed_out:
         result = json.loads(result_path.read_text())
         if not result.get("ok"):
             extra = {k: v for k, v in result.items() if k not in ("ok", "code", "detail")}
             raise MintFailure(result["code"], result["detail"], **extra)
         return result
-    tail = " | ".join((work / f"{stage}.log").read_text(errors="replace").strip().splitlines()[-3:])
-    if code < 0:
-        name = _signal_name(-code)
-        kind = "worker-killed" if -code == signal.SIGKILL else "worker-signal"
-        why = " (out of memory?)" if kind == "worker-killed" else ""
-        raise MintFailure(
-            kind, f"{stage} stage killed by {name}{why}" + (f": {tail}" if tail else ""), signal=name
-        )
-    if any(s in tail for s in ("MemoryError", "out of memory", "std::bad_alloc")):
-        raise MintFailure("oom", f"{stage} stage ran out of memory: {tail}")
-    raise MintFailure("stage-error", f"{stage} stage exited with status {code} and no result: {tail}")
+    failure = ended.failure(f"{stage} stage", timeout_s)
+    extra = {"signal": failure["signal"]} if "signal" in failure else {}
+    raise MintFailure(failure["code"], failure["detail"], **extra)
 
 
 def _metadata(
@@ -357,6 +345,8 @@ def mint(req: dict[str, Any], progress: Callable[[str], None] | None = None) -> 
 def _fault(stage: str) -> None:
     spec = os.environ.get(FAULT_ENV, "")
     if spec.partition(":")[0] == stage:
+        if spec.partition(":")[2] == "hang":
+            subprocess.run(["sleep", "3600"], check=False)
         os.kill(os.getpid(), getattr(signal, spec.partition(":")[2] or "SIGKILL"))
 
 
@@ -938,6 +928,7 @@ def main(argv: list[str] | None = None) -> int:
     """Worker: one request on stdin, one result line on stdout. `--stage NAME DIR` runs a stage."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--stage"]:
+        spawn.die_with_group()
         return _stage_main(args[1], Path(args[2]), args[3:])
     proto = os.fdopen(os.dup(1), "w", encoding="ascii")
     os.dup2(2, 1)

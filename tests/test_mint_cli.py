@@ -138,6 +138,32 @@ def test_verify_run_then_flipped_byte_is_quarantined(minted_toy: Path, tmp_path:
     assert after["reasons"][0]["code"] == "quarantined"
 
 
+def test_mint_check_and_gc_quarantine_a_ref_naming_another_keys_artifact(
+    minted_toy: Path, tmp_path: Path
+) -> None:
+    """Plan reads such a ref fresh (it opens no artifact); the commands that open it anyway
+    quarantine it: `mint --check` before re-minting anything, and `gc`."""
+    ws = copy_ws(minted_toy, tmp_path / "toy")
+    store = Store(ws / ".cgbuild" / "store")
+    plan = json.loads(cli(ws, "plan", "//toy@fp32:cpu", "--json").stdout)["targets"]
+    targets = [t for t in plan if t["status"] == "fresh"]
+    mine, theirs = (store.read_ref(t["key"]) for t in targets[:2])
+    assert mine is not None and theirs is not None
+    doc = store.ref_path(mine.key).read_text()
+    crossed = doc.replace(mine.object, theirs.object).replace(f'"size":{mine.size}', f'"size":{theirs.size}')
+    store.ref_path(mine.key).write_text(crossed)
+    again = json.loads(cli(ws, "plan", targets[0]["label"], "--json").stdout)["targets"][0]
+    assert again["status"] == "fresh"
+    proc = cli(ws, "mint", targets[0]["label"], "--check", "--json")
+    error = json.loads(proc.stdout)["checks"][0]["error"]
+    assert proc.returncode == 1 and error["code"] == "key-mismatch", proc.stdout + proc.stderr
+    assert store.ref_state(mine.key) == "quarantined" and store.ref_state(theirs.key) == "fresh"
+    assert store.admit(mine.key, store.object_path(mine.object)).status == "admitted"  # repaired
+    store.ref_path(mine.key).write_text(crossed)
+    gc = json.loads(cli(ws, "gc", "--json").stdout)
+    assert gc["refs_quarantined"] == [mine.key] and store.ref_state(mine.key) == "quarantined"
+
+
 def test_mint_plan_mints_exactly_the_approved_keys(minted_toy: Path, tmp_path: Path) -> None:
     ws = copy_ws(minted_toy, tmp_path / "toy")
     cg = ws / "Cgfile"

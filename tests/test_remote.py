@@ -989,3 +989,27 @@ def test_a_mint_that_loses_the_race_is_told_which_artifact_stands(
     assert result["code"] == "conflict" and result["standing"] == sha and not result["ok"], result
     assert store.ref_state(mk.key) == "quarantined"  # this machine's copy does not linger
     assert SharedStore(Store(tmp_path / "c"), ws.remote, ws.cg.trusted, "c").resolve(mk.key).ref.object == sha
+
+
+def test_fetch_and_republish_refuse_a_ref_naming_another_keys_artifact(
+    tmp_path: Path, keys: dict[str, tuple[Path, str]], request: pytest.FixtureRequest, signing: None
+) -> None:
+    """Signed and intact, but another key's sealed artifact: the pull quarantines the remote ref
+    (the object stays: it is the other key's) and a republish never publishes it."""
+    from test_store_heal import artifact as sealed
+
+    prefix = prefix_of(request)
+    a = shared_at(tmp_path / "a", prefix, keys)
+    k1, k2 = new_key(), new_key()
+    assert a.admit(k2, sealed(tmp_path, k2), metadata={}).status == "admitted"
+    assert a.admit(k1, sealed(tmp_path, k2), metadata={}).status == "admitted"  # a crossed publish
+    b = shared_at(tmp_path / "b", prefix, keys, host="host-b")
+    with pytest.raises(StoreError) as refused:
+        b.pull(k1)
+    assert refused.value.code == "key-mismatch" and b.local.ref_state(k1) == "missing"
+    assert b.remote.get_json(b.remote.ref_name(k1)) is None
+    assert "key-mismatch" in b.quarantine_records(k1)[0]["reason"]
+    assert b.pull(k2).ref.key == k2  # the object is still there for its own key
+    with pytest.raises(StoreError) as unpublished:
+        a.republish(k1)
+    assert unpublished.value.code == "key-mismatch" and a.local.ref_state(k1) == "quarantined"

@@ -88,6 +88,36 @@ def test_a_ref_naming_another_keys_object_is_quarantined_by_verify(tmp_path: Pat
     assert store.check_sealed_key(K2) is None
 
 
+def cross(store: Store, key: str, other: str) -> None:
+    """Point `key`'s ref at `other`'s object (sha and size): a well-formed ref, the wrong bytes."""
+    mine, theirs = store.read_ref(key), store.read_ref(other)
+    assert mine is not None and theirs is not None
+    doc = store.ref_path(key).read_text()
+    store.ref_path(key).write_text(
+        doc.replace(mine.object, theirs.object).replace(f'"size":{mine.size}', f'"size":{theirs.size}')
+    )
+
+
+def test_a_ref_naming_another_keys_object_is_quarantined_by_gc_and_admission(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    store.admit(K1, artifact(tmp_path, K1))
+    store.admit(K2, artifact(tmp_path, K2))
+    own = store.read_ref(K1)
+    cross(store, K1, K2)
+    assert store.ref_state(K1) == "fresh"  # plan opens no artifact: it cannot tell
+    assert store.gc(dry_run=True).refs_quarantined == [K1] and store.ref_state(K1) == "fresh"
+    report = store.gc()
+    assert report.refs_quarantined == [K1] and store.ref_state(K1) == "quarantined"
+    assert "key-mismatch" in store.quarantine_record(K1)["reason"]  # type: ignore[index]
+    assert own is not None and own.object in report.objects_removed  # K1's own bytes: unreachable
+    assert store.ref_state(K2) == "fresh" and store.verify(K2).status == "ok"  # K2's object stays
+    store.admit(K1, artifact(tmp_path, K1))
+    cross(store, K1, K2)
+    # a mint of K1 finds the crossed ref in its way: retired, not a mint-once conflict
+    assert store.admit(K1, artifact(tmp_path, K1)).status == "admitted"
+    assert store.check_sealed_key(K1) is None and store.ref_state(K2) == "fresh"
+
+
 def test_readers_create_and_lock_nothing(tmp_path: Path) -> None:
     root = tmp_path / "store"
     writer = Store(root)

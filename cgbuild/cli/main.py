@@ -2,7 +2,7 @@
 
 Exit codes: 0 success; 1 `diff|plan --exit-code` found work, or a mint/verify failed; 2 bad input
 (Cgfile, label, lock, plan file, a flag); 3 an internal error (a bug: the traceback is printed);
-130 interrupted (Ctrl-C); 143 terminated (SIGTERM, handled like Ctrl-C: the same unwinding, one line).
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM): either kills every child cgbuild started.
 Each command lives in its own module of this package, imported only when it runs, so `cgbuild plan`
 never pays for what `mint` needs.
 """
@@ -10,14 +10,13 @@ never pays for what `mint` needs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
-import signal
 import sys
 import traceback
 from pathlib import Path
 
 from cgbuild.core.errors import UserError
+from cgbuild.protocol.spawn import Terminated, stop_children_on_signals
 
 COMMANDS = {
     "plan": ("cgbuild.cli.plan", "what must be minted, and why"),
@@ -33,30 +32,6 @@ COMMANDS = {
     "fetch": ("cgbuild.cli.fetch", "pull the selection's shared artifacts into the local store, verified"),
     "trust": ("cgbuild.cli.trust", "make a publisher signing key for a shared store"),
 }
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the program is, as Ctrl-C would be: every `finally` and every
-    handler of KeyboardInterrupt (a mint's cleanup) runs the same way for both."""
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise Terminated
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM raises Terminated while a command runs; the previous handler comes back after
-    (main may be called in-process, e.g. by tests). Only the main thread can set handlers."""
-    try:
-        previous = signal.signal(signal.SIGTERM, _terminate)
-    except ValueError:  # not the main thread: leave the process's handling alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def find_cgfile(start: Path) -> Path:
@@ -137,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse has printed the usage line: a bad flag is bad input
         return exc.code if isinstance(exc.code, int) else 2
     try:
-        with _sigterm_as_interrupt():
+        with stop_children_on_signals():
             return int(module.run(args) or 0)  # type: ignore[attr-defined]
     except UserError as exc:
         print(f"cgbuild: error: {exc}", file=sys.stderr)

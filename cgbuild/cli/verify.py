@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from typing import Any
 from cgbuild.cli.main import add_workspace_args, workspace
 from cgbuild.cli.render import console, print_json
 from cgbuild.config.labels import parse_selector
+from cgbuild.protocol.spawn import spawn
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,21 +42,15 @@ def run_artifact(
     with tempfile.TemporaryDirectory(prefix="cgbuild-verify-") as tmp:
         work = Path(tmp)
         (work / "request.json").write_text(json.dumps(request))
-        proc = subprocess.run(
-            [sys.executable, "-m", "cgbuild_rules.mint", "--stage", "serve", str(work), str(path)],
-            capture_output=True,
-            text=True,
+        ended = spawn(
+            "cgbuild_rules.mint",
+            ["--stage", "serve", str(work), str(path)],
             env={**os.environ, "TMPDIR": str(work)},
         )
         result_file = work / "serve.json"
         if result_file.exists():
             return dict(json.loads(result_file.read_text()))
-        return {
-            "ok": False,
-            "code": "worker-crashed",
-            "detail": f"serve stage exit {proc.returncode}: "
-            f"{' | '.join(proc.stderr.strip().splitlines()[-2:])}",
-        }
+        return ended.failure("serve stage")
 
 
 def compared(ran: dict[str, Any]) -> list[str]:

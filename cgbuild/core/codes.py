@@ -45,7 +45,6 @@ class Code(StrEnum):
     VERIFY_MISMATCH = "verify-mismatch"
     VERIFY_FAILED = "verify-failed"
     SEAL_FAILED = "seal-failed"
-    STAGE_ERROR = "stage-error"
     MINT_ERROR = "mint-error"
     ONE_CANDIDATE = "one-candidate"
     OOM = "oom"

@@ -38,7 +38,8 @@ from cgbuild.config import cgfile
 from cgbuild.config.targets import expand
 from cgbuild.core.canon import sha256_file
 from cgbuild.core.errors import UserError
-from cgbuild.exec.mint import MintKey, _write_record, mint_one
+from cgbuild.core.fs import write_json
+from cgbuild.exec.mint import MintKey, mint_one
 from cgbuild.plan.planner import Workspace
 from cgbuild.store.s3 import RemoteError
 
@@ -253,7 +254,9 @@ class Fleet:
         mk.result = final["result"]
         settle_visibility(ws, mk, final.get("node", {}).get("host", "?"))
         if "record" in final:
-            _write_record(ws.state / "mint" / f"{mk.key}.json", {**final["record"], "node": final["node"]})
+            write_json(
+                ws.state / "mint" / f"{mk.key}.json", {**final["record"], "node": final["node"]}, indent=1
+            )
         if on_event:
             on_event(mk, "done" if mk.result.get("ok") else "failed")
 

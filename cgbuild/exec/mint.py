@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild.config.targets import Target, expand
-from cgbuild.core import fs
 from cgbuild.core.codes import RETRYABLE
 from cgbuild.core.errors import UserError
+from cgbuild.core.fs import write_json
 from cgbuild.core.platform import host_name
 from cgbuild.plan.diff import load_plan
 from cgbuild.plan.planner import Workspace
 from cgbuild.protocol.mint import MintRequest
+from cgbuild.protocol.spawn import spawn
 from cgbuild.protocol.trace import job_for
 from cgbuild.store.local import Store, StoreError
 from cgbuild.store.s3 import RemoteError
@@ -108,10 +107,6 @@ def _evidence_run(result: dict[str, Any], how: str) -> dict[str, Any]:
     }
 
 
-def _write_record(path: Path, record: dict[str, Any]) -> None:
-    fs.write_json(path, record, indent=1)
-
-
 def _layout_request(ws: Workspace, t: Target, readable: dict[str, Any]) -> dict[str, Any]:
     """What the worker needs to re-derive the layout axis (and refuse drift): the rule, the
     component, the reference it was read from (a path for this machine only: never sealed)."""
@@ -180,42 +175,21 @@ def run_worker(
     The child announces each phase on its protocol stream (`{"progress": "compile"}`) before
     its one result line.
     """
-    log.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] | None = None
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cgbuild_rules.mint"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-        )
-        assert proc.stdin and proc.stdout
-        proc.stdin.write(json.dumps(request))
-        proc.stdin.close()
-        for line in proc.stdout:
-            try:
-                message = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(message, dict):
-                continue
-            if "progress" in message:
-                if on_progress:
-                    on_progress(str(message["progress"]))
-            elif "ok" in message:
-                result = message
-        code = proc.wait()
+
+    def take(message: dict[str, Any]) -> None:
+        nonlocal result
+        if "progress" in message:
+            if on_progress:
+                on_progress(str(message["progress"]))
+        elif "ok" in message:
+            result = message
+
+    ended = spawn("cgbuild_rules.mint", request=request, on_message=take, log=log)
     if result is not None:
         return result
-    how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
-    return {
-        "ok": False,
-        "code": "worker-crashed",
-        "retryable": True,
-        "phase": "worker",
-        "detail": f"mint worker {how} without a result (log: {log})",
-    }
+    failure = ended.failure("mint worker")
+    return {**failure, "phase": "worker", "detail": f"{failure['detail']} (log: {log})"}
 
 
 def mint_one(
@@ -235,9 +209,10 @@ def mint_one(
         "labels": mk.labels,
         "state": "running",
         "started": time.time(),
+        "pid": os.getpid(),  # gc leaves a live mint's build files alone
         "log": str(log),
     }
-    _write_record(record_path, record)
+    write_json(record_path, record, indent=1)
     if on_event:
         on_event(mk, "starting")
 
@@ -277,7 +252,7 @@ def mint_one(
         finished=time.time(),
         result={k: v for k, v in result.items() if k not in ("members", "lane_evidence")},
     )
-    _write_record(record_path, record)
+    write_json(record_path, record, indent=1)
     if on_event:
         on_event(mk, "done" if result.get("ok") else "failed")
     return mk
@@ -315,6 +290,69 @@ def _admit(mk: MintKey, result: dict[str, Any], store: Store, shared: SharedStor
         Path(result["artifact"]).unlink(missing_ok=True)
 
 
+def _alive(pid: int) -> bool:
+    """Running: a zombie (dead, not yet reaped by whoever inherited it) is no live mint."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc here: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _pid_of(name: str) -> int | None:
+    """The pid a build entry's name ends with: `.mint-<key16>-<pid>`, `.<file>.<pid>.tmp`."""
+    stem = name.removesuffix(".tmp")
+    digits = stem.rpartition("-" if name.startswith(".mint-") else ".")[2]
+    return int(digits) if digits.isdigit() else None
+
+
+def _live_mint(state: Path, entry: Path) -> bool:
+    """Whether a build entry may still be in use: its worker (by the pid in its name) runs, or,
+    for a sealed `<key>.tar.gz` awaiting admission, the key's record is `running` under a live
+    cgbuild. A reused pid only keeps an entry longer, never removes a live one."""
+    if entry.name.endswith(".tar.gz"):
+        try:
+            record = json.loads((state / "mint" / f"{entry.name.removesuffix('.tar.gz')}.json").read_bytes())
+        except (OSError, ValueError):
+            return False
+        pid = record.get("pid") if isinstance(record, dict) else None
+        return record.get("state") == "running" and (type(pid) is not int or _alive(pid))
+    pid = _pid_of(entry.name)
+    return pid is not None and _alive(pid)
+
+
+def sweep_build(state: Path, grace_s: float, *, dry_run: bool = False) -> list[str]:
+    """Remove what killed mints left in `<state>/build` (work folders `.mint-*`, sealed
+    `*.tar.gz` never admitted, `*.tmp` seal temps) once older than `grace_s` seconds and no
+    live mint's; returns their names. A mint always cleans up after itself, so anything here
+    past the grace period belongs to a mint that was killed."""
+    build = state / "build"
+    if not build.is_dir():
+        return []
+    removed: list[str] = []
+    cutoff = time.time() - grace_s
+    for entry in sorted(build.iterdir()):
+        leftover = entry.name.startswith(".mint-") or entry.name.endswith((".tar.gz", ".tmp"))
+        try:
+            old = entry.lstat().st_mtime < cutoff
+        except FileNotFoundError:
+            continue
+        if not leftover or not old or _live_mint(state, entry):
+            continue
+        removed.append(entry.name)
+        if not dry_run:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+    return removed
+
+
 def publish_unpublished(ws: Workspace, plan: dict[str, Any]) -> list[dict[str, Any]]:
     """Publish the plan's fresh keys that only this machine's cache holds (a publish that failed
     after the local admission, or keys minted before the remote was declared)."""
@@ -345,14 +383,19 @@ def mint_keys(
     if on_event:
         for mk in keys[max(1, jobs) :]:
             on_event(mk, f"waiting for a free mint slot ({max(1, jobs)} at once, -j to change)")
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    try:
         return list(pool.map(lambda mk: mint_one(ws, mk, store, on_event), keys))
+    finally:  # interrupted: keys not yet started never start
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def remint_and_compare(ws: Workspace, mk: MintKey) -> dict[str, Any]:
     """Re-mint a stored key in a fresh sandbox and compare with the stored artifact, member by member."""
     store = Store(ws.cg.store_dir)
     resolved = store.resolve(mk.key, verify=True)
+    if (bad := store.check_sealed_key(mk.key)) is not None:  # another key's object: quarantined
+        return {"ok": False, "code": bad.status, "retryable": False, "phase": "check", "detail": bad.detail}
     with tempfile.TemporaryDirectory(prefix="cgbuild-check-") as tmp:
         req = request_for(ws, mk, Path(tmp), fresh=True, compare_with=str(resolved.path))
         result = run_worker(req, ws.state / "mint" / f"{mk.key}.check.log")

@@ -89,6 +89,12 @@ class Corrupt(StoreError):
     code = "corrupt"
 
 
+class KeyMismatch(StoreError):
+    """The key's ref names another key's sealed artifact; the ref is now quarantined."""
+
+    code = "key-mismatch"
+
+
 class MalformedRef(StoreError):
     """The key's ref is not a ref (not JSON, not an object, a folder, a foreign schema or key, a
     size that is no integer). Readers treat the key as not fresh; writers quarantine it (`heal`)."""
@@ -169,7 +175,8 @@ class GCReport:
     evidence_removed: list[str] = field(default_factory=list)
     """Keys whose lane evidence went: no ref and no quarantine record names them any more."""
     refs_quarantined: list[str] = field(default_factory=list)
-    """Keys whose ref was malformed: quarantined with the reason, never a root."""
+    """Keys whose ref was malformed or named another key's artifact: quarantined with the
+    reason, never a root."""
 
 
 def validated_key(key: str) -> str:
@@ -237,6 +244,12 @@ class Store:
             yield
         finally:
             os.close(fd)  # closing releases the flock; so does the death of the process
+
+    def temp_dir(self) -> Path:
+        """The store's own temp folder, for a writer that fills a file before admitting it (a
+        pull): laid out on first use like every write."""
+        self.ensure_layout()
+        return self.root / "tmp"
 
     def _temp(self) -> tuple[Path, BinaryIO]:
         self.ensure_layout()
@@ -342,6 +355,9 @@ class Store:
             if self._object_intact_stat(standing):
                 if standing.object == sha:
                     return Admission("already", key, sha, size)
+                if (why := self.crossed(standing)) is not None:  # it stands in nobody's way
+                    self._quarantine(key, standing, f"key-mismatch: {why}")
+                    continue
                 return Admission("conflict", key, sha, size, existing=standing.object)
             # The standing ref names an object that is gone or truncated: retire it, then retry.
             self._quarantine(key, standing, "object missing or truncated at admission")
@@ -464,23 +480,35 @@ class Store:
             return Verdict(key, e.code, e.detail)  # type: ignore[arg-type]
         return Verdict(key, "ok")
 
-    def check_sealed_key(self, key: str) -> Verdict | None:
-        """After a clean re-hash: quarantine a ref whose object's sealed metadata names another
-        key (`key-mismatch`) or is no sealed artifact (the seal's code), with that reason, since
-        adopt would refuse it forever while `ref_state` says fresh. None when the object is this
-        key's own. Reads the metadata member only (no package is unpacked)."""
+    def sealed_problem(self, ref: Ref) -> tuple[str, str] | None:
+        """Why `ref`'s object is not its key's sealed artifact: (`key-mismatch`, why) when its
+        sealed metadata names another key, (the seal's code, why) when it is no sealed artifact;
+        None when it is the key's own. Reads the metadata member only (no package is unpacked)."""
         from cgbuild.store.seal import SealError, read_metadata
 
-        ref = self.read_ref(key)
-        if ref is None:
-            return None
         try:
             other = read_metadata(self.object_path(ref.object)).get("key")
-            if other == key:
-                return None
-            code, why = "key-mismatch", f"its object's sealed metadata names key {str(other)[:16]!r}"
         except SealError as e:
-            code, why = e.code, e.detail
+            return e.code, e.detail
+        if other == ref.key:
+            return None
+        return "key-mismatch", f"its object's sealed metadata names key {str(other)[:16]!r}"
+
+    def crossed(self, ref: Ref) -> str | None:
+        """Why `ref` names another key's sealed artifact, or None. Unlike `sealed_problem` it
+        passes bytes that are no sealed artifact: admission and gc also serve stores of other
+        blobs, and adopt judges those."""
+        problem = self.sealed_problem(ref)
+        return problem[1] if problem is not None and problem[0] == "key-mismatch" else None
+
+    def check_sealed_key(self, key: str) -> Verdict | None:
+        """After a clean re-hash: quarantine a ref whose object is not this key's sealed artifact
+        (`sealed_problem`), with that reason, since adopt would refuse it forever while
+        `ref_state` says fresh. None when the object is this key's own."""
+        ref = self.read_ref(key)
+        if ref is None or (problem := self.sealed_problem(ref)) is None:
+            return None
+        code, why = problem
         try:
             self._quarantine(key, ref, f"{code}: {why}")
             done = "quarantined"
@@ -513,15 +541,19 @@ class Store:
         racing repair that already replaced it is left alone.
         """
         with self._locked(exclusive=True):
-            if self.read_ref(key) != seen:
-                return
-            record = {"schema": QUARANTINE_SCHEMA, "key": key, "reason": reason, "ref": seen.to_json()}
-            fs.write_atomic(self.quarantine_path(key), canonical_json(record) + "\n")
-            obj = self.object_path(seen.object)
-            if not self._object_intact_stat(seen) or file_digest(obj)[0] != seen.object:
-                self._move_to_quarantine(seen.object)
-            os.unlink(self.ref_path(key))
-            fs.fsync_dir(self.ref_path(key).parent)
+            self._quarantine_locked(key, seen, reason)
+
+    def _quarantine_locked(self, key: str, seen: Ref, reason: str) -> None:
+        """`_quarantine`'s work, for a caller already holding the exclusive lock (gc)."""
+        if self.read_ref(key) != seen:
+            return
+        record = {"schema": QUARANTINE_SCHEMA, "key": key, "reason": reason, "ref": seen.to_json()}
+        fs.write_atomic(self.quarantine_path(key), canonical_json(record) + "\n")
+        obj = self.object_path(seen.object)
+        if not self._object_intact_stat(seen) or file_digest(obj)[0] != seen.object:
+            self._move_to_quarantine(seen.object)
+        os.unlink(self.ref_path(key))
+        fs.fsync_dir(self.ref_path(key).parent)
 
     def heal(self, key: str, why: MalformedRef | None = None) -> str | None:
         """Quarantine `key`'s ref if it is malformed (a writer's duty; readers only report it):
@@ -591,6 +623,10 @@ class Store:
                     report.refs_dropped.append(ref.key)
                     if not dry_run:
                         os.unlink(self.ref_path(ref.key))
+                elif self._object_intact_stat(ref) and (why := self.crossed(ref)) is not None:
+                    report.refs_quarantined.append(ref.key)  # another key's object: never a root
+                    if not dry_run:
+                        self._quarantine_locked(ref.key, ref, f"key-mismatch: {why}")
                 else:
                     live.add(ref.object)
                     live_keys.add(ref.key)

@@ -41,6 +41,7 @@ from cgbuild.store.local import (
     EVIDENCE_SCHEMA,
     Admission,
     Corrupt,
+    KeyMismatch,
     Missing,
     Ref,
     RefState,
@@ -268,6 +269,9 @@ class SharedStore:
         or, for a key admitted before the remote was declared, one made now."""
         signer = self.check_publishable()
         ref = self.local.resolve(key, verify=True).ref
+        if (why := self.local.crossed(ref)) is not None:  # opened anyway: never publish it
+            self.local.retire(key, f"key-mismatch: {why}")
+            raise KeyMismatch(key, f"{why}: quarantined, not published")
         signature = ref.metadata.get("signature")
         metadata = {k: v for k, v in ref.metadata.items() if k != "signature"}
         path = self.local.object_path(ref.object)
@@ -398,14 +402,22 @@ class SharedStore:
         if doc.get("key") != key or not _SHA_RE.match(str(sha)) or not isinstance(size, int):
             raise StoreError(key, f"malformed remote ref {self.remote.ref_name(key)}")
         signer = self._verify(key, sha, size, doc.get("signature"))
-        self.local.ensure_layout()
-        tmp_dir = self.local.root / "tmp"
+        tmp_dir = self.local.temp_dir()
         for _ in range(2):
             fd, name = tempfile.mkstemp(dir=tmp_dir, suffix=".pull")
             try:
                 with os.fdopen(fd, "wb") as out:
                     found = self.remote.download(sha, out)
                 if found == (sha, size):
+                    if (other := _sealed_key(name)) not in (None, key):
+                        # signed, intact, and another key's artifact: the object is left for
+                        # the key it belongs to, only this ref goes
+                        reason = (
+                            f"key-mismatch: remote object {sha[:12]}'s sealed metadata "
+                            f"names key {other[:16]!r}"
+                        )
+                        self.quarantine_remote(key, got, reason, drop_object=False)
+                        raise KeyMismatch(key, f"{reason}: quarantined in {self.remote.url}")
                     metadata = {**(doc.get("metadata") or {}), "signature": doc["signature"]}
                     admission = self.local.admit(key, name, metadata=metadata, expected_sha256=sha)
                     if not admission.ok:
@@ -418,8 +430,9 @@ class SharedStore:
         self.quarantine_remote(key, got, reason)
         raise Corrupt(key, f"{reason}: quarantined in {self.remote.url}; a new verified mint repairs it")
 
-    def quarantine_remote(self, key: str, seen: RemoteRef, reason: str) -> None:
-        """Record why, then drop the ref (only the one judged: If-Match its ETag) and the bad object."""
+    def quarantine_remote(self, key: str, seen: RemoteRef, reason: str, *, drop_object: bool = True) -> None:
+        """Record why, then drop the ref (only the one judged: If-Match its ETag) and, with
+        `drop_object`, the bad object."""
         record = {
             "schema": REMOTE_QUARANTINE_SCHEMA,
             "key": key,
@@ -432,7 +445,8 @@ class SharedStore:
         self.remote.create(name, json.dumps(record, sort_keys=True).encode())
         if not self.remote.delete(self.remote.ref_name(key), etag=seen.etag):
             return  # already replaced by a repair: leave it
-        self.remote.delete(self.remote.object_name(str(seen.doc["object"])))
+        if drop_object:
+            self.remote.delete(self.remote.object_name(str(seen.doc["object"])))
         self._saw(key, False)
 
     def quarantine_records(self, key: str) -> list[dict[str, Any]]:
@@ -441,3 +455,15 @@ class SharedStore:
             for n in sorted(self.remote.list_names(f"quarantine/{key}"))
             if (got := self.remote.get_json(self.remote.name("quarantine", key, n)))
         ]
+
+
+def _sealed_key(path: str | os.PathLike[str]) -> str | None:
+    """The key a sealed artifact's metadata names; None for bytes that are no sealed artifact
+    (adopt judges those)."""
+    from cgbuild.store.seal import SealError, read_metadata
+
+    try:
+        key = read_metadata(path).get("key")
+    except SealError:
+        return None
+    return key if isinstance(key, str) else None
