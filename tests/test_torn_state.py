@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import copy_toy
 
-from cgbuild.plan.planner import LAST_PLAN_SCHEMA, _load_last
+from cgbuild.plan.laststate import SCHEMA as LAST_PLAN_SCHEMA
+from cgbuild.plan.laststate import load as load_last
 from cgbuild.plan.tracecache import TraceCache
 
 
@@ -35,12 +36,12 @@ def test_a_torn_or_foreign_last_plan_is_set_aside(
 ) -> None:
     path = tmp_path / "last-plan.json"
     path.write_text(text)
-    assert _load_last(path) == {}
+    assert load_last(path) == {}
     assert not path.exists() and len(list(tmp_path.glob("last-plan.json.torn-*"))) == 1
     assert capsys.readouterr().err.count("warning") == 1
     path.write_text(json.dumps({"schema": LAST_PLAN_SCHEMA, "targets": {}}))
-    assert _load_last(path)["schema"] == LAST_PLAN_SCHEMA  # a sound one is read, not moved
-    assert _load_last(tmp_path / "absent.json") == {} and not capsys.readouterr().err
+    assert load_last(path)["schema"] == LAST_PLAN_SCHEMA  # a sound one is read, not moved
+    assert load_last(tmp_path / "absent.json") == {} and not capsys.readouterr().err
 
 
 @pytest.mark.slow
