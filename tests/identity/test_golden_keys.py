@@ -21,7 +21,7 @@ import pytest
 
 from cgbuild.identity.keys import IDENTITY_FIELDS, Axis, key_of
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = json.loads((ROOT / "tests" / "golden" / "keys.json").read_text())
 
 

@@ -11,7 +11,7 @@ from cgbuild.config.labels import parse_label, parse_selector
 from cgbuild.config.targets import expand, select
 from cgbuild.core.errors import UserError
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module")

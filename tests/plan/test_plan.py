@@ -25,7 +25,7 @@ from cgbuild.plan.diff import diff_plans, render
 from cgbuild.plan.planner import Workspace, make_plan
 from cgbuild.store.local import Store
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
 MLP16 = "//toy/mlp/16x64-b1@fp32:cpu"
 CONV = "//toy/conv/32x32-b2@fp32:cpu"

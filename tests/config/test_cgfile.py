@@ -201,7 +201,7 @@ def test_schema_accepts_examples() -> None:
     import tomllib
 
     jsonschema = pytest.importorskip("jsonschema")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     schema = json.loads((root / "docs" / "cgfile.schema.json").read_text())
     for path in [root / "Cgfile.example", *sorted((root / "examples").glob("*/Cgfile"))]:
         jsonschema.validate(tomllib.loads(path.read_text()), schema)
@@ -346,7 +346,7 @@ def test_cgfile_example_plans_from_the_checkout_root(
 
     from cgbuild.cli.main import main
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     shutil.copy(root / "Cgfile.example", tmp_path / "Cgfile.example")
     shutil.copytree(
         root / "examples" / "toy",

@@ -342,7 +342,7 @@ def test_quantized_graph_digests(tmp_path: Path) -> None:
 def test_reference_command(tmp_path: Path, toy_reference: Path) -> None:
     ws = tmp_path / "toy"
     ws.mkdir()
-    src = Path(__file__).resolve().parents[1] / "examples" / "toy"
+    src = Path(__file__).resolve().parents[2] / "examples" / "toy"
     for name in ("Cgfile", "toy_models.py"):
         (ws / name).write_bytes((src / name).read_bytes())
     cmd = [sys.executable, "-m", "cgbuild_rules.reference", "-C", str(ws)]

@@ -13,7 +13,7 @@ from cgbuild.config import cgfile
 from cgbuild.config.targets import expand
 from cgbuild.protocol.trace import job_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _job(example: str, label: str) -> dict:

@@ -27,7 +27,7 @@ from cgbuild.identity.keys import AXES, IDENTITY_FIELDS, Axis, key_of
 from cgbuild.store.local import Store
 from cgbuild.store.seal import read_metadata
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 FLUX = ROOT / "examples" / "flux2_klein"
 

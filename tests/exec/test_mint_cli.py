@@ -20,7 +20,7 @@ from conftest import copy_toy
 from cgbuild.store.local import Store
 from cgbuild.store.seal import read_metadata
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
 
 pytestmark = pytest.mark.slow

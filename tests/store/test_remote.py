@@ -32,7 +32,7 @@ from cgbuild.store.s3 import FAULT_ENV, MULTIPART_ENV, Remote, RemoteError
 from cgbuild.store.shared import SEEN_TTL_S, PublishRefused, SharedStore, Untrusted
 from cgbuild.store.trust import SIGNING_KEY_ENV, TrustError, load_signer, public_key_bytes
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from cgbuild.config.targets import expand
 from cgbuild.protocol.mint import BadRequest, MintRequest
 from cgbuild.protocol.trace import BadJob, TraceJob, job_for, request
 
-TOY = Path(__file__).resolve().parents[1] / "examples" / "toy" / "Cgfile"
+TOY = Path(__file__).resolve().parents[2] / "examples" / "toy" / "Cgfile"
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from cgbuild.store.local import Store
 from cgbuild.store.seal import read_metadata
 
 pytestmark = pytest.mark.slow
-ZOO = Path(__file__).resolve().parent / "zoo"
+ZOO = Path(__file__).resolve().parents[1] / "zoo"
 LABELS = {
     "bnconv": "//zoo/bnconv/16x16-b1@fp32:cpu",
     "vae.decode": "//zoo/vae.decode/8x8-b1@fp32:cpu",

@@ -14,7 +14,7 @@ from cgbuild_rules.digest import SCHEME, LiteralHidden, _Renderer, _Symbols, ide
 from cgbuild_rules.trace import export_job
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TOY = EXAMPLES / "toy"
 FLUX = EXAMPLES / "flux2_klein"
 

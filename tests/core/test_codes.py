@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cgbuild.core.codes import RETRYABLE, Code
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "codes.md"
 
 # Kebab-case strings that are not codes: quant rule and ISA names, encodings, tool names, test
