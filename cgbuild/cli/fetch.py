@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from cgbuild.cli.main import add_workspace_args, workspace
-from cgbuild.cli.render import console, print_json, progress_bar
+from cgbuild.cli.render import console, key_line, print_json, progress_bar
 from cgbuild.config.labels import parse_selector
 from cgbuild.core.errors import UserError
 
@@ -83,6 +83,6 @@ def _show(summary: dict[str, Any]) -> None:
         f"{len(summary['refused'])} refused, {len(summary['unavailable'])} not built anywhere yet"
     )
     for p in summary["pulled"]:
-        out.print(f"  [green]pulled[/] {p['key'][:12]} {' '.join(p['labels'])} (signed by {p['signer']})")
+        out.print(key_line("[green]pulled[/]", p, f" (signed by {p['signer']})"))
     for r in summary["refused"]:
-        out.print(f"  [red]refused[/] {r['key'][:12]} {' '.join(r['labels'])}: {r['code']}: {r['detail']}")
+        out.print(key_line("[red]refused[/]", r, f": {r['code']}: {r['detail']}"))

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from cgbuild.cli.main import add_workspace_args, positive_int, workspace
-from cgbuild.cli.render import console, phase_times, print_json, progress_bar
+from cgbuild.cli.render import console, key_line, phase_times, print_json, progress_bar
 from cgbuild.config.labels import parse_selector
 from cgbuild.core.errors import UserError
 
@@ -219,13 +219,10 @@ def _show(summary: dict[str, Any], ws: Any) -> None:
     )
     for m in summary["minted"]:
         phases = phase_times(m["phases"])
-        out.print(f"  [green]minted[/] {m['key'][:12]} {' '.join(m['labels'])} ({phases})")
+        out.print(key_line("[green]minted[/]", m, f" ({phases})"))
     for f in summary["failed"]:
         kind = "retryable" if f["retryable"] else "deterministic"
-        out.print(
-            f"  [red]failed[/] {f['key'][:12]} {' '.join(f['labels'])}: {f['code']} ({kind}, "
-            f"phase {f['phase']}): {f['detail']}"
-        )
+        out.print(key_line("[red]failed[/]", f, f": {f['code']} ({kind}, phase {f['phase']}): {f['detail']}"))
     for r in summary["refused"]:
         out.print(f"  [red]refused[/] {r['label']}: {r['code']}: {r['detail']}")
     for p in summary["published"]:

@@ -78,3 +78,8 @@ def phase_times(phases: dict[str, Any] | None) -> str:
     rank = {name: float(i) for i, name in enumerate(PHASE_ORDER)}
     items.sort(key=lambda kv: (rank.get(kv[0], len(PHASE_ORDER) - 1.5), kv[0]))
     return ", ".join(f"{k} {v:.1f}s" for k, v in items)
+
+
+def key_line(tag: str, entry: Any, rest: str = "") -> str:
+    """One row of a per-key summary: `  tag  key12 labels…rest` (mint, fetch)."""
+    return f"  {tag} {entry['key'][:12]} {' '.join(entry['labels'])}{rest}"
