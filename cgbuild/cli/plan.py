@@ -21,6 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all", action="store_true", help="list every target, not only those that need action")
     p.add_argument("--no-trace", action="store_true", help="never trace: unknown graphs stay 'trace'")
     p.add_argument(
+        "--verify",
+        action="store_true",
+        help="read the ref of each key the shared store lists and count it fresh only when a trusted "
+        "publisher signed it (one ref read per such key)",
+    )
+    p.add_argument(
         "-j", "--jobs", type=positive_int, help="trace workers (default: families in parallel, ≤ cores)"
     )
     p.add_argument(
@@ -37,7 +43,12 @@ def compute(args: argparse.Namespace):  # -> memo.PlanOutput (import deferred)
     update, close = progress_bar("tracing")
     try:
         return plan_output(
-            ws, parse_selector(args.label), run_traces=not args.no_trace, workers=args.jobs, progress=update
+            ws,
+            parse_selector(args.label),
+            run_traces=not args.no_trace,
+            workers=args.jobs,
+            progress=update,
+            verify=args.verify,
         )
     finally:
         close()

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cgbuild.core import fs
+from cgbuild.core.errors import UserError
 
 if TYPE_CHECKING:
     from cgbuild.config.cgfile import Cgfile
@@ -285,15 +286,34 @@ def plan_output(
     run_traces: bool = True,
     workers: int | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    verify: bool = False,
 ) -> PlanOutput:
     """`plan` (recorded), served from the memo when every input and every key's ref reads as
     it did when the memo was written (docs/plan.md, "A no-op plan"); else planned in full, and
-    memoised when nothing moved while it ran and recording changed nothing."""
+    memoised when nothing moved while it ran and recording changed nothing.
+
+    `verify` (`plan --verify`) checks the signatures of keys fresh only by the shared store's
+    listing; it needs a remote, and so is never served from, nor written to, the memo."""
     cg = ws.cg
+    if verify and not cg.remote:
+        raise UserError(
+            "--verify checks the signatures of keys a shared store lists, and this workspace "
+            "declares no remote (its local store holds only what this machine admitted)",
+            file=str(cg.path),
+            field="workspace.remote",
+        )
     if cg.remote:  # the remote's listing is no local file: a shared store is planned in full
         from cgbuild.plan.planner import make_plan
 
-        plan = make_plan(ws, selector, run_traces=run_traces, workers=workers, progress=progress, record=True)
+        plan = make_plan(
+            ws,
+            selector,
+            run_traces=run_traces,
+            workers=workers,
+            progress=progress,
+            record=True,
+            verify=verify,
+        )
         return PlanOutput(plan_text(plan), lambda: plan)
     request = request_of(cg, selector.text, ws.toolchain_lock, run_traces)
     before = input_stamps(cg, ws.toolchain_lock)

@@ -37,7 +37,7 @@ from cgbuild.identity.keys import Axis, graph_axis, key_of, sm_axis, toolchain_a
 from cgbuild.plan import environment, laststate
 from cgbuild.plan.inputs import SourceHasher
 from cgbuild.plan.moved import Movement, Snapshots
-from cgbuild.plan.reasons import REASON_CODES, Reason
+from cgbuild.plan.reasons import REASON_CODES, TRUST_CODES, Reason
 from cgbuild.plan.tracecache import TraceCache, trace_inputs
 from cgbuild.plan.workspace import Workspace
 from cgbuild.protocol.trace import TraceJob, job_for, request, target_lanes
@@ -90,6 +90,9 @@ class PlanContext:
     run_traces: bool = True
     workers: int | None = None
     progress: Callable[[int, int, str], None] | None = None
+    verify: bool = False
+    """`plan --verify`: a key fresh only by the remote's listing is fresh only once its ref's
+    signature verifies against the workspace's trusted publishers."""
     # select
     targets: list[Target] = field(default_factory=list)
     # resolve
@@ -119,6 +122,7 @@ class PlanContext:
     layout_axes: dict[_LayoutOf, tuple[Axis | None, str | None]] = field(default_factory=dict)
     references: dict[tuple[str, str], tuple[Any, str]] = field(default_factory=dict)
     ref_states: dict[str, str] = field(default_factory=dict)
+    refusals: dict[str, str] = field(default_factory=dict)  # key → why its remote ref is untrusted
 
     @property
     def cg(self) -> Cgfile:
@@ -157,12 +161,13 @@ def make_plan(
     workers: int | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     record: bool = False,
+    verify: bool = False,
 ) -> dict[str, Any]:
     """Plan the selected targets; traces what is not cached (unless `run_traces` is False).
 
     `record` advances the workspace's recorded references (`plan` and `mint` only: a read-only
-    command such as `why` must not consume the explanation it shows)."""
-    ctx = PlanContext(ws, run_traces=run_traces, workers=workers, progress=progress)
+    command such as `why` must not consume the explanation it shows); `verify`: see PlanContext."""
+    ctx = PlanContext(ws, run_traces=run_traces, workers=workers, progress=progress, verify=verify)
     return plan_in_full(ctx, selector, record=record)
 
 
@@ -437,9 +442,18 @@ def _status_of(
     state = ctx.ref_states.get(key)
     if state is None:
         assert ctx.store is not None
-        state = ctx.ref_states[key] = ctx.store.ref_state(key)
+        if ctx.verify and ctx.shared is not None:
+            state, refusal = ctx.shared.verified_state(key)
+            if refusal is not None:
+                ctx.refusals[key] = refusal
+        else:
+            state = ctx.store.ref_state(key)
+        ctx.ref_states[key] = state
     if state == "fresh":
         return "fresh", key, []
+    if state in TRUST_CODES:
+        detail = f"the shared store's ref is not trusted: {ctx.refusals[key]}"
+        return "mint", key, [Reason(state, detail, root=True)]
     last = ctx.last.get("targets", {}).get(t.label)
     return "mint", key, [_store_reason(state, key, last)]
 

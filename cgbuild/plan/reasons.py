@@ -34,7 +34,13 @@ REASON_CODES = (
     "layout-below-sm-floor",
     "layout-toolchain-unsupported",
     "layout-topology-mismatch",
+    "unsigned",
+    "unknown-signer",
+    "bad-signature",
 )
+
+# `plan --verify`: a key the shared store lists whose ref's signature fails (cgbuild/store/trust.py).
+TRUST_CODES = frozenset({"unsigned", "unknown-signer", "bad-signature"})
 
 # Blocked because of this machine, not the declaration: a CPU CI box blocks every GPU target
 # this way, so `plan --exit-code` does not count them.

@@ -388,12 +388,10 @@ class SharedStore:
         self._verify(key, ref.object, ref.size, ref.metadata.get("signature"))
         return self.local.resolve(key, verify=verify)
 
-    def pull(self, key: str) -> Pulled:
-        """Download, verify (signature, then sha256 and size) and admit one key into the cache.
-
-        A download that does not hash to the signed sha256 is tried once more; a second failure
-        quarantines the key remotely and raises `Corrupt`; bad bytes never reach the cache.
-        """
+    def _trusted_ref(self, key: str) -> tuple[RemoteRef, str]:
+        """The key's remote ref and the trusted publisher who signed it; raises `Missing`, a
+        `StoreError` for a malformed ref, or `Untrusted` (the check `pull` makes before any
+        download, and `plan --verify` before it counts a listed key fresh)."""
         got = self.remote.get_json(self.remote.ref_name(key))
         if got is None:
             raise Missing(key, f"no artifact in the local cache or in {self.remote.url}")
@@ -401,7 +399,35 @@ class SharedStore:
         sha, size = doc.get("object"), doc.get("size")
         if doc.get("key") != key or not _SHA_RE.match(str(sha)) or not isinstance(size, int):
             raise StoreError(key, f"malformed remote ref {self.remote.ref_name(key)}")
-        signer = self._verify(key, sha, size, doc.get("signature"))
+        return got, self._verify(key, str(sha), size, doc.get("signature"))
+
+    def verified_state(self, key: str) -> tuple[str, str | None]:
+        """`ref_state`, except that a key fresh only by the remote's listing has its ref read and
+        its signature checked first: (`fresh` | `missing` | `malformed` | a trust code, the
+        refusal's detail). A key the local cache holds is not asked again: its signature is
+        re-verified on every resolve."""
+        state = self.ref_state(key)
+        if state != "fresh" or self.local.ref_state(key) == "fresh":
+            return state, None
+        try:
+            self._trusted_ref(key)
+        except Untrusted as e:
+            return e.code, e.detail
+        except Missing:
+            return "missing", None  # quarantined since it was listed
+        except StoreError as e:
+            return "malformed", e.detail
+        return "fresh", None
+
+    def pull(self, key: str) -> Pulled:
+        """Download, verify (signature, then sha256 and size) and admit one key into the cache.
+
+        A download that does not hash to the signed sha256 is tried once more; a second failure
+        quarantines the key remotely and raises `Corrupt`; bad bytes never reach the cache.
+        """
+        got, signer = self._trusted_ref(key)
+        doc = got.doc
+        sha, size = doc["object"], doc["size"]
         tmp_dir = self.local.temp_dir()
         for _ in range(2):
             fd, name = tempfile.mkstemp(dir=tmp_dir, suffix=".pull")
