@@ -2,6 +2,7 @@
 
 It also removes what killed mints left in the state folder's `build/` (work folders, sealed
 archives never admitted, temps) once older than `--grace` seconds and no live mint's.
+`gc --remote` sweeps the shared store instead (cgbuild/store/remote_gc.py, docs/store.md).
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ import argparse
 
 from cgbuild.cli.main import add_workspace_args, workspace
 from cgbuild.cli.render import print_json
+from cgbuild.core.errors import UserError
+
+LOCAL_GRACE_S = 3600
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,9 +22,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grace",
         type=grace_seconds,
-        default=3600,
         metavar="SECONDS",
-        help="leave build leftovers younger than this alone (default: 3600)",
+        help="leave build leftovers (with --remote: unreferenced shared objects) younger than this "
+        f"alone (default: {LOCAL_GRACE_S}; with --remote 86400)",
+    )
+    p.add_argument(
+        "--remote",
+        action="store_true",
+        help="sweep the shared store's objects no ref names, not the local store",
+    )
+    p.add_argument(
+        "--root",
+        action="append",
+        default=[],
+        metavar="PLAN.json",
+        help="with --remote: a plan whose keys are pinned as roots (repeatable)",
     )
     p.add_argument("--json", action="store_true")
 
@@ -37,12 +53,16 @@ def grace_seconds(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.remote:
+        return run_remote(args)
+    if args.root:
+        raise UserError("--root pins plans for the shared store's gc: it needs --remote", field="--root")
     from cgbuild.exec.mint import sweep_build
     from cgbuild.store.local import Store
 
     ws = workspace(args)
     report = Store(ws.cg.store_dir).gc(dry_run=args.dry_run)
-    build = sweep_build(ws.state, args.grace, dry_run=args.dry_run)
+    build = sweep_build(ws.state, LOCAL_GRACE_S if args.grace is None else args.grace, dry_run=args.dry_run)
     doc = {
         "dry_run": report.dry_run,
         "objects_removed": report.objects_removed,
@@ -66,4 +86,43 @@ def run(args: argparse.Namespace) -> int:
             print(f"{verb} {len(build)} leftover(s) of killed mints in {ws.state / 'build'}")
         for key in report.refs_quarantined:
             print(f"bad ref of {key[:12]} {'would be ' if report.dry_run else ''}quarantined")
+    return 0
+
+
+def pinned_keys(paths: list[str]) -> set[str]:
+    """The keys the plan files name (each validated as a plan: exit 2 naming the file)."""
+    from cgbuild.plan.diff import load_plan
+
+    return {t["key"] for path in paths for t in load_plan(path)["targets"] if t.get("key")}
+
+
+def run_remote(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from cgbuild.store.remote_gc import DEFAULT_GRACE_S, collect
+
+    roots = pinned_keys(args.root)
+    ws = workspace(args)
+    shared = ws.shared()
+    if shared is None:
+        raise UserError(
+            "gc --remote sweeps a shared store, and this workspace declares no remote",
+            file=str(ws.cg.path),
+            field="workspace.remote",
+        )
+    grace = DEFAULT_GRACE_S if args.grace is None else args.grace
+    report = collect(shared, grace_s=grace, roots=roots, dry_run=args.dry_run)
+    if args.json:
+        print_json(asdict(report))
+        return 0
+    verb = "would remove" if report.dry_run else "removed"
+    print(
+        f"{shared.remote.url}: {verb} {len(report.removed)} unreferenced object(s); kept "
+        f"{report.objects_kept} named by {report.refs} ref(s), {report.kept_young} younger than "
+        f"{grace:g} s, {len(report.kept_rescued)} a racing publish claimed"
+    )
+    for key in report.quarantined:
+        print(f"ref of {key[:12]} quarantined: written while its object was collected (republish it)")
+    for key in report.pinned_missing:
+        print(f"pinned key {key[:12]} has no ref in the shared store")
     return 0

@@ -39,6 +39,7 @@ MULTIPART_ENV = "CGBUILD_S3_MULTIPART_THRESHOLD"
 FAULT_ENV = "CGBUILD_REMOTE_FAULT"  # test-only: "fail-after-part" | "kill-after-part"
 DEFAULT_MULTIPART = 64 << 20
 MIN_PART = 5 << 20  # S3's smallest part but the last
+MAX_COPY = 5 << 30  # S3's largest single CopyObject
 _CHUNK = 1 << 20
 
 
@@ -214,7 +215,70 @@ class Remote:
                 raise RemoteError("remote-unavailable", f"{self.url}: get object {sha[:12]}: {e}") from None
         return h.hexdigest(), size
 
+    def list_stamps(self, sub: str) -> tuple[float, dict[str, float]]:
+        """(the store's clock when the listing began, name → last-modified) of every object under
+        `prefix/sub/`: ages are judged on the store's clock alone, never this machine's."""
+        import email.utils
+
+        from botocore.exceptions import ClientError
+
+        base = self.name(sub) + "/"
+        token: dict[str, str] = {}
+        now: float | None = None
+        out: dict[str, float] = {}
+        while True:
+            try:
+                page = self._call("list_objects_v2", Prefix=base, **token)
+            except ClientError as e:
+                raise RemoteError("remote-error", f"{self.url}: list {base}: {e}") from None
+            if now is None:
+                date = page["ResponseMetadata"]["HTTPHeaders"].get("date")
+                now = email.utils.parsedate_to_datetime(date).timestamp() if date else 0.0
+            for obj in page.get("Contents", []):
+                # whole seconds, as HEAD and the Date header give them
+                out[obj["Key"][len(base) :]] = float(int(obj["LastModified"].timestamp()))
+            if not page.get("IsTruncated"):
+                return now, out
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    def stamp(self, name: str) -> tuple[float, str, str] | None:
+        """(last-modified, ETag, `touched` tag) of `name`, or None when absent: what a publish
+        that reuses an object changes (`touch`), so a sweep can tell that it happened."""
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self._call("head_object", Key=name)
+        except ClientError as e:
+            if _status(e)[1] == 404:
+                return None
+            raise RemoteError("remote-error", f"{self.url}: head {name}: {e}") from None
+        touched = str(head.get("Metadata", {}).get("touched", ""))
+        return head["LastModified"].timestamp(), str(head.get("ETag", "")), touched
+
     # ---- writing -----------------------------------------------------------------------------
+    def touch(self, sha: str, size: int) -> bool:
+        """Refresh an object a publish is about to reuse: copied onto itself with a new `touched`
+        tag, which gives it a new last-modified time. False when it is gone (or too large for one
+        copy): the caller uploads it instead (docs/store.md, "Remote gc and the publish race")."""
+        from botocore.exceptions import ClientError
+
+        if size > MAX_COPY:
+            return False
+        name = self.object_name(sha)
+        try:
+            self._call(
+                "copy_object",
+                Key=name,
+                CopySource={"Bucket": self.bucket, "Key": name},
+                MetadataDirective="REPLACE",
+                Metadata={"sha256": sha, "touched": secrets.token_hex(8)},
+            )
+        except ClientError as e:
+            if _status(e)[1] == 404 or _status(e)[0] in ("NoSuchKey", "404"):
+                return False
+            raise RemoteError("remote-error", f"{self.url}: touch object {sha[:12]}: {e}") from None
+        return True
+
     def create(self, name: str, body: bytes) -> bool:
         """Create-only write: True when this call created `name`, False when it already existed."""
         from botocore.exceptions import ClientError

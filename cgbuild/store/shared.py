@@ -229,8 +229,12 @@ class SharedStore:
         self, key: str, path: Path, sha: str, size: int, signature: dict[str, Any], metadata: dict[str, Any]
     ) -> tuple[str, str]:
         """Upload the object (unless there), then create the ref: (`admitted`|`already`|`conflict`,
-        the standing object). The ref is written only once its object is complete."""
-        if not self.remote.has_object(sha, size):
+        the standing object). The ref is written only once its object is complete.
+
+        An object already there may be an orphan a remote gc is about to sweep: it is touched
+        (refreshed) before the ref names it, and looked at again after the ref is written, and
+        uploaded again if it went in between (docs/store.md, "Remote gc and the publish race")."""
+        if not (self.remote.has_object(sha, size) and self.remote.touch(sha, size)):
             self.remote.upload(path, sha)
         doc = {
             "schema": REMOTE_REF_SCHEMA,
@@ -245,14 +249,23 @@ class SharedStore:
         for _ in range(3):
             if self.remote.create(self.remote.ref_name(key), body):
                 self._saw(key, True)
+                self._still_there(path, sha, size)
                 return "admitted", sha
             standing = self.remote.get_json(self.remote.ref_name(key))
             if standing is None:
                 continue  # quarantined between our create and our read: try again
             self._saw(key, True)
             other = str(standing.doc.get("object"))
+            if other == sha:
+                self._still_there(path, sha, size)
             return ("already" if other == sha else "conflict"), other
         raise RemoteError("remote-error", f"{self.remote.url}: {key}: ref kept vanishing; giving up")
+
+    def _still_there(self, path: Path, sha: str, size: int) -> None:
+        """After the ref is written: a sweep that chose the object before the ref existed may have
+        removed it since; this machine still holds the bytes, so they go up again."""
+        if not self.remote.has_object(sha, size):
+            self.remote.upload(path, sha)
 
     def unpublished(self, keys: set[str]) -> list[str]:
         """Keys this cache holds that the remote does not list: admitted here while a publish
