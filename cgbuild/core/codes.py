@@ -58,6 +58,7 @@ class Code(StrEnum):
     MISSING = "missing"
     CORRUPT = "corrupt"
     MALFORMED_REF = "malformed-ref"
+    GC_RACE = "gc-race"
     DISK_FULL = "disk-full"
     IO_ERROR = "io-error"
     # shared store and trust
