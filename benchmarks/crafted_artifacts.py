@@ -1,8 +1,8 @@
 """Count the crafted-artifact cases the tests try, and their outcomes, into a committed result.
 
 The cases live in the tests (one real mint forged into hostile artifacts against the real
-loader, and the seal's own archive checks): tests/test_hostile_artifacts.py and
-tests/test_seal.py. This runs exactly those files with pytest and records every test item
+loader, and the seal's own archive checks): tests/rules/test_hostile_artifacts.py and
+tests/store/test_seal.py. This runs exactly those files with pytest and records every test item
 (parametrized cases apart), its outcome and its duration, so docs/reliability.md can cite
 counts that a run produced rather than a count by hand.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "results" / "crafted_artifacts.json"
-FILES = ("tests/test_hostile_artifacts.py", "tests/test_seal.py")
+FILES = ("tests/rules/test_hostile_artifacts.py", "tests/store/test_seal.py")
 
 
 def main() -> int:

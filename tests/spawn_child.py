@@ -1,4 +1,4 @@
-"""A child for tests/test_spawn.py, run as `python -m spawn_child MODE [ARG]` through the spawner.
+"""A child for tests/protocol/test_spawn.py, run as `python -m spawn_child MODE [ARG]` through the spawner.
 
 Modes: `answer` (two JSON lines among noise), `signal NAME`, `exit N`, `oom`, `sleep`, `group`
 (prints its pid and group, then sleeps), `leave` (starts a sleeper in its own group, prints its

@@ -356,7 +356,7 @@ def test_x86_levels_use_cpuinfo_names(flags: str, level: str) -> None:
 
 def test_isa_identity_is_the_clamp_not_the_host(tmp_path: Path, gxx: Path) -> None:
     site = cuda_site(tmp_path / "site")
-    # a torch whose Inductor can clamp host code (`cpp.march`); tests/test_isa_keying.py covers one that can't
+    # a torch whose Inductor can clamp host code (`cpp.march`); test_isa_keying.py covers one that can't
     (site / "torch" / "_inductor").mkdir(parents=True, exist_ok=True)
     (site / "torch" / "_inductor" / "config.py").write_text("class cpp:\n    march: str | None = None\n")
     infos = {}

@@ -361,7 +361,7 @@ def _cuda_facts_from_cpu(toy: Path) -> None:
 
 def test_triton_bump_moves_only_cuda_targets(toy: Path, tmp_path: Path) -> None:
     # Without lanes: triton's presence decides which lanes a CUDA program carries (a graph change,
-    # tests/test_lanes.py); a version bump of a present triton must move only the toolchain axis.
+    # tests/lanes/test_lanes.py); a version bump of a present triton must move only the toolchain axis.
     edit(toy / "Cgfile", 'linear = ["baseline", "chunked", "triton"]', "")
     edit(toy / "Cgfile", "[family.toy.lanes]", "")
     edit(toy / "Cgfile", 'skus = ["cpu"]', 'skus = ["cpu", "h200"]')
