@@ -2,11 +2,15 @@
 
 Tiny configs, random weights, real compiles (one per model, about 10-30 s each on two cores).
 Each model carries a state table real models have and adopt once refused: BatchNorm counters
-the program never reads, an encoder a `decode` graph never uses, an output head tied to the
-input embedding, non-persistent rotary buffers. The mint itself adopts every artifact in a fresh
-process before sealing (`stage_serve`); here a serving module with weights of its own (another
-seed than the mint's) adopts each from the store and must be served compiled on every call,
-within the verify tolerance of eager.
+the program never reads, an encoder a `decode` graph never uses (and a decoder an `encode`
+graph never uses), an output head tied to the input embedding, non-persistent rotary buffers,
+a batch exported as a symbol. The mint itself adopts every artifact in a fresh process before
+sealing (`stage_serve`); here a serving module with weights of its own (another seed than the
+mint's) adopts each from the store and must be served compiled on every call, within the verify
+tolerance of eager.
+
+The heavy zoo (`zoo-heavy`: a diffusers UNet, a transformers GPT-2 and CLIP text encoder) is
+marked `zoo_heavy`, deselected by default: `python -m pytest -m zoo_heavy tests/rules/test_zoo.py`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,13 @@ LABELS = {
     "vae.decode": "//zoo/vae.decode/8x8-b1@fp32:cpu",
     "lm": "//zoo/lm/1x8-b1@fp32:cpu",
     "rotary": "//zoo/rotary/1x8-b1@fp32:cpu",
+    "vae.encode": "//zoo/vae.encode/8x8-b1@fp32:cpu",
+    "dynbatch": "//zoo/dynbatch/1x16-b4@fp32:cpu",
+}
+HEAVY = {
+    "unet": "//zoo-heavy/unet/8x8-t4-b1@fp32:cpu",
+    "gpt2": "//zoo-heavy/gpt2/1x8-b1@fp32:cpu",
+    "clip": "//zoo-heavy/clip/1x8-b1@fp32:cpu",
 }
 
 
@@ -43,17 +54,30 @@ def cli(ws: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def zoo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    """(workspace, mint summary) after `cgbuild mint //zoo:cpu`: four compiles."""
-    ws = tmp_path_factory.mktemp("zoo") / "ws"
+def minted(
+    factory: pytest.TempPathFactory, family: str, labels: dict[str, str]
+) -> tuple[Path, dict[str, Any]]:
+    """(workspace, mint summary) after `cgbuild mint //FAMILY:cpu`, every target planned first."""
+    ws = factory.mktemp(family) / "ws"
     shutil.copytree(ZOO, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
-    plan = json.loads(cli(ws, "plan", "//zoo", "--json").stdout)
-    assert {t["label"] for t in plan["targets"]} == set(LABELS.values())
+    plan = json.loads(cli(ws, "plan", f"//{family}", "--json").stdout)
+    assert {t["label"] for t in plan["targets"]} == set(labels.values())
     assert all(t["status"] == "mint" for t in plan["targets"])
-    proc = cli(ws, "mint", "//zoo:cpu", "--json")
+    proc = cli(ws, "mint", f"//{family}:cpu", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return ws, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The default zoo minted: six compiles."""
+    return minted(tmp_path_factory, "zoo", LABELS)
+
+
+@pytest.fixture(scope="module")
+def zoo_heavy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The heavy zoo minted: three compiles of real library models."""
+    return minted(tmp_path_factory, "zoo-heavy", HEAVY)
 
 
 def served_module(ws: Path, label: str, seed: int = 7) -> tuple[torch.nn.Module, tuple[Any, ...]]:
@@ -81,11 +105,14 @@ def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
 
 
-@pytest.mark.parametrize("module", sorted(LABELS))
-def test_every_zoo_model_serves_compiled(zoo: tuple[Path, dict[str, Any]], module: str) -> None:
-    ws, _ = zoo
-    path = artifact(ws, LABELS[module])
-    m, args = served_module(ws, LABELS[module])
+@pytest.mark.parametrize(
+    "module", [*sorted(LABELS), *(pytest.param(m, marks=pytest.mark.zoo_heavy) for m in sorted(HEAVY))]
+)
+def test_every_zoo_model_serves_compiled(request: pytest.FixtureRequest, module: str) -> None:
+    label = LABELS.get(module) or HEAVY[module]
+    ws, _ = request.getfixturevalue("zoo" if module in LABELS else "zoo_heavy")
+    path = artifact(ws, label)
+    m, args = served_module(ws, label)
     served = adopt(path, m, strict=True)
     with torch.no_grad():
         for _ in range(3):
@@ -122,6 +149,55 @@ def test_the_sealed_table_is_what_the_package_binds(zoo: tuple[Path, dict[str, A
     literals = {r["fqn"] for r in tables["rotary"]["literal"]}
     assert literals == {"cos", "sin"} or literals == {"cos", "sin", "inv_freq"}
     assert "unused_cache" not in literals
+    enc = {r["fqn"] for r in tables["vae.encode"]["state"]}
+    assert enc and all(f.startswith(("vae.encoder.", "vae.quant_conv.")) for f in enc)
+
+
+def test_one_dynamic_batch_artifact_serves_its_whole_range(zoo: tuple[Path, dict[str, Any]]) -> None:
+    """The batch is a symbol in [2, 16]: every batch in it is served compiled by the one artifact
+    (the traced batch, 4, among them), each within tolerance; outside it the module serves eager."""
+    ws, _ = zoo
+    path = artifact(ws, LABELS["dynbatch"])
+    assert read_metadata(path)["graph"]["contract"]["symbols"]
+    m, _ = served_module(ws, LABELS["dynbatch"])
+    served = adopt(path, m, strict=True)
+    with torch.no_grad():
+        for batch in (2, 4, 9, 16):
+            x = torch.randn(batch, 1, 16)
+            assert rel_rms(served(x), m(x)) < float(TOLERANCE["float32"])
+        assert served.counters == {"compiled": 4}
+        for batch in (1, 17):
+            x = torch.randn(batch, 1, 16)
+            torch.testing.assert_close(served(x), m(x))
+            assert served.last_reason.code == "symbol-range", served.last_reason
+    assert served.counters == {"compiled": 4, "eager:symbol-range": 2}
+
+
+@pytest.mark.zoo_heavy
+def test_library_models_seal_what_their_packages_bind(zoo_heavy: tuple[Path, dict[str, Any]]) -> None:
+    """GPT-2's head is one row aliased to the token embedding; CLIP's non-persistent
+    `position_ids` is a literal, never a state row; the UNet binds its cross-attention and its
+    added-embedding projection."""
+    ws, _ = zoo_heavy
+    from cgbuild_rules.loader import Package
+
+    from cgbuild.store.seal import unseal
+
+    tables = {}
+    for module, label in HEAVY.items():
+        path = artifact(ws, label)
+        files = unseal(path, ws / "unsealed" / module)
+        constants = read_metadata(path)["constants"]
+        bound = set(Package(files["model.pt2"]).constant_fqns)
+        assert {r["fqn"] for g in ("state", "literal") for r in constants[g]} == bound
+        tables[module] = constants
+    (head,) = [r for r in tables["gpt2"]["state"] if r["aliases"]]
+    assert {head["fqn"], *head["aliases"]} == {"lm.transformer.wte.weight", "lm.lm_head.weight"}
+    (position_ids,) = tables["clip"]["literal"]
+    assert position_ids["fqn"] == "text.embeddings.position_ids"
+    assert position_ids["fqn"] not in {r["fqn"] for r in tables["clip"]["state"]}
+    unet = {r["fqn"] for r in tables["unet"]["state"]}
+    assert any(".attn2." in f for f in unet) and any(f.startswith("unet.add_embedding.") for f in unet)
 
 
 def test_an_untied_head_is_refused(zoo: tuple[Path, dict[str, Any]]) -> None:

@@ -6,7 +6,16 @@
   are on the module, the graph never uses them);
 - `lm`: a causal LM whose output head is tied to its input embedding (one storage, two names);
 - `rotary`: attention with non-persistent rotary buffers (`inv_freq`, `cos`, `sin`) and one
-  non-persistent buffer the program never reads.
+  non-persistent buffer the program never reads;
+- `vae.encode`: the same `AutoencoderKL` served by its `encode` (the decoder is present, unused);
+- `dynbatch`: a small MLP whose batch is exported as a symbol in `zoo.dynamic_batch` (config,
+  `[min, max]`): one artifact serves every batch in the range.
+
+The heavy zoo (family `zoo-heavy`):
+- `unet`: a diffusers `UNet2DConditionModel` with cross-attention and SDXL's added time
+  embeddings (`addition_embed_type = "text_time"`); text length from the envelope;
+- `gpt2`: a `transformers` GPT-2 causal LM with tied input/output embeddings;
+- `clip`: a `transformers` CLIP text encoder (a non-persistent `position_ids` buffer).
 
 `zoo.random_buffer` (config) adds a buffer drawn at random on construction: a literal no live
 module reproduces, which adopt must refuse.
@@ -54,6 +63,91 @@ class VAEDecode(nn.Module):
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         return self.vae.decode(z).sample
+
+
+class VAEEncode(VAEDecode):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vae.encode(x).latent_dist.mean
+
+
+class UNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from diffusers import UNet2DConditionModel
+
+        self.unet = UNet2DConditionModel(
+            sample_size=8,
+            in_channels=4,
+            out_channels=4,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            block_out_channels=(8, 16),
+            layers_per_block=1,
+            norm_num_groups=4,
+            cross_attention_dim=8,
+            attention_head_dim=2,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=4,
+            projection_class_embeddings_input_dim=8 + 6 * 4,  # text_embeds + six time ids x 4
+        )
+
+    def forward(
+        self,
+        sample: torch.Tensor,
+        timestep: torch.Tensor,
+        text: torch.Tensor,
+        text_embeds: torch.Tensor,
+        time_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        cond = {"text_embeds": text_embeds, "time_ids": time_ids}
+        return self.unet(sample, timestep, encoder_hidden_states=text, added_cond_kwargs=cond).sample
+
+
+class GPT2(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=1
+        )
+        self.lm = GPT2LMHeadModel(config)
+        assert self.lm.lm_head.weight is self.lm.transformer.wte.weight, "the head must be tied"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, use_cache=False).logits
+
+
+class CLIPText(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import CLIPTextConfig, CLIPTextModel
+
+        config = CLIPTextConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=16,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=2,
+        )
+        self.text = CLIPTextModel(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.text(input_ids=ids).last_hidden_state
+
+
+class MLP(nn.Module):
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(features, 32)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
 
 
 class TiedLM(nn.Module):
@@ -116,4 +210,22 @@ def build(spec: dict[str, Any]) -> tuple[nn.Module, tuple[Any, ...], dict[str, A
     if name == "rotary":
         random_buffer = bool(spec["config"].get("random_buffer"))
         return Rotary(seq=w, random_buffer=random_buffer), (torch.randn(b, w, 32),), {}
+    if name == "vae.encode":
+        return VAEEncode(), (torch.randn(b, 3, h, w),), {}
+    if name == "dynbatch":
+        lo, hi = (int(v) for v in spec["config"]["dynamic_batch"])
+        # A size-1 example would be specialized away by export: trace with at least 2.
+        x = torch.randn(min(max(b, lo, 2), hi), h, w)
+        return MLP(w), (x,), {}, {"x": {0: torch.export.Dim("batch", min=lo, max=hi)}}
+    if name == "unet":
+        text = torch.randn(b, spec["text_len"], 8)
+        return (
+            UNet(),
+            (torch.randn(b, 4, h, w), torch.rand(b) * 999, text, torch.randn(b, 8), torch.randn(b, 6)),
+            {},
+        )
+    if name == "gpt2":
+        return GPT2(), (torch.randint(0, 64, (b, w)),), {}
+    if name == "clip":
+        return CLIPText(), (torch.randint(0, 64, (b, w)),), {}
     raise ValueError(f"no zoo module {name!r}")
