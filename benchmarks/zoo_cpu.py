@@ -8,20 +8,22 @@ to serve the same module, eager and `torch.compile`, on the same inputs and weig
 In a temporary copy of tests/zoo, for every target `cgbuild plan //zoo` lists:
 
 - `mint`: `cgbuild -C WS mint LABEL --json`, its wall seconds and the phases of its summary;
-- then three fresh processes (`subprocess`), each with its own empty TMPDIR and Inductor cache
-  (TORCHINDUCTOR_CACHE_DIR), each building the module as the mint's own serve stage does
-  (`cgbuild_rules.trace.build(job, "real")`: seed 0, eval mode, the entry's own inputs):
+- then PROCS rounds of three fresh processes (`subprocess`), one per path, each with its own
+  empty TMPDIR and Inductor cache (TORCHINDUCTOR_CACHE_DIR), each building the module as the
+  mint's own serve stage does (`cgbuild_rules.trace.build(job, "real")`: seed 0, eval mode, the
+  entry's own inputs):
   - `adopt`: `adopt(key, module, store=..., strict=True)` from the workspace's store (timed:
     resolve with re-hash, unseal, load, bind), then the first call;
   - `eager`: the module's own first call;
   - `torch_compile`: `torch.compile(module)` with its defaults and its first call over the
     empty cache.
-  Each then makes 3 warm-up calls and STEPS timed calls (median = steady step), all on the
+  Each then pauses (SETTLE_S), makes 3 warm-up calls and STEPS timed calls (median = steady step), all on the
   entry's inputs under `torch.no_grad()`. The adopt process reports its router counters (every
   call must be served compiled) and the relative RMS error of its outputs against the eager
   forward of the same module; the torch.compile process the same error for comparison. Every
-  process reports a sha256 of the module's state and the inputs: the three must agree, so the
-  three paths ran on the same inputs and weights.
+  process reports a sha256 of the module's state and the inputs: all must agree, so every
+  path ran on the same inputs and weights. Each timing is reported per process and as the
+  median over the PROCS processes of its path.
 
 "first output" = seconds from the built module to the first output (adopt: the adopt call
 plus the first call; torch.compile: `torch.compile()` plus the first call; eager: the first
@@ -30,7 +32,7 @@ call). Building the module and `import torch` are reported apart.
 Writes benchmarks/results/zoo_cpu.json and the section "The zoo, measured (CPU)" of
 docs/adopt.md from it (`--doc-only` re-renders that section from the committed file).
 
-    python benchmarks/zoo_cpu.py [--steps 50]
+    python benchmarks/zoo_cpu.py [--steps 100] [--procs 3]
     python benchmarks/zoo_cpu.py --doc-only
 """
 
@@ -235,18 +237,31 @@ def run_child(path: str, arg: Mapping[str, Any], root: Path) -> dict[str, Any]:
     }
 
 
+MEDIAN_FIELDS = ("import_torch", "build_module", "prepare", "first_call", "first_output", "steady_step")
+
+
+def path_block(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every process of one path, and the median over them of each timing."""
+    block: dict[str, Any] = {"processes": runs}
+    if runs and not any("error" in r for r in runs):
+        block["median"] = {f: round(statistics.median(r[f] for r in runs), 7) for f in MEDIAN_FIELDS}
+    return block
+
+
 def checks(entry: Mapping[str, Any], steps: int) -> dict[str, Any]:
     """What must hold for the model's row to mean anything; each False is reported, not hidden."""
     paths = entry["paths"]
-    if any("error" in paths.get(p, {"error": 1}) for p in PATHS):
+    if any("median" not in paths.get(p, {}) for p in PATHS):
         return {"all_paths_ran": False}
-    adopt = paths["adopt"]
+    runs = {p: paths[p]["processes"] for p in PATHS}
     calls = 1 + WARMUP + steps
     return {
         "all_paths_ran": True,
-        "same_inputs_and_weights": len({paths[p]["fingerprint"] for p in PATHS}) == 1,
-        "every_call_compiled": adopt["counters"] == {"compiled": calls},
-        "adopt_within_verify_tolerance": adopt["rel_rms_vs_eager"] < float(TOLERANCE["float32"]),
+        "same_inputs_and_weights": len({r["fingerprint"] for p in PATHS for r in runs[p]}) == 1,
+        "every_call_compiled": all(r["counters"] == {"compiled": calls} for r in runs["adopt"]),
+        "adopt_within_verify_tolerance": all(
+            r["rel_rms_vs_eager"] < float(TOLERANCE["float32"]) for r in runs["adopt"]
+        ),
     }
 
 
@@ -267,7 +282,7 @@ def versions() -> dict[str, Any]:
     }
 
 
-def measure(steps: int, keep: bool) -> dict[str, Any]:
+def measure(steps: int, procs: int, keep: bool) -> dict[str, Any]:
     started = time.perf_counter()
     load_before = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="cgbuild-zoo-cpu-"))
@@ -294,10 +309,13 @@ def measure(steps: int, keep: bool) -> dict[str, Any]:
                 "store": str(ws / ".cgbuild" / "store"),
                 "steps": steps,
             }
-            for path in PATHS:
-                row = run_child(path, arg, tmp / module / path)
-                entry["paths"][path] = row
-                print(f"  {path}: {row.get('first_output', row.get('error'))}", flush=True)
+            runs: dict[str, list[dict[str, Any]]] = {path: [] for path in PATHS}
+            for i in range(procs):  # rounds of every path, so load from other work falls on all
+                for path in PATHS:
+                    row = run_child(path, arg, tmp / module / f"{path}{i}")
+                    runs[path].append(row)
+                    print(f"  {path}: {row.get('first_output', row.get('error'))}", flush=True)
+            entry["paths"] = {path: path_block(rows) for path, rows in runs.items()}
             entry["checks"] = checks(entry, steps)
     finally:
         if keep:
@@ -308,7 +326,7 @@ def measure(steps: int, keep: bool) -> dict[str, Any]:
     return {
         "benchmark": "zoo_cpu",
         "what": "per zoo target: cgbuild mint, then adopt vs eager vs torch.compile (cold cache), "
-        "each in a fresh process, same inputs and weights",
+        "each in fresh processes, same inputs and weights",
         "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
         "machine": {
             **machine(),
@@ -319,11 +337,12 @@ def measure(steps: int, keep: bool) -> dict[str, Any]:
         "versions": versions(),
         "reps": {
             "mint": 1,
-            "processes_per_path": 1,
+            "processes_per_path": procs,
             "warmup_calls": WARMUP,
             "settle_s": SETTLE_S,
             "timed_calls": steps,
-            "note": "one mint and one process per path per model, to keep the run short on a shared box",
+            "note": f"one mint and {procs} processes per path per model (in rounds of every path), to "
+            "keep the run short on a shared box; the tables show medians over the processes",
         },
         "definitions": {
             "first_output": "seconds from the built module to its first output: adopt = adopt() + first "
@@ -350,76 +369,116 @@ def _ms(v: float) -> str:
     return f"{v * 1e3:.3f} ms" if v < 0.01 else f"{v * 1e3:.2f} ms"
 
 
-def _x(a: float, b: float) -> str:
-    return f"{a / b:.3g}×"
+def _x(other: float, adopt: float) -> str:
+    """adopt's speed-up over another path: that path's seconds over adopt's (< 1: adopt is slower)."""
+    return f"{other / adopt:.3g}×"
+
+
+def _err(v: float) -> str:
+    return "0 (bit-identical)" if v == 0 else f"{v:.1e}"
+
+
+def _intro(result: Mapping[str, Any]) -> str:
+    m, v, reps = result["machine"], result["versions"], result["reps"]
+    n = reps["processes_per_path"]
+    text = (
+        f"Measured on {result['date']} by `benchmarks/zoo_cpu.py` "
+        "(`benchmarks/results/zoo_cpu.json`) on a busy 2-core box shared with other work "
+        f"({m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; load average "
+        f"{m['loadavg_before'][0]} before, {m['loadavg_after'][0]} after), torch {v['torch']}, "
+        f"diffusers {v['diffusers']}, Python {v['python']}. Per zoo target, one "
+        f"`cgbuild mint LABEL --json`, then {n} fresh processes per path (in rounds of the three "
+        "paths), each with its own empty Inductor cache, each building the module as the mint's "
+        "serve stage does (seed 0; the same weights and inputs in every process, checked by a "
+        "sha256). First output counts from the built module: adopt = `adopt()` from the store + "
+        "first call; `torch.compile` = `torch.compile()` + first call over the empty cache; "
+        f"eager = first call. Steady step: median of {reps['timed_calls']} timed calls after "
+        f"{reps['warmup_calls']} warm-ups, which follow a {reps['settle_s']} s pause after the "
+        "first output in every path (right after its first call `torch.compile` serves ~5 ms "
+        "calls for ~0.3 s on this box, some thread of the compile holding the GIL). Every timing "
+        f"is the median over the {n} processes; one mint per model and {n} processes per path "
+        "(few reps, to keep the run short on a shared box), so numbers can be inflated by the "
+        "other work on it. Speed-ups are the other path's seconds over adopt's (below 1: adopt "
+        "is slower). Relative error: RMS of the path's output minus eager's over eager's, in "
+        "one process, the largest over the processes."
+    )
+    return textwrap.fill(text, 100, break_long_words=False, break_on_hyphens=False)
+
+
+def _served(e: Mapping[str, Any]) -> str:
+    """The adopt processes' router counters, e.g. `{"compiled": 104}` in each of 3 processes."""
+    seen = {json.dumps(r["counters"]) for r in e["paths"]["adopt"]["processes"]}
+    n = len(e["paths"]["adopt"]["processes"])
+    return f"`{seen.pop()}` in each of {n} processes" if len(seen) == 1 else f"`{sorted(seen)}`"
+
+
+def _overview(models: Mapping[str, Any]) -> list[str]:
+    rows = [
+        "| model | mint | first output: adopt / eager / `torch.compile` | steady step: adopt / eager "
+        "/ `torch.compile` | served |",
+        "|---|---|---|---|---|",
+    ]
+    for module, e in models.items():
+        if not e.get("checks", {}).get("all_paths_ran"):
+            rows.append(f"| `{module}` | failed (below) | | | |")
+            continue
+        ad, ea, tc = (e["paths"][k]["median"] for k in PATHS)
+        rows.append(
+            f"| `{module}` | {_s(e['mint']['wall'])} | {_s(ad['first_output'])} / "
+            f"{_s(ea['first_output'])} / {_s(tc['first_output'])} | {_ms(ad['steady_step'])} / "
+            f"{_ms(ea['steady_step'])} / {_ms(tc['steady_step'])} | {_served(e)} |"
+        )
+    return rows
+
+
+def _model(module: str, e: Mapping[str, Any]) -> list[str]:
+    lines = [f"### `{module}` (`{e['label']}`)", ""]
+    mt = e["mint"]
+    if "error" in mt:
+        failed = {k: mt.get(k) for k in ("exit", "error", "failed", "refused")}
+        return [*lines, f"The mint failed: `{json.dumps(failed)}`."]
+    ph = mt["phases"]
+    parts = ", ".join(f"{k} {ph[k]:.2f}" for k in ("export", "compile", "verify", "seal", "adopt") if k in ph)
+    lines.append(f"Mint: **{_s(mt['wall'])}** wall ({parts} s inside the worker).")
+    p = e["paths"]
+    if not e.get("checks", {}).get("all_paths_ran"):
+        errors = {k: [r["error"] for r in b["processes"] if "error" in r] for k, b in p.items()}
+        return [*lines, "", f"A serving path failed: `{json.dumps(errors)}`."]
+    ad, ea, tc = (p[k]["median"] for k in PATHS)
+    worst = {k: max(r["rel_rms_vs_eager"] for r in p[k]["processes"]) for k in ("adopt", "torch_compile")}
+    c = e["checks"]
+    notes = [
+        *([] if c["every_call_compiled"] else ["NOT every call was served compiled"]),
+        *([] if c["same_inputs_and_weights"] else ["the processes did NOT see the same inputs and weights"]),
+        *([] if c["adopt_within_verify_tolerance"] else ["adopt's error is OVER the verify tolerance"]),
+    ]
+    return [
+        *lines,
+        "",
+        "| path | `adopt()` / `torch.compile()` | first call | first output | adopt's speed-up "
+        "| steady step | adopt's speed-up | rel. error vs eager |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| **adopt** (store) | {_s(ad['prepare'])} | {_s(ad['first_call'])} | "
+        f"**{_s(ad['first_output'])}** | — | **{_ms(ad['steady_step'])}** | — | "
+        f"{_err(worst['adopt'])} |",
+        f"| eager | — | {_s(ea['first_call'])} | {_s(ea['first_output'])} | "
+        f"{_x(ea['first_output'], ad['first_output'])} | {_ms(ea['steady_step'])} | "
+        f"{_x(ea['steady_step'], ad['steady_step'])} | — |",
+        f"| `torch.compile`, empty cache | {_s(tc['prepare'])} | {_s(tc['first_call'])} | "
+        f"{_s(tc['first_output'])} | {_x(tc['first_output'], ad['first_output'])} | "
+        f"{_ms(tc['steady_step'])} | {_x(tc['steady_step'], ad['steady_step'])} | "
+        f"{_err(worst['torch_compile'])} |",
+        "",
+        f"Served: {_served(e)}" + "".join(f"; {n}" for n in notes) + ". "
+        f"Building the module: {_s(ad['build_module'])} (adopt's processes); "
+        f"`import torch`: {_s(ad['import_torch'])}.",
+    ]
 
 
 def render(result: Mapping[str, Any]) -> str:
-    m, v, reps = result["machine"], result["versions"], result["reps"]
-    lines = [
-        SECTION,
-        "",
-        f"Measured on {result['date']} by `benchmarks/zoo_cpu.py` (`benchmarks/results/zoo_cpu.json`) "
-        f"on a busy 2-core box shared with other work ({m['cpu']}, {m['cores']} cores, "
-        f"{m['memory_gib']} GiB; load average {m['loadavg_before'][0]} before, "
-        f"{m['loadavg_after'][0]} after), torch {v['torch']}, diffusers {v['diffusers']}, Python "
-        f"{v['python']}. Per zoo target, one `cgbuild mint LABEL --json`, then one fresh process per "
-        "path with its own empty Inductor cache, each building the module as the mint's serve stage "
-        "does (seed 0; the same weights and inputs in every process, checked by a sha256). First "
-        "output counts from the built module: adopt = `adopt()` from the store + first call; "
-        "`torch.compile` = `torch.compile()` + first call over the empty cache; eager = first call. "
-        f"Steady step: median of {reps['timed_calls']} timed calls after {reps['warmup_calls']} "
-        f"warm-ups, which follow a {reps['settle_s']} s pause after the first output in every path "
-        "(right after its first call `torch.compile` serves ~5 ms calls for ~0.3 s on this box, "
-        "some thread of the compile holding the GIL). One mint and one process per path per "
-        "model, so single numbers can be inflated by the other work on the box; ratios are "
-        "adopt's number over the other path's.",
-    ]
-    lines[-1] = textwrap.fill(lines[-1], 100, break_long_words=False, break_on_hyphens=False)
+    lines = [SECTION, "", _intro(result), "", *_overview(result["models"])]
     for module, e in result["models"].items():
-        lines += ["", f"### `{module}` (`{e['label']}`)", ""]
-        mt = e["mint"]
-        if "error" in mt:
-            lines.append(f"The mint failed: `{json.dumps({k: mt.get(k) for k in ('error', 'failed')})}`.")
-            continue
-        ph = mt["phases"]
-        parts = ", ".join(
-            f"{k} {ph[k]:.2f}" for k in ("export", "compile", "verify", "seal", "adopt") if k in ph
-        )
-        lines.append(f"Mint: **{_s(mt['wall'])}** wall ({parts} s inside the worker).")
-        p = e["paths"]
-        if not e.get("checks", {}).get("all_paths_ran"):
-            errors = {k: r["error"] for k, r in p.items() if "error" in r}
-            lines.append(f"A serving path failed: `{json.dumps(errors)}`.")
-            continue
-        ad, ea, tc = p["adopt"], p["eager"], p["torch_compile"]
-        c = e["checks"]
-        lines += [
-            "",
-            "| path | prepare | first call | first output | adopt's first output vs | steady step "
-            "| adopt's step vs | rel. error vs eager |",
-            "|---|---|---|---|---|---|---|---|",
-            f"| **adopt** (store) | {_s(ad['prepare'])} | {_s(ad['first_call'])} | "
-            f"**{_s(ad['first_output'])}** | — | **{_ms(ad['steady_step'])}** | — | "
-            f"{ad['rel_rms_vs_eager']:.2e} |",
-            f"| eager | — | {_s(ea['first_call'])} | {_s(ea['first_output'])} | "
-            f"{_x(ad['first_output'], ea['first_output'])} | {_ms(ea['steady_step'])} | "
-            f"{_x(ad['steady_step'], ea['steady_step'])} | — |",
-            f"| `torch.compile`, empty cache | {_s(tc['prepare'])} | {_s(tc['first_call'])} | "
-            f"{_s(tc['first_output'])} | {_x(ad['first_output'], tc['first_output'])} | "
-            f"{_ms(tc['steady_step'])} | {_x(ad['steady_step'], tc['steady_step'])} | "
-            f"{tc['rel_rms_vs_eager']:.2e} |",
-            "",
-            f"Served: `{json.dumps(ad['counters'])}`"
-            + ("" if c["every_call_compiled"] else " (NOT every call compiled)")
-            + (
-                ""
-                if c["same_inputs_and_weights"]
-                else "; the processes did NOT see the same inputs and weights"
-            )
-            + f". Building the module: {_s(ad['build_module'])} (adopt's process), "
-            f"`import torch` {_s(ad['import_torch'])}.",
-        ]
+        lines += ["", *_model(module, e)]
     return "\n".join(lines) + "\n"
 
 
@@ -438,7 +497,8 @@ def write_doc(result: Mapping[str, Any]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=50, help="timed calls per process, after 3 warm-ups")
+    ap.add_argument("--steps", type=int, default=100, help="timed calls per process, after 3 warm-ups")
+    ap.add_argument("--procs", type=int, default=3, help="fresh processes per path and model")
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--doc-only", action="store_true", help="re-render docs/adopt.md from --out")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
@@ -446,7 +506,7 @@ def main() -> None:
     if args.doc_only:
         write_doc(json.loads(args.out.read_text()))
         return
-    result = measure(args.steps, args.keep)
+    result = measure(args.steps, args.procs, args.keep)
     write_json(args.out, result, indent=2)
     write_doc(result)
     failed = {
