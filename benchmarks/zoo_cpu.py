@@ -284,7 +284,7 @@ def versions() -> dict[str, Any]:
     }
 
 
-def measure(steps: int, procs: int, keep: bool) -> dict[str, Any]:
+def measure(steps: int, procs: int, keep: bool, only: set[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     load_before = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="cgbuild-zoo-cpu-"))
@@ -298,6 +298,8 @@ def measure(steps: int, procs: int, keep: bool) -> dict[str, Any]:
         targets = json.loads(proc.stdout)["targets"]
         for t in targets:
             label, module = t["label"], t["module"]
+            if only is not None and module not in only:
+                continue
             entry: dict[str, Any] = {"label": label, "mint": mint(ws, label), "paths": {}}
             models[module] = entry
             print(f"{label}: mint {entry['mint']['wall']:.1f} s", flush=True)
@@ -509,12 +511,24 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--doc-only", action="store_true", help="re-render docs/adopt.md from --out")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    ap.add_argument("--modules", help="only these zoo modules (comma-separated)")
+    ap.add_argument(
+        "--merge", action="store_true", help="add the measured models to --out (each keeps its run's facts)"
+    )
     args = ap.parse_args()
     if args.doc_only:
         write_doc(json.loads(args.out.read_text()))
         return
-    result = measure(args.steps, args.procs, args.keep)
-    write_json(args.out, result, indent=2)
+    only = set(args.modules.split(",")) if args.modules else None
+    result = measure(args.steps, args.procs, args.keep, only)
+    if args.merge and args.out.exists():
+        doc = json.loads(args.out.read_text())
+        run = {k: result[k] for k in ("date", "machine", "versions", "reps", "benchmark_seconds")}
+        doc.setdefault("later_runs", []).append({**run, "models": sorted(result["models"])})
+        doc["models"].update({k: {**v, "run": len(doc["later_runs"])} for k, v in result["models"].items()})
+        write_json(args.out, doc, indent=2)
+    else:
+        write_json(args.out, result, indent=2)
     write_doc(json.loads(args.out.read_text()))  # the doc from the file alone, as --doc-only
     failed = {
         k: e.get("checks")
