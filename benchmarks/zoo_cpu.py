@@ -484,8 +484,18 @@ def _model(module: str, e: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _later(result: Mapping[str, Any]) -> list[str]:
+    """A line per later run merged into the file (`--merge`): which models it measured, when."""
+    return [
+        f"`{'`, `'.join(run['models'])}` were measured in a later run of the same script "
+        f"({run['date']}, {run['benchmark_seconds']} s, load as the file records; `later_runs` there)."
+        for run in result.get("later_runs", [])
+    ]
+
+
 def render(result: Mapping[str, Any]) -> str:
-    lines = [SECTION, "", _intro(result), "", *_overview(result["models"])]
+    later = _later(result)
+    lines = [SECTION, "", _intro(result), *(["", *later] if later else []), "", *_overview(result["models"])]
     for module, e in result["models"].items():
         lines += ["", *_model(module, e)]
     return "\n".join(lines) + "\n"
