@@ -284,7 +284,9 @@ def versions() -> dict[str, Any]:
     }
 
 
-def measure(steps: int, procs: int, keep: bool, only: set[str] | None = None) -> dict[str, Any]:
+def measure(
+    steps: int, procs: int, keep: bool, only: set[str] | None = None, selector: str = "//zoo"
+) -> dict[str, Any]:
     started = time.perf_counter()
     load_before = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="cgbuild-zoo-cpu-"))
@@ -292,7 +294,7 @@ def measure(steps: int, procs: int, keep: bool, only: set[str] | None = None) ->
     shutil.copytree(ZOO, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
     models: dict[str, Any] = {}
     try:
-        _, proc = cgbuild_cli(ws, "plan", "//zoo", "--json")
+        _, proc = cgbuild_cli(ws, "plan", selector, "--json")
         if proc.returncode != 0:
             raise SystemExit(f"plan failed: {_tail(proc.stdout + proc.stderr)}")
         targets = json.loads(proc.stdout)["targets"]
@@ -523,6 +525,9 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     ap.add_argument("--modules", help="only these zoo modules (comma-separated)")
     ap.add_argument(
+        "--selector", default="//zoo", help="the zoo targets to plan (//zoo-heavy: the heavy zoo)"
+    )
+    ap.add_argument(
         "--merge", action="store_true", help="add the measured models to --out (each keeps its run's facts)"
     )
     args = ap.parse_args()
@@ -530,7 +535,7 @@ def main() -> None:
         write_doc(json.loads(args.out.read_text()))
         return
     only = set(args.modules.split(",")) if args.modules else None
-    result = measure(args.steps, args.procs, args.keep, only)
+    result = measure(args.steps, args.procs, args.keep, only, args.selector)
     if args.merge and args.out.exists():
         doc = json.loads(args.out.read_text())
         run = {k: result[k] for k in ("date", "machine", "versions", "reps", "benchmark_seconds")}
