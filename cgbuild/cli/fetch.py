@@ -14,7 +14,6 @@ from typing import Any
 from cgbuild.cli.main import add_workspace_args, workspace
 from cgbuild.cli.render import console, key_line, print_json, progress_bar
 from cgbuild.config.labels import parse_selector
-from cgbuild.core.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,13 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from cgbuild.store.s3 import RemoteError
 
     ws = workspace(args)
-    shared = ws.shared()
-    if shared is None:
-        raise UserError(
-            "this workspace declares no shared store: nothing to fetch from",
-            file=str(ws.cg.path),
-            field="workspace.remote",
-        )
+    shared = ws.require_shared("this workspace declares no shared store: nothing to fetch from")
     update, close = progress_bar("tracing")
     try:
         plan = make_plan(ws, parse_selector(args.label), progress=update)

@@ -103,13 +103,7 @@ def run_remote(args: argparse.Namespace) -> int:
 
     roots = pinned_keys(args.root)
     ws = workspace(args)
-    shared = ws.shared()
-    if shared is None:
-        raise UserError(
-            "gc --remote sweeps a shared store, and this workspace declares no remote",
-            file=str(ws.cg.path),
-            field="workspace.remote",
-        )
+    shared = ws.require_shared("gc --remote sweeps a shared store, and this workspace declares no remote")
     grace = DEFAULT_GRACE_S if args.grace is None else args.grace
     report = collect(shared, grace_s=grace, roots=roots, dry_run=args.dry_run)
     if args.json:

@@ -52,3 +52,12 @@ class Workspace:
         from cgbuild.store.shared import SharedStore
 
         return SharedStore(local or self.store(), self.remote, self.cg.trusted, host_name())
+
+    def require_shared(self, why: str) -> SharedStore:
+        """The shared store, for a command that means nothing without one (bad input: exit 2)."""
+        from cgbuild.core.errors import UserError
+
+        shared = self.shared()
+        if shared is None:
+            raise UserError(why, file=str(self.cg.path), field="workspace.remote")
+        return shared
