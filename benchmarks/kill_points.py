@@ -62,7 +62,7 @@ POINTS: list[tuple[str, str, float]] = [
     ("verify", "hang:verify", 0.0),
     ("measure", "proc:--stage measure", 0.0),
     ("measure", "proc:--stage measure", 1.0),
-    ("measure", "log:lanes: measuring chunked", 0.2),
+    ("measure", "log:lanes: measuring", 0.2),
     ("measure", "hang:measure", 0.0),
     ("seal", "log:: seal", 0.0),
     ("seal", "file:.cgbuild/build/.*.tar.gz.*.tmp", 0.0),

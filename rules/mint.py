@@ -18,9 +18,9 @@ typed failure of a stage, never a lost result.
    With lanes (docs/lanes.md) it runs EVERY lane combination of the one package against eager
    with the same lane (`verify-mismatch` names the lane) and checks each value against its
    axis's reference (the numerics self-check).
-3. `measure` stages, one fresh process per candidate lane (`cgbuild.lanes.candidates`: buildable
-   and numerically sound; none when fewer than two): 3 warm-ups, reset peak, 9 timed calls,
-   median and peak (`cgbuild_rules.lanes.measure`); the worker applies the fit rule
+3. `measure` stage, one fresh process for every candidate lane in turn (`cgbuild.lanes.candidates`:
+   buildable and numerically sound; none when fewer than two): per lane 3 warm-ups, reset peak, 9
+   timed calls, median and peak (`cgbuild_rules.lanes.measure`); the worker applies the fit rule
    (`cgbuild.lanes.decide`) for the request's SKU.
 4. Then the worker writes the metadata (with the discrete lane verdict) and seals
    (`cgbuild.store.seal`) into its work folder.
@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import platform
@@ -97,6 +98,7 @@ from cgbuild.core import fs
 from cgbuild.core.codes import RETRYABLE
 from cgbuild.core.platform import normalize_arch
 from cgbuild.identity import compiler, policy
+from cgbuild.identity.layout import QUANT_RULES
 from cgbuild.identity.toolchain import TRACE_ONLY
 from cgbuild.protocol import spawn
 from cgbuild.protocol.mint import BadRequest, MintRequest
@@ -235,7 +237,7 @@ def _metadata(
         "cgbuild": cgbuild.__version__,
         "constants": built["constants"],
         "layout": built.get("layout"),
-        "verify": {"metric": "rel-rms", "tolerance": TOLERANCE},
+        "verify": {"metric": "rel-rms", "tolerance": TOLERANCE, **_rule_tolerance(req["job"]["quant"])},
         "forensics": built["forensics"],
     }
 
@@ -635,9 +637,16 @@ def _rel_rms(got: Any, want: Any) -> float:
     return float(diff / want.double().pow(2).mean().sqrt().clamp_min(1e-30))
 
 
-def compare_outputs(got: Any, want: Any) -> list[dict[str, Any]]:
+def _rule_tolerance(quant: str) -> dict[str, str]:
+    """{"rule": tolerance} when the layout's quant rule states its own (fp8-rowwise), else {}."""
+    stated = QUANT_RULES[quant].tolerance
+    return {"rule": stated} if stated else {}
+
+
+def compare_outputs(got: Any, want: Any, tolerance: str | None = None) -> list[dict[str, Any]]:
     """Compiled vs eager, leaf by leaf: same structure, dtype, shape and non-finite pattern, and a
-    relative RMS error within the output dtype's tolerance; raises `verify-mismatch` otherwise."""
+    relative RMS error within the output dtype's tolerance, or within `tolerance` where the
+    layout's quant rule states one (W8A8 is not bf16); raises `verify-mismatch` otherwise."""
     import torch
     from torch.utils import _pytree as pytree
 
@@ -653,7 +662,7 @@ def compare_outputs(got: Any, want: Any) -> list[dict[str, Any]]:
             raise MintFailure(
                 "verify-mismatch", f"output {i}: {g.dtype}{list(g.shape)} vs eager {w.dtype}{list(w.shape)}"
             )
-        tol = float(TOLERANCE.get(str(w.dtype).removeprefix("torch."), "1e-2"))
+        tol = float(tolerance or TOLERANCE.get(str(w.dtype).removeprefix("torch."), "1e-2"))
         finite = torch.isfinite(w)
         if not torch.equal(torch.isfinite(g), finite):
             raise MintFailure("verify-mismatch", f"output {i}: non-finite values differ from eager")
@@ -702,7 +711,7 @@ def stage_verify(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     package.bind(bound)
     with torch.no_grad():
         got = package(*built.args, **built.kwargs)
-    result: dict[str, Any] = {"ok": True, "errors": compare_outputs(got, want)}
+    result: dict[str, Any] = {"ok": True, "errors": compare_outputs(got, want, _tol(job))}
     if req.get("lanes"):
         result["lanes"] = _verify_lanes(req, job, built, package, bound)
     return result
@@ -754,9 +763,13 @@ def stage_serve(req: Mapping[str, Any], work: Path, artifact: str) -> dict[str, 
             code, detail = (why.code, why.detail) if why else ("verify-failed", f"counters {counters}")
             raise MintFailure(code, f"adopted, but the entry's own call was served eager: {detail}")
         tag = {} if lane is None else {"lane": lane}
-        errors += [{**e, **tag} for e in compare_outputs(got, want)]
+        errors += [{**e, **tag} for e in compare_outputs(got, want, _tol(job))]
         served.append({**tag, "counters": counters, "seconds": round(adopted.armed[0].seconds, 3)})
     return {"ok": True, "errors": errors, "served": served}
+
+
+def _tol(job: Any) -> str | None:
+    return QUANT_RULES[job.quant].tolerance
 
 
 def _lane_rows(req: Mapping[str, Any], job: Any, module: Any) -> list[dict[str, Any]]:
@@ -789,13 +802,24 @@ def _verify_lanes(
         with torch.no_grad():
             return package(*built.args, **built.kwargs)
 
-    checks = lane_rt.verify_lanes(rows, eager, compiled, compare_outputs)
+    compare = functools.partial(compare_outputs, tolerance=_tol(job))
+    checks = lane_rt.verify_lanes(rows, eager, compiled, compare)
     return {"rows": rows, **checks}
 
 
-def stage_measure(req: Mapping[str, Any], work: Path, lane: str) -> dict[str, Any]:
-    """One candidate lane's benchmark, alone in this fresh process (cgbuild_rules.lanes.measure)."""
+def stage_measure(req: Mapping[str, Any], work: Path, *candidates: str) -> dict[str, Any]:
+    """Every candidate lane's benchmark, in turn, in this one fresh process
+    (cgbuild_rules.lanes.measure): the module is built and the package loaded once, and each
+    lane is bound in its place before its own warm-ups, peak reset and timed calls.
+
+    One process rather than one per lane: building a klein-4B module with random weights and
+    importing its code is ~20 s a process, more than all its lanes' timed calls together. A lane
+    measured later does not inherit an earlier one's peak: the GPU's counter and the CPU's
+    resident high-water mark are reset per lane, after freed memory was returned.
+    """
     _fault("measure")
+    import gc
+
     import torch
     from cgbuild_rules import lanes as lane_rt
     from cgbuild_rules import trace
@@ -819,18 +843,23 @@ def stage_measure(req: Mapping[str, Any], work: Path, lane: str) -> dict[str, An
         literals = {k: v.to(job.device) for k, v in load_file(str(work / LITERALS)).items()}
     live = {**state_tensors(built.module), **literals}
     rows = _lane_rows(req, job, built.module)
-    choice = lanes.split(lane, [r["axis"] for r in rows])
+    axes = [r["axis"] for r in rows]
     package = Package(work / PACKAGE)
-    package.bind(
-        {**{f: live[f] for f in package.constant_fqns}, **lane_rt.bindings(rows, choice, job.device)}
-    )
+    constants = {f: live[f] for f in package.constant_fqns}
     device = torch.device(job.device)
 
     def call() -> Any:
         return package(*built.args, **built.kwargs)
 
-    measured = lane_rt.measure(call, device, base if device.type == "cpu" else 0)
-    return {"ok": True, "lane": lane, **measured, "device": lane_rt.device_facts(device)}
+    runs: dict[str, Any] = {}
+    for lane in candidates:
+        print(f"lanes: measuring {lane}", file=sys.stderr, flush=True)
+        package.bind({**constants, **lane_rt.bindings(rows, lanes.split(lane, axes), job.device)})
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        runs[lane] = lane_rt.measure(call, device, base if device.type == "cpu" else 0)
+    return {"ok": True, "runs": runs, "device": lane_rt.device_facts(device)}
 
 
 def _lane_verdict(
@@ -842,7 +871,7 @@ def _lane_verdict(
     timeout: float,
     progress: Callable[[str], None] | None,
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """Candidates from capability, one fresh `measure` stage per candidate, the rule's verdict.
+    """Candidates from capability, one fresh `measure` stage for all of them, the rule's verdict.
 
     Returns (the sealed `lanes` block: discrete facts only; the evidence: raw timings, samples,
     the device, never sealed), or (None, None) when the request declares no lanes.
@@ -866,11 +895,11 @@ def _lane_verdict(
     )
     candidates = lanes.candidates(declared, needs, req["sm"], triton, numerics)
     runs: dict[str, Any] = {}
-    for lane in candidates:
-        if progress:
-            progress(f"lanes: measuring {lane}")
-        runs[lane] = {k: v for k, v in run_stage("measure", work, env, timeout, [lane]).items() if k != "ok"}
     if candidates:
+        if progress:
+            progress(f"lanes: measuring {', '.join(candidates)}")
+        stage = run_stage("measure", work, env, timeout, candidates)
+        runs = {lane: {"lane": lane, **stage["runs"][lane], "device": stage["device"]} for lane in candidates}
         sku = want["sku"]
         measured = [
             lanes.Measured(lane, runs[lane]["median_ns"], runs[lane]["peak_bytes"]) for lane in candidates

@@ -20,12 +20,19 @@ compiles) alike, so one code path serves every build mode. A serving process use
   call quantizes its activations per row (token) to float8_e4m3fn with an fp32 scale and runs
   `torch._scaled_mm` with row-wise scales (W8A8 on fp8 tensor cores, out in bf16). No dequantize
   fallback: a device the kernel cannot run on is refused at plan time and probed at mint.
+  The rule owns the lane axis `fp8-gemm` (`scaled-mm`, or `triton`: `cgbuild_rules.fp8_gemm`, the
+  activation quantization fused into the GEMM). When the spec's lanes carry it, `convert`
+  registers ONE `LaneSwitch` (as `fp8_gemm` under the first converted Linear) and every converted
+  Linear routes its matmul through it; without it the module is the plain `scaled-mm` program.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 import torch.nn.functional as F
+from cgbuild_rules.lanes import LaneSwitch
 from torch import nn
 
 from cgbuild.identity.layout import QUANT_RULES
@@ -98,22 +105,55 @@ class Int8RowwiseLinear(_RowwiseLinear):
         return F.linear(x, w, self.bias)
 
 
+def _row_scale(rows: torch.Tensor) -> torch.Tensor:
+    """fp32 [M, 1]: absmax(row) / 448, floored (the rule's activation scale)."""
+    return (rows.abs().amax(dim=1, keepdim=True).to(torch.float32) / FP8_MAX).clamp_min(ACT_SCALE_FLOOR)
+
+
+def scaled_mm_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *bias: torch.Tensor
+) -> torch.Tensor:
+    """`scaled-mm`: quantize x per row (its own kernel), then row-wise `torch._scaled_mm`."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    x_scale = _row_scale(rows)
+    xq = (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
+    if bias:
+        out = out + bias[0]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def triton_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *bias: torch.Tensor
+) -> torch.Tensor:
+    """`triton`: the row scales, then one fused GEMM (`cgbuild_rules.fp8_gemm`; `convert`
+    registered the op: a `torch.cond` branch is traced by dynamo, even eagerly, and must only call it)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    b = bias[0] if bias else x.new_empty(0)
+    out = torch.ops.cgbuild.fp8_rowwise_linear_v1(rows, _row_scale(rows).reshape(-1), weight, weight_scale, b)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+FP8_GEMM = {"scaled-mm": scaled_mm_linear, "triton": triton_linear}
+"""The `fp8-gemm` lane's implementations, by value (the rule's record lists the same values)."""
+
+
 class Fp8RowwiseLinear(_RowwiseLinear):
-    """`fp8-rowwise`: per-row fp8 activations × fp8 weights through row-wise `torch._scaled_mm`."""
+    """`fp8-rowwise`: per-row fp8 activations × fp8 weights on fp8 tensor cores.
+
+    The matmul goes through the `fp8-gemm` switch when `convert` attached one (held by reference:
+    the switch is registered once, under the first converted Linear), else `scaled-mm`.
+    """
 
     element = torch.float8_e4m3fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
-        x_scale = (rows.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(ACT_SCALE_FLOOR)
-        xq = (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        out = torch._scaled_mm(
-            xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :], out_dtype=self.compute
-        )
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*lead, self.out_features)
+        x = x.to(self.compute)
+        operands = (x, self.weight, self.weight_scale, *(() if self.bias is None else (self.bias,)))
+        lane: LaneSwitch | None = self.__dict__.get("lane")
+        if lane is None:
+            return scaled_mm_linear(*operands)
+        return lane.select(FP8_GEMM, *operands)
 
 
 MODULES: dict[str, type[_RowwiseLinear]] = {
@@ -122,11 +162,15 @@ MODULES: dict[str, type[_RowwiseLinear]] = {
 }
 
 
-def convert(module: nn.Module, rule: str, dtype: torch.dtype) -> tuple[nn.Module, list[str]]:
+def convert(
+    module: nn.Module, rule: str, dtype: torch.dtype, lanes: Mapping[str, Sequence[str]] | None = None
+) -> tuple[nn.Module, list[str]]:
     """Apply `rule` to `module` (in place where possible); returns (module, FQNs quantized).
 
     Plain rules change nothing. The root itself is replaced when it is an eligible Linear, which
-    is why the (possibly new) module is returned.
+    is why the (possibly new) module is returned. `lanes` (a trace spec's) gives the values of the
+    rule's own lane axes to compile in; a serving process passes none (adopt binds the artifact's
+    switch; the module's eager fallback then runs the axis's first value).
     """
     record = QUANT_RULES.get(rule)
     if record is None:
@@ -141,16 +185,33 @@ def convert(module: nn.Module, rule: str, dtype: torch.dtype) -> tuple[nn.Module
         raise QuantError(
             f"quant rule {rule!r} rewrites modules but has no transform here (rules/quant.py MODULES)"
         )
-    if eligible(module):
-        return cls.from_linear(module, dtype), [""]  # type: ignore[arg-type]
     done: list[str] = []
-    for fqn, child in list(module.named_modules()):
+    if eligible(module):
+        module, done = cls.from_linear(module, dtype), [""]  # type: ignore[arg-type]
+    for fqn, child in list(module.named_modules()) if not done else []:
         if fqn and eligible(child):
             parent_name, _, attr = fqn.rpartition(".")
             parent = module.get_submodule(parent_name) if parent_name else module
             setattr(parent, attr, cls.from_linear(child, dtype))  # type: ignore[arg-type]
             done.append(fqn)
+    for axis in record.lanes:
+        values = list((lanes or {}).get(axis) or [])
+        if values and done:
+            if "triton" in values:
+                from cgbuild_rules.fp8_gemm import op
+
+                op()  # registers cgbuild::fp8_rowwise_linear_v1
+            _attach(module, LaneSwitch(axis, values))
     return module, done
+
+
+def _attach(module: nn.Module, switch: LaneSwitch) -> None:
+    """Register `switch` once, under the first quantized module (not the root: a Sequential root
+    calls every child), and hand it to every quantized module by reference."""
+    quantized = [m for m in module.modules() if isinstance(m, _RowwiseLinear)]
+    quantized[0].add_module(switch.axis.replace("-", "_"), switch)
+    for child in quantized:
+        child.__dict__["lane"] = switch
 
 
 def probe(rule: str, device: torch.device | str) -> tuple[bool, str]:

@@ -38,7 +38,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -77,13 +77,16 @@ class NoCudaTorch(TraceError):
 
 
 # -- quant layouts ---------------------------------------------------------------------------------
-def apply_quant(module: nn.Module, quant: str, dtype: str | None = None) -> nn.Module:
+def apply_quant(
+    module: nn.Module, quant: str, dtype: str | None = None, lanes: Mapping[str, Sequence[str]] | None = None
+) -> nn.Module:
     """Apply the layout's quant rule to a freshly built module; the single place rules plug in.
 
     `dtype` is the layout's compute dtype (the spec's; a plain rule's own when omitted). The
     module must have been built in it: a parameter of another floating dtype means the spec and
     the layout disagree. Quantized rules then replace their eligible modules
-    (`cgbuild_rules.quant.convert`) BEFORE export, so the digest is the quantized program's.
+    (`cgbuild_rules.quant.convert`) BEFORE export, so the digest is the quantized program's;
+    `lanes` (the spec's) carries the values of the rule's own lane axes, when it has any.
     Unknown rules are refused: silently tracing an unquantized graph under a quant layout would
     key an artifact for tensors it cannot bind.
     """
@@ -105,7 +108,7 @@ def apply_quant(module: nn.Module, quant: str, dtype: str | None = None) -> nn.M
                 "(the spec dtype and the layout disagree)"
             )
     try:
-        module, _ = quant_rules.convert(module, quant, want)
+        module, _ = quant_rules.convert(module, quant, want, lanes)
     except quant_rules.QuantError as e:
         raise TraceError(str(e)) from None
     return module
@@ -313,7 +316,7 @@ def call_entry(fn: Callable[[dict[str, Any]], Any], spec: dict[str, Any], quant:
         raise
     except Exception as e:
         raise EntryError(f"build() raised {type(e).__name__}: {e}") from None
-    built.module = apply_quant(built.module, quant, spec.get("dtype"))
+    built.module = apply_quant(built.module, quant, spec.get("dtype"), spec.get("lanes"))
     return built
 
 

@@ -100,7 +100,15 @@ class Family:
     lanes: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """Declared lane axes in declaration order: (axis, values). Not a key axis (docs/lanes.md)."""
     lane_table: dict[str, dict[str, Needs]] = field(default_factory=dict)
-    """The entry's implementations of the declared axes, in the entry's order, with their needs."""
+    """The implementations of the declared axes (the entry's or a quant rule's), in their
+    provider's order, with their needs."""
+    lane_rules: dict[str, str] = field(default_factory=dict)
+    """axis → the quant rule that owns it (its modules switch on it); entry axes are absent."""
+
+    def lanes_for(self, quant: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """The declared axes a target of a layout with quant rule `quant` carries: the entry's
+        axes, and the axes of that rule (another rule's axis has no module to switch here)."""
+        return tuple((a, v) for a, v in self.lanes if self.lane_rules.get(a, quant) == quant)
 
 
 @dataclass
@@ -529,35 +537,69 @@ def _family(r: _Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict
     if not modules_raw:
         raise r.fail("no [family.<name>.module.*] declared", *where, "module")
     modules = {m: _module(r, (*where, "module", m), m, spec) for m, spec in modules_raw.items()}
-    lanes, table = _lanes(r, where, t["lanes"], entry) if "lanes" in t else ((), {})
+    rules = {layouts[lay].quant for lay in fam_layouts}
+    lanes, table, owners = _lanes(r, where, t["lanes"], entry, rules) if "lanes" in t else ((), {}, {})
     return Family(
-        name, entry, config, tuple(sources), tuple(fam_skus), tuple(fam_layouts), modules, lanes, table
+        name,
+        entry,
+        config,
+        tuple(sources),
+        tuple(fam_skus),
+        tuple(fam_layouts),
+        modules,
+        lanes,
+        table,
+        owners,
     )
 
 
-def _lanes(
-    r: _Reader, where: tuple[str, ...], raw: Any, entry: str
-) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], dict[str, dict[str, Needs]]]:
-    """`[family.<name>.lanes]`: axis = [values], each value a real implementation of the entry.
+def _rule_axes(rules: set[str]) -> dict[str, tuple[str, dict[str, Needs]]]:
+    """axis → (owning quant rule, value → needs) for the lane axes of the rules a family uses."""
+    return {
+        axis: (rule, {v: Needs.from_json(n) for v, n in values.items()})
+        for rule in sorted(rules)
+        for axis, values in QUANT_RULES[rule].lanes.items()
+    }
 
-    The entry's `LANES` literal is read from its source (never imported) to check every value
-    exists and to learn what each needs; every axis must keep one value with no needs, so every
-    target of the family can build at least one implementation of it.
+
+def _lanes(
+    r: _Reader, where: tuple[str, ...], raw: Any, entry: str, rules: set[str]
+) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], dict[str, dict[str, Needs]], dict[str, str]]:
+    """`[family.<name>.lanes]`: axis = [values], each value a real implementation.
+
+    An axis is the entry's (its `LANES` literal, read from its source, never imported) or a quant
+    rule's (`QuantRule.lanes`: the rule's own modules switch on it) when one of the family's
+    layouts uses that rule; the third value maps such axes to their rule. Every axis must keep
+    one value with no needs, so every target that carries it can build one implementation.
     """
     here = (*where, "lanes")
     declared = r.table(raw, here, None)
     if not declared:
         raise r.fail('empty lanes table: declare at least one axis, e.g. linear = ["baseline", ...]', *here)
     root = r.path.resolve().parent
+    owned = _rule_axes(rules)
     table = read_lane_table(root, entry)
-    if table is None:
+    if table is None and not set(declared) <= set(owned):
+        stray = next(a for a in declared if a not in owned)
+        if _owner_hint(stray):
+            raise r.fail(f"unknown lane axis '{stray}' for entry '{entry}'{_owner_hint(stray)}", *here, stray)
         raise r.fail(
             f"entry '{entry}' declares no LANES table in its source under {root.name or root}/ "
             "(axis -> value -> needs, a literal): lanes must name implementations the entry provides",
             *here,
         )
+    entry_axes = table.axes if table is not None else {}
+    for axis in entry_axes:
+        if _owner_hint(axis):  # any rule's axis, whether or not a layout here uses the rule yet
+            raise UserError(
+                f"LANES[{axis!r}]: '{axis}' is a quant rule's lane axis; rename the entry's",
+                file=table.file if table else None,
+                line=table.line if table else None,
+                field="LANES",
+            )
     axes: list[tuple[str, tuple[str, ...]]] = []
     needs: dict[str, dict[str, Needs]] = {}
+    owners: dict[str, str] = {}
     for axis, values in declared.items():
         at = (*here, axis)
         r.name(axis, *at)
@@ -568,16 +610,25 @@ def _lanes(
         if len(set(values)) != len(values):
             dup = next(v for v in values if values.count(v) > 1)
             raise r.fail(f"duplicate lane value '{dup}'", *at)
-        provided = table.axes.get(axis)
-        if provided is None:
+        provider = f"entry '{entry}'"
+        if axis in owned:
+            owners[axis], provided = owned[axis]
+            provider = f"quant rule '{owners[axis]}'"
+        elif axis in entry_axes:
+            provided = entry_axes[axis]
+        else:
+            others = sorted({*entry_axes, *owned})
+            rule_hint = _owner_hint(axis)
             raise r.fail(
-                f"unknown lane axis '{axis}' for entry '{entry}' (it provides: {', '.join(table.axes)})", *at
+                f"unknown lane axis '{axis}' for entry '{entry}' (axes here: {', '.join(others) or 'none'})"
+                + rule_hint,
+                *at,
             )
         for v in values:
             if v not in provided:
                 raise r.fail(
-                    f"unknown lane value '{v}' for axis '{axis}' (entry '{entry}' provides: "
-                    f"{', '.join(provided)})",
+                    f"unknown lane value '{v}' for axis '{axis}' "
+                    f"({provider} provides: {', '.join(provided)})",
                     *at,
                 )
         if all(provided[v].to_json() for v in values):
@@ -588,7 +639,15 @@ def _lanes(
             )
         axes.append((axis, tuple(values)))
         needs[axis] = {v: n for v, n in provided.items() if v in values}
-    return tuple(axes), needs
+    return tuple(axes), needs, owners
+
+
+def _owner_hint(axis: str) -> str:
+    """A rule's axis declared on a family none of whose layouts uses the rule: say which rule."""
+    for rule in QUANT_RULES.values():
+        if axis in rule.lanes:
+            return f"; '{axis}' belongs to quant rule '{rule.name}', which no layout of this family uses"
+    return ""
 
 
 MODULE_KEYS = {"component", "shapes", "text_lengths", "batch_sizes", "guidance"}

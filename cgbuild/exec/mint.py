@@ -130,13 +130,14 @@ def _lanes_request(ws: Workspace, mk: MintKey) -> dict[str, Any] | None:
     adopt down the recorded fallback order (docs/lanes.md).
     """
     fam = mk.target.family
-    if not fam.lanes:
+    axes = fam.lanes_for(ws.cg.layouts[mk.target.id.layout].quant)
+    if not axes:
         return None
     skus = [ws.cg.skus[name] for name in sorted({s for e in mk.entries for s in e["skus"]})]
     fit = max(skus, key=lambda s: s.memory_bytes)  # the first by name among equals
     return {
-        "axes": [[axis, list(values)] for axis, values in fam.lanes],
-        "needs": {a: {v: n.to_json() for v, n in vals.items()} for a, vals in fam.lane_table.items()},
+        "axes": [[axis, list(values)] for axis, values in axes],
+        "needs": {a: {v: n.to_json() for v, n in fam.lane_table[a].items()} for a, _ in axes},
         "sku": {"name": fit.name, "memory_bytes": fit.memory_bytes},
     }
 

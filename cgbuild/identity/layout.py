@@ -79,6 +79,23 @@ class QuantRule:
     def devices(self) -> tuple[str, ...]:
         return tuple(self.facts["devices"])
 
+    @property
+    def lanes(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """Lane axes the rule's own modules switch on: axis → value → needs (docs/lanes.md).
+
+        They are facts: which kernels the rule may compile in is part of what its layout means.
+        A family opts in by declaring the axis in `[family.<name>.lanes]`; only targets of a
+        layout with this rule carry it.
+        """
+        return dict(self.facts.get("lanes") or {})
+
+    @property
+    def tolerance(self) -> str | None:
+        """The verification tolerance (relative RMS, compiled vs eager of this rule), when the
+        rule states one in place of the compute dtype's."""
+        stated = self.facts.get("tolerance")
+        return str(stated["rel_rms"]) if stated else None
+
 
 def _plain(element: str, compute: str) -> dict[str, Any]:
     return {
@@ -138,11 +155,22 @@ FP8_ROWWISE: dict[str, Any] = {
     "packing": "none (row-major, one byte per element)",
     "activations": "dynamic per row of x, in graph: fp32 scale absmax(row) / 448 floored at 1e-12, "
     "x clamped to [-448, 448] and cast to float8_e4m3fn",
-    "matmul": "torch._scaled_mm(x_fp8, weight.t(), scale_a=[M, 1], scale_b=weight_scale[None, :], "
-    "out_dtype=compute) + bias; no dequantize fallback",
+    "matmul": "lane fp8-gemm: scaled-mm = torch._scaled_mm(x_fp8, weight.t(), scale_a=[M, 1], "
+    "scale_b=weight_scale[None, :], out_dtype=compute) + bias; triton = one Triton GEMM "
+    "(cgbuild::fp8_rowwise_linear_v1) that divides, clamps and casts x per row as it loads it, "
+    "scales by both row scales and adds the bias in its epilogue; the same scales and rounding "
+    "either way; no dequantize fallback",
     "min_sm": "sm_89",
     "devices": ["cuda"],
     "capability": "scaled_mm-rowwise",
+    "lanes": {
+        "fp8-gemm": {"scaled-mm": {}, "triton": {"device": "cuda", "triton": True, "min_sm": 89}},
+    },
+    # e4m3 keeps 3 mantissa bits: rounding x and w each costs ~3.6% rms per element, and the
+    # measured klein-4B output is 5.2% (artifact) to 5.6% (eager) off fp32, 4.2% compiled vs
+    # eager (docs/layouts.md). 8% clears that by ~2x; a wrong kernel (an unscaled operand, a
+    # transposed weight) is off by 50% and more.
+    "tolerance": {"metric": "rel-rms", "against": "eager of this rule, same lane", "rel_rms": "8e-2"},
 }
 
 QUANT_RULES: dict[str, QuantRule] = {

@@ -217,7 +217,8 @@ def _group_units(ctx: PlanContext) -> None:
         tc_block = ctx.toolchains[t.device]
         tc_torch = _torch_of(tc_block) or "absent"
         # lanes buildable on one sm may not be on another of the same device type (min_sm)
-        lanes = json.dumps(target_lanes(t, tc_block.get("components")), sort_keys=True)
+        program = target_lanes(t, ctx.cg.layouts[t.id.layout].quant, tc_block.get("components"))
+        lanes = json.dumps(program, sort_keys=True)
         shape = _UnitShape(t.id.family, t.id.module, t.id.graph_class, t.id.layout, t.device, tc_torch, lanes)
         inputs = by_shape.get(shape, "")
         if not inputs:

@@ -86,16 +86,18 @@ class TraceJob:
         return cls(raw["entry"], raw["root"], dict(config), dict(spec), raw["quant"], raw["id"])
 
 
-def target_lanes(t: Target, components: Mapping[str, Any] | None) -> dict[str, list[str]] | None:
-    """The lane values compiled into a target's program (None: the family declares no lanes).
+def target_lanes(t: Target, quant: str, components: Mapping[str, Any] | None) -> dict[str, list[str]] | None:
+    """The lane values compiled into a target's program (None: it carries no declared axis).
 
-    Plan-time facts only (the sm and whether the platform's toolchain carries triton), so the
-    graph digest, and with it the key, stays computable before any mint (docs/lanes.md).
+    Plan-time facts only (the sm, the layout's quant rule, whether the platform's toolchain
+    carries triton), so the graph digest, and with it the key, stays computable before any mint
+    (docs/lanes.md). A quant rule's axis reaches only targets of a layout with that rule.
     """
-    if not t.family.lanes:
+    axes = t.family.lanes_for(quant)
+    if not axes:
         return None
     triton = lanes.has_triton(dict(components or {}))
-    return lanes.program_lanes(t.family.lanes, t.family.lane_table, t.id.sm, triton)
+    return lanes.program_lanes(axes, t.family.lane_table, t.id.sm, triton)
 
 
 def job_for(cg: Cgfile, t: Target, components: Mapping[str, Any] | None = None) -> TraceJob:
@@ -116,7 +118,7 @@ def job_for(cg: Cgfile, t: Target, components: Mapping[str, Any] | None = None) 
         "dtype": lay.dtype,
         "device": t.device,
     }
-    program = target_lanes(t, components)
+    program = target_lanes(t, lay.quant, components)
     if program is not None:
         spec["lanes"] = program
     return TraceJob(t.family.entry, str(cg.root), t.family.config, spec, QUANT_RULES[lay.quant].name)

@@ -10,16 +10,162 @@ Entry: `flux2_entry:build`, module `transformer`. Config:
 The transformer works on packed latents: one token per 16x16 image pixels (VAE /8, then 2x2
 patches), so a graph class is (batch, image tokens, text tokens) and 1024x768 and 768x1024 are
 one program. The weights are random (no download): weights never enter a key.
+
+Lanes (`LANES`, read by cgbuild without importing this file): one axis, `attention`, the SDPA
+kernel every attention of the 25 blocks runs, each value an explicit ATen op (what
+`F.scaled_dot_product_attention` would pick is decided when the program is traced, so it could
+not be a runtime choice):
+- `flash`: `_scaled_dot_product_flash_attention` (its CPU kernel on a CPU target): the reference;
+- `cudnn`: `_scaled_dot_product_cudnn_attention` (CUDA, sm_80 and newer);
+- `efficient`: `_scaled_dot_product_efficient_attention` (CUDA);
+- `math`: softmax(q k^T / sqrt(d)) v in fp32, two matmuls and a spelled-out softmax: runs
+  anywhere, slow and large.
+The switch is one `LaneSwitch` on the root (`attention_lane`); the blocks' processors route their
+attention through it. The fp8 layout's GEMM lane (`fp8-gemm`) is its quant rule's, not this file's.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from cgbuild_rules.lanes import LaneSwitch
 from diffusers import Flux2Transformer2DModel
+from diffusers.models.transformers.transformer_flux2 import (
+    Flux2Attention,
+    Flux2ParallelSelfAttention,
+    _get_qkv_projections,
+    apply_rotary_emb,
+)
 
 PIXELS_PER_TOKEN = 16
+
+LANES = {
+    "attention": {
+        "flash": {},
+        "cudnn": {"device": "cuda", "min_sm": 80},
+        "efficient": {"device": "cuda"},
+        "math": {},
+    },
+}
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)[0]
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False)[0]
+
+
+def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, False, False)[0]
+
+
+def _efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, False)[0]
+
+
+def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The softmax is spelled out: Inductor rewrites `softmax(q k^T) v` written with `softmax`
+    into its own SDPA kernel (measured: compiled, this lane was bit-identical to `flash`)."""
+    scores = (q.float() @ k.float().transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    weights = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+    return ((weights / weights.sum(dim=-1, keepdim=True)) @ v.float()).to(q.dtype)
+
+
+ATTENTION: dict[str, Attend] = {"flash": _flash, "cudnn": _cudnn, "efficient": _efficient, "math": _math}
+
+
+def _heads_last(fn: Attend) -> Attend:
+    """diffusers' layout (batch, tokens, heads, dim) in and out; the kernels take heads first.
+    Every value returns the same contiguous tensor, as the branches of one `torch.cond` must."""
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2).contiguous()
+
+    return run
+
+
+class _Attention:
+    """The attention call of both processors: through the lane switch (one for the model)."""
+
+    def __init__(self, switch: LaneSwitch) -> None:
+        self.switch = switch
+        self.impls = {v: _heads_last(ATTENTION[v]) for v in switch.values}
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        if mask is not None:
+            raise ValueError("the attention lanes take no attention mask (klein's pipeline passes none)")
+        return self.switch.select(self.impls, q, k, v).flatten(2, 3)
+
+
+class JointAttnProcessor(_Attention):
+    """The double-stream blocks' attention (`Flux2Attention`): text and image tokens, one SDPA."""
+
+    def __call__(
+        self,
+        attn: Flux2Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
+        q, k, v, eq, ek, ev = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in (q, k, v))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        if attn.added_kv_proj_dim is not None:
+            eq, ek, ev = (t.unflatten(-1, (-1, attn.head_dim)) for t in (eq, ek, ev))
+            q = torch.cat([attn.norm_added_q(eq), q], dim=1)
+            k = torch.cat([attn.norm_added_k(ek), k], dim=1)
+            v = torch.cat([ev, v], dim=1)
+        if image_rotary_emb is not None:
+            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        out = self.attend(q, k, v, attention_mask).to(q.dtype)
+        if encoder_hidden_states is None:
+            return attn.to_out[1](attn.to_out[0](out))
+        text = encoder_hidden_states.shape[1]
+        text_out, image_out = out.split_with_sizes([text, out.shape[1] - text], dim=1)
+        return attn.to_out[1](attn.to_out[0](image_out)), attn.to_add_out(text_out)
+
+
+class ParallelAttnProcessor(_Attention):
+    """The single-stream blocks' attention (`Flux2ParallelSelfAttention`): QKV and the MLP input in
+    one projection, attention and MLP outputs in one output projection."""
+
+    def __call__(
+        self,
+        attn: Flux2ParallelSelfAttention,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        projected = attn.to_qkv_mlp_proj(hidden_states)
+        qkv_dim = 3 * attn.inner_dim
+        qkv, mlp = projected.split([qkv_dim, projected.shape[-1] - qkv_dim], dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        if image_rotary_emb is not None:
+            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        out = self.attend(q, k, v, attention_mask).to(q.dtype)
+        return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
+
+
+def route_attention(model: torch.nn.Module, values: list[str]) -> None:
+    """Give `model` one attention switch carrying `values` and route every block through it."""
+    switch = LaneSwitch("attention", values)
+    model.attention_lane = switch
+    for module in model.modules():
+        if isinstance(module, Flux2Attention):
+            module.set_processor(JointAttnProcessor(switch))
+        elif isinstance(module, Flux2ParallelSelfAttention):
+            module.set_processor(ParallelAttnProcessor(switch))
 
 
 class Flux2KleinTransformer(Flux2Transformer2DModel):
@@ -81,6 +227,9 @@ def build(spec: dict[str, Any]) -> tuple[Any, ...]:
     tokens = image_tokens(height, width)
 
     model = Flux2KleinTransformer(**config["model"])
+    attention = (spec.get("lanes") or {}).get("attention")
+    if attention:
+        route_attention(model, list(attention))
     cfg = model.config
     img_ids, txt_ids = _position_ids(height, width, text_len)
     args = (

@@ -18,8 +18,9 @@ PAGE = ROOT / "docs" / "codes.md"
 # Kebab-case strings that are not codes: quant rule and ISA names, encodings, tool names, test
 # hooks, tolerances, artifact kinds, facts' values.
 NOT_CODES = {
-    "1e-2", "1e-4", "1e-9", "5e-2", "aot-inductor", "fail-after-part", "kill-after-part",
-    "fp8-rowwise", "int8-rowwise", "nvidia-smi", "per-output-row", "pytorch-triton", "rel-rms",
+    "1e-2", "1e-4", "1e-9", "5e-2", "8e-2", "aot-inductor", "fail-after-part", "kill-after-part",
+    "fp8-gemm", "fp8-rowwise", "int8-rowwise", "scaled-mm", "nvidia-smi", "per-output-row",
+    "pytorch-triton", "rel-rms",
     "re-mint", "trace-rule", "utf-8", "x86-64-v1", "x86-64-v2", "x86-64-v3", "x86-64-v4",
 }  # fmt: skip
 

@@ -62,7 +62,7 @@ def _axis(name: str, readable: dict[str, Any]) -> Axis:
 
 
 def test_banked_h200_plan_keys_match_the_golden_file() -> None:
-    plan = json.loads((ROOT / "benchmarks" / "results" / "gpu_sm90_plan.json").read_text())
+    plan = json.loads((ROOT / "benchmarks" / "results" / "gpu_sm90_plan_lanes.json").read_text())
     recomputed = {
         t["label"]: key_of({name: _axis(name, t["axes"][name]) for name in IDENTITY_FIELDS})
         for t in plan["targets"]

@@ -1,11 +1,13 @@
-"""CUDA graph digests banked from the H200 mint (docs/gpu.md).
+"""CUDA graph digests banked from the H200 (docs/gpu.md, docs/lanes.md).
 
-The H200 (torch 2.11.0+cu130, diffusers 0.42.1) minted the klein-4B-shaped transformer's bf16 and
-fp8 targets at 1024x1024 on sm_90; its sealed store is committed as
-`benchmarks/results/gpu_sm90_store.tgz` and the fp8 mint's record as
-`benchmarks/results/gpu_fp8.json`. The digests below are what that machine traced. A CPU-only
-machine with the same CUDA build of torch traces the same CUDA graphs under fake tensors and must
-compute the same digests: the re-trace test checks that where such a torch is installed.
+The H200 (torch 2.11.0+cu130, diffusers 0.42.1) planned every sm_90 target of flux2-klein with
+its lanes (`attention`; `fp8-gemm` on the fp8 layout) and minted the 1024x1024 bf16 and fp8
+targets; the plan is `benchmarks/results/gpu_sm90_plan_lanes.json` and the sealed store
+`benchmarks/results/gpu_sm90_store_lanes.tgz`. The digests below are what that machine traced. A
+CPU-only machine with the same CUDA build of torch traces the same CUDA graphs under fake
+tensors and must compute the same digests: the re-trace test checks that where such a torch is
+installed. The archives of the program before lanes (gpu_sm90_store.tgz, *_768.tgz, *_fp8.tgz)
+are history: they must still verify and their keys recompute from their own axes.
 
 The archive checks read only the committed files (no torch): they are cheap enough for every run.
 """
@@ -30,6 +32,8 @@ from cgbuild.store.seal import read_metadata
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 FLUX = ROOT / "examples" / "flux2_klein"
+STORE = "gpu_sm90_store_lanes.tgz"
+PLAN = "gpu_sm90_plan_lanes.json"
 
 BF16 = "//flux2-klein/transformer/1024x1024-t512-b1@bf16:sm_90"
 FP8 = "//flux2-klein/transformer/1024x1024-t512-b1@fp8:sm_90"
@@ -37,42 +41,42 @@ FP8 = "//flux2-klein/transformer/1024x1024-t512-b1@fp8:sm_90"
 # What the H200 traced and keyed. Layout identities are the digest pair of each layout axis.
 H200: dict[str, dict[str, Any]] = {
     BF16: {
-        "key": "233b70e71f8ae3f80afee1a28033669a3dceb7a35de1b46ea75ca7b3f9916b97",
-        "graph": "4b064c1b117318e4def48fd97045124fda8eb1391d40c754b3ecc3137e93a37a",
-        "nodes": 2754,
+        "key": "028ac177de07c3b9a666fa0a3f2ab33e26957a0233f299461acf8c6f18f7b1cd",
+        "graph": "0d246cdcabca02ac920f2b84d0def26667b74dd449306acf6ad039272496254a",
+        "nodes": 2780,
         "layout": {
             "topology": "d2d480dde58a927e9c068ffdf590ce95a2af4d04ef93bdedc7d206e1720130a0",
             "quant": "3ca7b07bac9894cf438176e186ca1e9e5dc3a7aeadfd9b3311a3f2c9d186de6b",
         },
     },
     FP8: {
-        "key": "0df3634be441b051a3331cfb642212cdb3c76091f1ebe9fe10ae8698d8e8512b",
-        "graph": "63f1930cea93dc0426e434963cdf37e4d29c132311453eac75d9340062dceb0d",
-        "nodes": 4389,
+        "key": "4915cdaed829464fb45871636c25e8017e4be29054f1b55a4181f74735264e87",
+        "graph": "41f74b2457d2a093a4bc5cce5ce1aee99a7bd183aee73d2a6f0e9b4c98696fc9",
+        "nodes": 3653,
         "layout": {
             "topology": "f2e7ee8bb0c3c09b255a6d3ca1d57b20e830ea8dce7ad3dd2807c89cef5e5d8c",
-            "quant": "27107d26d12780551b2aaa1fdcb841d85b3abb978de3fa27054e9e7f6ce6c59d",
+            "quant": "a956d90fe9b2fa72c2918165dbed398f119fcf3657ebc95ec224d0074c4f40c9",
         },
     },
 }
-# Every sm_90 target's graph digest, from `cgbuild plan '//flux2-klein:sm_90' --json` on the H200
-# (benchmarks/results/gpu_sm90_plan.json); the 768x768 bf16 target was minted there too
-# (benchmarks/results/gpu_sm90_store_768.tgz).
-BF16_768 = "//flux2-klein/transformer/768x768-t512-b1@bf16:sm_90"
+# Every sm_90 target's graph digest, from `cgbuild plan '//flux2-klein:sm_90' --json` on the H200.
 H200_GRAPHS = {
-    BF16_768: "84d19532d1ae1549c4741a2dfbf69e328ac94265da7f7284f3e0057a16778b53",
+    "//flux2-klein/transformer/768x768-t512-b1@bf16:sm_90": (
+        "256a7ec605b666dfd55fac883e72916d32155ddda95065124ca4f81a88a2e46c"
+    ),
     "//flux2-klein/transformer/768x768-t512-b1@int8:sm_90": (
-        "bc5a60559211434e57d3a86a44736bfef85306d576f9b7ff098c7c467363c40f"
+        "74cb8deadf2ea3c94d497e4e7e3ab817f75325739a55ad0ad9c604b0ea69648a"
     ),
     "//flux2-klein/transformer/768x768-t512-b1@fp8:sm_90": (
-        "645c4883f1df475d86b33b18d6ab4d7a492bbd17d1e6463dd93dc932106f8d16"
+        "66155132d4a96da680507c9dd83dd10340f8391fbe14ee5c8c11eafcba0a8919"
     ),
     BF16: H200[BF16]["graph"],
     "//flux2-klein/transformer/1024x1024-t512-b1@int8:sm_90": (
-        "79e4a4b5715517f4ece1238b246d19585296abfa2b23926573be9da5a90471ee"
+        "25eb5de6c1c7c870b8f75766b1eb43fe8a7edef9699c393332b198da8724792f"
     ),
     FP8: H200[FP8]["graph"],
 }
+EARLIER = ("gpu_sm90_store.tgz", "gpu_sm90_store_768.tgz", "gpu_sm90_store_fp8.tgz")
 H200_TORCH = "2.11.0"
 H200_DIFFUSERS = "0.42.1"
 
@@ -93,13 +97,13 @@ def _sealed_from(archive: str, key: str, label: str, dest: Path) -> dict[str, An
 @pytest.fixture(scope="module")
 def sealed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The sealed metadata of the 1024x1024 bf16 artifact in the committed H200 store."""
-    return _sealed_from("gpu_sm90_store.tgz", H200[BF16]["key"], BF16, tmp_path_factory.mktemp("h200"))
+    return _sealed_from(STORE, H200[BF16]["key"], BF16, tmp_path_factory.mktemp("h200"))
 
 
 @pytest.fixture(scope="module")
 def h200_plan() -> dict[str, dict[str, Any]]:
     """label → target of the plan the H200 computed for every sm_90 target."""
-    plan = json.loads((RESULTS / "gpu_sm90_plan.json").read_text())
+    plan = json.loads((RESULTS / PLAN).read_text())
     return {t["label"]: t for t in plan["targets"]}
 
 
@@ -111,34 +115,42 @@ def h200_key(graph: str, layout: dict[str, Any], sealed: dict[str, Any]) -> str:
     return key_of(axes)
 
 
-def test_sealed_metadata_carries_the_banked_digest(sealed: dict[str, Any]) -> None:
-    banked = H200[BF16]
-    assert sealed["key"] == banked["key"]
-    assert sealed["axes"]["graph"]["digest"] == banked["graph"]
-    assert sealed["graph"]["digest"] == banked["graph"]
-    assert sealed["axes"]["graph"]["nodes"] == banked["nodes"]
-    assert {f: sealed["axes"]["layout"][f] for f in IDENTITY_FIELDS["layout"]} == banked["layout"]
-    assert sealed["axes"]["sm"] == {"sm": "sm_90"}
-    assert sealed["device"] == "cuda"
+@pytest.mark.parametrize("label", [BF16, FP8])
+def test_sealed_metadata_carries_the_banked_digest(label: str, tmp_path: Path) -> None:
+    meta = _sealed_from(STORE, H200[label]["key"], label, tmp_path)
+    banked = H200[label]
+    assert meta["key"] == banked["key"]
+    assert meta["axes"]["graph"]["digest"] == banked["graph"]
+    assert meta["graph"]["digest"] == banked["graph"]
+    assert meta["axes"]["graph"]["nodes"] == banked["nodes"]
+    assert {f: meta["axes"]["layout"][f] for f in IDENTITY_FIELDS["layout"]} == banked["layout"]
+    assert meta["axes"]["sm"] == {"sm": "sm_90"}
+    assert meta["device"] == "cuda"
     # The versions the re-trace below must match.
-    assert sealed["axes"]["graph"]["traced_with"].split("+")[0] == H200_TORCH
-    assert sealed["forensics"]["diffusers"] == H200_DIFFUSERS
+    assert meta["axes"]["graph"]["traced_with"].split("+")[0] == H200_TORCH
+    assert meta["forensics"]["diffusers"] == H200_DIFFUSERS
+    axes = {name: _axis(name, meta["axes"][name]) for name in AXES}
+    assert key_of(axes) == meta["key"]
 
 
-def test_sealed_key_recomputes_from_its_axes(sealed: dict[str, Any]) -> None:
-    axes = {name: _axis(name, sealed["axes"][name]) for name in AXES}
-    assert key_of(axes) == sealed["key"]
-    assert h200_key(H200[BF16]["graph"], H200[BF16]["layout"], sealed) == sealed["key"]
+def test_sealed_lanes_are_the_measured_verdicts(tmp_path: Path) -> None:
+    """Both artifacts carry their lane switches and the verdict their mint measured on the H200
+    (benchmarks/results/klein_lanes_gpu.json); the fp8-gemm axis is the fp8 artifact's only."""
+    record = json.loads((RESULTS / "klein_lanes_gpu.json").read_text())
+    for label, layout in ((BF16, "bf16"), (FP8, "fp8")):
+        lanes = _sealed_from(STORE, H200[label]["key"], label, tmp_path / layout)["lanes"]
+        axes = [row["axis"] for row in lanes["axes"]]
+        assert axes == (["attention", "fp8-gemm"] if layout == "fp8" else ["attention"])
+        assert lanes["axes"][0]["values"] == ["flash", "cudnn", "efficient"]
+        assert lanes["verdict"] == record["mints"][layout]["evidence"]["verdict"]
+        assert lanes["verdict"]["sku"]["name"] == "h200"
+    assert record["mints"]["fp8"]["evidence"]["verdict"]["winner"] == "cudnn+scaled-mm"
+    assert record["mints"]["bf16"]["evidence"]["verdict"]["winner"] == "cudnn"
 
 
-def test_fp8_key_recomputes_from_the_banked_digest(sealed: dict[str, Any]) -> None:
-    """The fp8 mint (same machine, same toolchain) recorded only its key: the banked fp8 graph
-    digest and layout pair, with the bf16 artifact's sm and toolchain axes, must give that key."""
-    record = json.loads((RESULTS / "gpu_fp8.json").read_text())
-    assert record["label"] == FP8
-    (minted,) = record["phases"]["mint"]["summary"]["minted"]
-    assert minted["key"] == H200[FP8]["key"]
-    assert h200_key(H200[FP8]["graph"], H200[FP8]["layout"], sealed) == minted["key"]
+def test_sealed_key_recomputes_from_the_banked_pair(sealed: dict[str, Any]) -> None:
+    for label in (BF16, FP8):
+        assert h200_key(H200[label]["graph"], H200[label]["layout"], sealed) == H200[label]["key"]
 
 
 def test_h200_plan_carries_the_banked_digests(h200_plan: dict[str, dict[str, Any]]) -> None:
@@ -153,20 +165,19 @@ def test_h200_plan_keys_recompute_from_their_axes(h200_plan: dict[str, dict[str,
         assert key_of(axes) == target["key"], target["label"]
 
 
-def test_int8_mint_is_the_planned_key(h200_plan: dict[str, dict[str, Any]]) -> None:
-    record = json.loads((RESULTS / "gpu_int8.json").read_text())
-    (minted,) = record["phases"]["mint"]["summary"]["minted"]
-    assert minted["labels"] == [record["label"]]
-    assert minted["key"] == h200_plan[record["label"]]["key"]
-
-
-def test_768_artifact_is_the_planned_key(
-    h200_plan: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    planned = h200_plan[BF16_768]
-    meta = _sealed_from("gpu_sm90_store_768.tgz", planned["key"], BF16_768, tmp_path_factory.mktemp("h200"))
-    assert meta["key"] == planned["key"]
-    assert meta["axes"]["graph"]["digest"] == H200_GRAPHS[BF16_768]
+@pytest.mark.parametrize("archive", EARLIER)
+def test_earlier_archives_still_verify(archive: str, tmp_path: Path) -> None:
+    """The stores minted before lanes: every object hashes to its ref and every key recomputes
+    from the axes it sealed (they were keyed for a program without switches)."""
+    with tarfile.open(RESULTS / archive) as tar:
+        tar.extractall(tmp_path, filter="data")
+    store = Store(tmp_path / "store")
+    keys = store.ref_keys()
+    assert keys
+    for key in keys:
+        meta = read_metadata(store.resolve(key, verify=True).path)
+        assert key_of({name: _axis(name, meta["axes"][name]) for name in AXES}) == key
+        assert "lanes" not in meta
 
 
 def _version(dist: str) -> str:
