@@ -15,6 +15,7 @@ Phases, each in its own process so every cold start is honest:
                 no module built); records the `CXX` it ran under, which Inductor's probes use
 `--store-archive` unpacks a store sealed by an earlier `mint` phase into the workspace, so
 `adopt` can run without minting again on the same image (the key must still match).
+`--no-lanes` drops the example's `[family.*.lanes]` tables (the plain program, no switches).
 Errors are relative L2 norms against the fp32 reference (and against eager); peak memory is
 `torch.cuda.max_memory_allocated` from the module build through the steady step.
 The module, weights and inputs all come from the example entry (`build(spec)`) in "real" mode
@@ -249,13 +250,32 @@ def _aoti_load(rec: dict[str, Any], ws: Path, label: str) -> dict[str, Any]:
     return rec
 
 
+def _drop_lanes(cgfile: Path) -> None:
+    """Remove every `[family.*.lanes]` table: the program then has no switches (the plain one)."""
+    kept: list[str] = []
+    skipping = False
+    for line in cgfile.read_text().splitlines(keepends=True):
+        if line.startswith("["):
+            skipping = line.split("#")[0].strip().endswith(".lanes]")
+        if not skipping:
+            kept.append(line)
+    cgfile.write_text("".join(kept))
+
+
 def run_all(
-    work: Path, out_json: Path, label: str, phases: list[str], store_archive: Path | None = None
+    work: Path,
+    out_json: Path,
+    label: str,
+    phases: list[str],
+    store_archive: Path | None = None,
+    no_lanes: bool = False,
 ) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     ws = work / "ws"
     if not ws.exists():
         shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+        if no_lanes:
+            _drop_lanes(ws / "Cgfile")
     if store_archive is not None and not (ws / ".cgbuild" / "store").exists():
         import tarfile
 
@@ -326,11 +346,13 @@ def main() -> None:
     ap.add_argument("--label", default=DEFAULT_LABEL)
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--store-archive", type=Path, help="a store sealed by an earlier mint phase")
+    ap.add_argument("--no-lanes", action="store_true", help="drop the example's lane tables")
     args = ap.parse_args()
     if args.what == "phase":
         print(json.dumps(phase(args.arg1, Path(args.arg2), args.label)), flush=True)
     else:
-        run_all(Path(args.arg1), Path(args.arg2), args.label, args.phases.split(","), args.store_archive)
+        phases = args.phases.split(",")
+        run_all(Path(args.arg1), Path(args.arg2), args.label, phases, args.store_archive, args.no_lanes)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Kill a real toy mint with SIGKILL at many points of every phase; after each, nothing is torn.
 
 A copy of examples/toy mints one target (`//toy/mlp/8x64-b1@fp32:cpu`: a trace, a worker, its
-compile, verify and two lane-measure stages, the seal, admission and the record). Each kill
-point waits for its trigger while the mint runs, then SIGKILLs the `cgbuild` process:
+compile stage and its check stage (verify, two lanes measured, serve), the seal, admission and
+the record). Each kill point waits for its trigger while the mint runs, then SIGKILLs the `cgbuild` process:
 - `proc:<text>`: a process carrying this run's marker (an environment variable every child
   inherits, compilers included) whose command line holds the text, e.g. `--stage compile`;
 - `log:<text>`: a line of the mint's own progress on stderr (`...: seal`, `...: admitting`);
@@ -57,11 +57,11 @@ POINTS: list[tuple[str, str, float]] = [
     ("compile", "proc:--stage compile", 1.5),
     ("compile", "proc:--stage compile", 4.0),
     ("compile", "hang:compile", 0.0),
-    ("verify", "proc:--stage verify", 0.0),
-    ("verify", "proc:--stage verify", 1.5),
+    ("verify", "proc:--stage check", 0.0),
+    ("verify", "proc:--stage check", 1.5),
     ("verify", "hang:verify", 0.0),
-    ("measure", "proc:--stage measure", 0.0),
-    ("measure", "proc:--stage measure", 1.0),
+    ("measure", "log:: lanes", 0.0),
+    ("measure", "log:: lanes", 1.0),
     ("measure", "log:lanes: measuring", 0.2),
     ("measure", "hang:measure", 0.0),
     ("seal", "log:: seal", 0.0),

@@ -20,7 +20,7 @@ one at run time, so one sealed artifact serves every lane and the key never ment
 The first value of an axis (in the entry's table order) is its reference: index 0 by default, and
 the baseline the other values' numerics are checked against.
 
-`measure` is the protocol a mint runs per candidate lane, in a fresh process: 3 warm-up calls,
+`measure` is the protocol a mint runs per candidate lane, in its check stage: 3 warm-up calls,
 reset the peak, 9 timed calls (CUDA events on a GPU, `perf_counter_ns` on the CPU), median and
 peak bytes. On a GPU the peak is `torch.cuda.max_memory_allocated` (every byte torch's allocator
 holds for the process: weights, activations, workspaces; not the CUDA context). On the CPU there
@@ -180,7 +180,7 @@ def _reset_cpu_peak() -> tuple[int, str]:
 
 
 def process_bytes() -> int:
-    """This process's resident size now: taken by the measure stage before it builds anything."""
+    """This process's resident size now: taken by the check stage before it builds anything."""
     return _status()["VmRSS"]
 
 

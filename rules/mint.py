@@ -12,22 +12,26 @@ typed failure of a stage, never a lost result.
    mode `empty`) and refuses `toolchain-drift` / `graph-drift` (old → new) when they differ from
    the key it was asked to build, so a drifted worker image never seals under a wrong key;
    (c) compiles weightless under the one compile policy; (d) normalizes the package (below).
-2. `verify` stage, in a fresh process: loads the normalized package through the real loader,
-   binds the entry's seed-0 random weights by FQN (user-managed, never calling before binding:
-   that segfaults), runs the entry's inputs and compares with eager under a per-dtype tolerance.
-   With lanes (docs/lanes.md) it runs EVERY lane combination of the one package against eager
-   with the same lane (`verify-mismatch` names the lane) and checks each value against its
-   axis's reference (the numerics self-check).
-3. `measure` stage, one fresh process for every candidate lane in turn (`cgbuild.lanes.candidates`:
-   buildable and numerically sound; none when fewer than two): per lane 3 warm-ups, reset peak, 9
-   timed calls, median and peak (`cgbuild_rules.lanes.measure`); the worker applies the fit rule
-   (`cgbuild.lanes.decide`) for the request's SKU.
+2-5 run in ONE `check` stage child, started beside the compile: it imports torch and the entry
+and builds the module with its seed-0 random weights while the compile runs (about 20 s of a
+klein-4B mint that no longer waits on it), then runs each part when the worker hands it its input:
+2. `verify`: loads the normalized package through the real loader, binds the module's weights by
+   FQN (user-managed, never calling before binding: that segfaults), runs the entry's inputs and
+   compares with eager (with the compile's literals) under a per-dtype tolerance, or the quant
+   rule's own. With lanes (docs/lanes.md) it runs EVERY lane combination of the one package
+   against eager with the same lane (`verify-mismatch` names the lane) and checks each value
+   against its axis's reference (the numerics self-check).
+3. `measure`: every candidate lane in turn (`cgbuild.lanes.candidates`: buildable and numerically
+   sound; none when fewer than two): per lane 3 warm-ups, reset peak, 9 timed calls, median and
+   peak (`cgbuild_rules.lanes.measure`); the worker applies the fit rule (`cgbuild.lanes.decide`)
+   for the request's SKU.
 4. Then the worker writes the metadata (with the discrete lane verdict) and seals
    (`cgbuild.store.seal`) into its work folder.
-5. `serve` stage, in a fresh process: the sealed artifact is adopted as a serving process adopts
-   it (`cgbuild_rules.adopt.adopt`, strict) into the entry's live module, the entry's call must
-   be served compiled, and it is compared with eager; a refusal fails the mint with adopt's own
-   code (docs/adopt.md). Only then does the artifact move to `<out>/<key>.tar.gz`.
+5. `serve`: the sealed artifact is adopted as a serving process adopts it
+   (`cgbuild_rules.adopt.adopt`, strict: unsealed and loaded anew) into the entry's live module,
+   the entry's call must be served compiled, and it is compared with eager; a refusal fails the
+   mint with adopt's own code (docs/adopt.md). Only then does the artifact move to
+   `<out>/<key>.tar.gz`. The child's death in a part is that phase's typed failure.
 
 The sealed constant table is the package loader's own constant list (docs/adopt.md: unused
 tensors and BatchNorm counters are not in it; tied tensors are one row with their `aliases`).
@@ -88,8 +92,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +116,8 @@ DEFAULT_SANDBOX = "/tmp/cgbuild-sandbox"
 # test hook: "<stage>:<SIGNAL>" makes that stage kill itself; "<stage>:hang" makes it wait on a
 # child that never ends (a compiler that hangs)
 FAULT_ENV = "CGBUILD_MINT_FAULT"
+POLL_S = 0.05
+"""How often the check stage and the worker look for each other's files."""
 # Relative RMS error allowed against eager, by output dtype (as text: identity blocks hold no
 # floats). fp32 compiles measured ~1e-7; klein-4B bf16 measured 2.3% from rounding alone.
 TOLERANCE = {"float32": "1e-4", "float64": "1e-9", "float16": "1e-2", "bfloat16": "5e-2"}
@@ -208,6 +216,78 @@ def run_stage(
     raise MintFailure(failure["code"], failure["detail"], **extra)
 
 
+class _Checking:
+    """The mint's one `check` stage child (verify, measure, serve), started before the compile
+    so its imports and the module's build overlap it. Each `part` hands the child its input and
+    waits for its result; the child's death, a failure it reports or `timeout_s` without a
+    result is the part's typed failure, as `run_stage` types a stage's."""
+
+    def __init__(self, work: Path, env: Mapping[str, str], timeout_s: float) -> None:
+        self.work, self.timeout_s = work, timeout_s
+        self.pid: int | None = None
+        self.ended: spawn.Ended | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(dict(env),), daemon=True)
+        self.thread.start()
+
+    def _run(self, env: dict[str, str]) -> None:
+        try:
+            self.ended = spawn.spawn(
+                "cgbuild_rules.mint",
+                ["--stage", "check", str(self.work)],
+                log=self.work / "check.log",
+                env=env,
+                death_signal=signal.SIGTERM,
+                started=self._started,
+            )
+        except BaseException as e:  # spawn refused to start (cgbuild is stopping): the part says so
+            self.error = e
+
+    def _started(self, pid: int) -> None:
+        self.pid = pid
+
+    def part(self, name: str, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        fs.write_atomic(self.work / f"go-{name}.json", json.dumps(dict(given or {})))
+        result_path = self.work / f"{name}.json"
+        deadline = time.monotonic() + self.timeout_s
+        while not result_path.exists():
+            if not self.thread.is_alive() and not result_path.exists():
+                self._died(name)
+            if time.monotonic() > deadline:
+                self.stop()
+                raise MintFailure("timeout", f"{name} stage: no result within {self.timeout_s:.0f} s")
+            time.sleep(POLL_S)
+        return dict(json.loads(result_path.read_text()))
+
+    def _died(self, name: str) -> None:
+        self.thread.join()
+        _echo(self.work / "check.log", "check")
+        if self.error is not None:
+            raise MintFailure("worker-killed", f"{name} stage did not start: {self.error}")
+        said = self.work / "check.json"
+        if said.exists():
+            result = json.loads(said.read_text())
+            if not result.get("ok"):
+                extra = {k: v for k, v in result.items() if k not in ("ok", "code", "detail")}
+                raise MintFailure(result["code"], result["detail"], **extra)
+        assert self.ended is not None
+        failure = self.ended.failure(f"{name} stage", self.timeout_s)
+        extra = {"signal": failure["signal"]} if "signal" in failure else {}
+        raise MintFailure(failure["code"], failure["detail"], **extra)
+
+    def finish(self) -> None:
+        self.thread.join(self.timeout_s)
+        if self.thread.is_alive():
+            self.stop()
+        _echo(self.work / "check.log", "check")
+
+    def stop(self) -> None:
+        """End the child and its group now (the mint failed, or a part outlived its time)."""
+        if self.pid is not None and self.thread.is_alive():
+            spawn.kill_group(self.pid)
+        self.thread.join(30)
+
+
 def _metadata(
     req: Mapping[str, Any], built: Mapping[str, Any], lanes_block: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -270,42 +350,46 @@ def mint(req: dict[str, Any], progress: Callable[[str], None] | None = None) -> 
         env["CXX"] = cxx
         (work / "request.json").write_text(json.dumps({**req, "cxx_path": cxx, "sandbox": str(sandbox)}))
         timeout = float(req.get("timeout_s") or 3600)
-        phase = "compile"
-        with _sandbox(sandbox, bool(req.get("fresh")), progress):
-            if progress:
-                progress(phase)  # the sandbox is held: the compile itself starts now
-            built = run_stage("compile", work, env, timeout)
-        phase = "verify"
-        if progress:
-            progress(phase)
         (work / "tmp").mkdir()
-        t = time.perf_counter()
-        checked = run_stage("verify", work, {**env, "TMPDIR": str(work / "tmp")}, timeout)
-        verify_s = time.perf_counter() - t  # the whole fresh process: start, import, load, compare
-        phase = "lanes"
-        t = time.perf_counter()
-        lanes_block, evidence = _lane_verdict(
-            req, built, checked, work, {**env, "TMPDIR": str(work / "tmp")}, timeout, progress
-        )
-        lanes_s = time.perf_counter() - t
-        phase = "seal"
-        if progress:
-            progress(phase)
-        t = time.perf_counter()
-        members = {PACKAGE: work / PACKAGE}
-        if (work / LITERALS).exists():
-            members[LITERALS] = work / LITERALS
-        staged = work / f"{key}.tar.gz"
-        sha = seal(staged, _metadata(req, built, lanes_block), members)
-        if read_metadata(staged)["key"] != key:
-            raise MintFailure("seal-failed", "sealed metadata does not read back with its key")
-        seal_s = time.perf_counter() - t
-        phase = "adopt"
-        if progress:
-            progress(phase)
-        t = time.perf_counter()
-        served = run_stage("serve", work, {**env, "TMPDIR": str(work / "tmp")}, timeout, [str(staged)])
-        adopt_s = time.perf_counter() - t
+        check = _Checking(work, {**env, "TMPDIR": str(work / "tmp")}, timeout)
+        try:
+            phase = "compile"
+            with _sandbox(sandbox, bool(req.get("fresh")), progress):
+                if progress:
+                    progress(phase)  # the sandbox is held: the compile itself starts now
+                built = run_stage("compile", work, env, timeout)
+            phase = "verify"
+            if progress:
+                progress(phase)
+            t = time.perf_counter()
+            checked = check.part("verify")
+            verify_s = time.perf_counter() - t  # from the package's end: load, eager, compare
+            phase = "lanes"
+            t = time.perf_counter()
+            lanes_block, evidence = _lane_verdict(req, built, checked, check, progress)
+            lanes_s = time.perf_counter() - t
+            phase = "seal"
+            if progress:
+                progress(phase)
+            t = time.perf_counter()
+            members = {PACKAGE: work / PACKAGE}
+            if (work / LITERALS).exists():
+                members[LITERALS] = work / LITERALS
+            staged = work / f"{key}.tar.gz"
+            sha = seal(staged, _metadata(req, built, lanes_block), members)
+            if read_metadata(staged)["key"] != key:
+                raise MintFailure("seal-failed", "sealed metadata does not read back with its key")
+            seal_s = time.perf_counter() - t
+            phase = "adopt"
+            if progress:
+                progress(phase)
+            t = time.perf_counter()
+            served = check.part("serve", {"artifact": str(staged)})
+            adopt_s = time.perf_counter() - t
+            check.finish()
+        except BaseException:
+            check.stop()
+            raise
         artifact = out / f"{key}.tar.gz"
         os.replace(staged, artifact)  # only an artifact a serving process adopted leaves the mint
         result: dict[str, Any] = {
@@ -683,57 +767,114 @@ def compare_outputs(got: Any, want: Any, tolerance: str | None = None) -> list[d
     return errors
 
 
-def stage_verify(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
+@dataclass
+class _Checked:
+    """What the `check` stage keeps between its parts: the entry's module (built once, seed-0
+    weights), its literals, and the package bound for verification."""
+
+    job: Any
+    built: Any
+    base_bytes: int
+    literals: dict[str, Any] = field(default_factory=dict)
+    package: Any = None
+    bound: dict[str, Any] = field(default_factory=dict)
+
+
+def _verify(req: Mapping[str, Any], work: Path, c: _Checked) -> dict[str, Any]:
+    """The compiled package through the real loader against the module's eager output (with the
+    literals the compile wrote), and every lane of it when the request has lanes."""
     _fault("verify")
     import torch
     from cgbuild_rules import trace
     from cgbuild_rules.loader import Package, state_tensors
 
-    job = trace.parse_job(req["job"])
-    built = trace.build(job, "real")
-    literals: dict[str, torch.Tensor] = {}
+    job, built = c.job, c.built
     if (work / LITERALS).exists():
         from safetensors.torch import load_file
 
-        literals = {k: v.to(job.device) for k, v in load_file(str(work / LITERALS)).items()}
-        for fqn, value in literals.items():
+        c.literals = {k: v.to(job.device) for k, v in load_file(str(work / LITERALS)).items()}
+        for fqn, value in c.literals.items():
             trace._set_attribute(built.module, fqn, value)
     with torch.no_grad():
         want = built.module(*built.args, **built.kwargs)
-    package = Package(work / PACKAGE)
-    live = {**state_tensors(built.module), **literals}
-    missing = sorted(set(package.constant_fqns) - set(live))
+    c.package = Package(work / PACKAGE)
+    live = {**state_tensors(built.module), **c.literals}
+    missing = sorted(set(c.package.constant_fqns) - set(live))
     if missing:
         raise MintFailure(
             "constant-table-mismatch", f"the package needs constants the module lacks: {missing[:5]}"
         )
-    bound = {fqn: live[fqn] for fqn in package.constant_fqns}
-    package.bind(bound)
+    c.bound = {fqn: live[fqn] for fqn in c.package.constant_fqns}
+    c.package.bind(c.bound)
     with torch.no_grad():
-        got = package(*built.args, **built.kwargs)
+        got = c.package(*built.args, **built.kwargs)
     result: dict[str, Any] = {"ok": True, "errors": compare_outputs(got, want, _tol(job))}
     if req.get("lanes"):
-        result["lanes"] = _verify_lanes(req, job, built, package, bound)
+        result["lanes"] = _verify_lanes(req, job, built, c.package, c.bound)
     return result
 
 
+def _await(work: Path, part: str) -> dict[str, Any]:
+    """Wait for the worker to hand this stage `part`'s input (`go-<part>.json`, written atomically)."""
+    go = work / f"go-{part}.json"
+    while not go.exists():
+        time.sleep(POLL_S)
+    return dict(json.loads(go.read_text()))
+
+
+def stage_check(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
+    """verify, measure and serve in ONE process, started beside the compile.
+
+    Importing torch and the entry and building the module with its seed-0 weights (about 20 s
+    for klein-4B) happen while the compile runs; each part then waits for its input from the
+    worker (`go-verify`, `go-measure` with the candidates, `go-serve` with the sealed artifact)
+    and writes `<part>.json`. A part that fails ends the stage with its failure (`check.json`).
+    """
+    import torch
+    from cgbuild_rules import lanes as lane_rt
+    from cgbuild_rules import trace
+
+    job = trace.parse_job(req["job"])
+    base = lane_rt.process_bytes()  # the bare process, before the module or package exist
+    c = _Checked(job, trace.build(job, "real"), base)
+    _await(work, "verify")
+    fs.write_atomic(work / "verify.json", json.dumps(_verify(req, work, c)))
+    candidates = _await(work, "measure")["candidates"]
+    if candidates:
+        threads = torch.get_num_threads()
+        try:
+            fs.write_atomic(work / "measure.json", json.dumps(_measure(req, c, candidates)))
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        fs.write_atomic(work / "measure.json", json.dumps({"ok": True, "runs": {}}))
+    artifact = _await(work, "serve")["artifact"]
+    fs.write_atomic(work / "serve.json", json.dumps(_serve(req, c.job, c.built, artifact)))
+    return {"ok": True}
+
+
 def stage_serve(req: Mapping[str, Any], work: Path, artifact: str) -> dict[str, Any]:
-    """The sealed artifact as a serving process meets it, in this fresh process: the live module
+    """The sealed artifact as a serving process meets it (`cgbuild verify --run`'s own process;
+    a mint's check stage runs the same `_serve` on the module it built): the live module
     from the entry (seed-0 weights, its own literals), `adopt` (strict: a refusal fails the mint
     with adopt's own code), the entry's call served through it, which must run compiled (no
     eager fallback, by the router's counters), compared against eager. An artifact with lanes
     is adopted once per lane it can serve, each pinned, against eager with the same lane.
     """
+    from cgbuild_rules import trace
+
+    job = trace.parse_job(req["job"])
+    return _serve(req, job, trace.build(job, "real"), artifact)
+
+
+def _serve(req: Mapping[str, Any], job: Any, built: Any, artifact: str) -> dict[str, Any]:
     _fault("serve")
     import torch
     from cgbuild_rules import lanes as lane_rt
-    from cgbuild_rules import trace
     from cgbuild_rules.adopt import AdoptRefused, adopt
 
     from cgbuild import lanes
 
-    job = trace.parse_job(req["job"])
-    built = trace.build(job, "real")
     block = read_metadata(artifact).get("lanes") or {}
     rows = block.get("axes") or []
     axes = [r["axis"] for r in rows]
@@ -807,58 +948,45 @@ def _verify_lanes(
     return {"rows": rows, **checks}
 
 
-def stage_measure(req: Mapping[str, Any], work: Path, *candidates: str) -> dict[str, Any]:
-    """Every candidate lane's benchmark, in turn, in this one fresh process
-    (cgbuild_rules.lanes.measure): the module is built and the package loaded once, and each
-    lane is bound in its place before its own warm-ups, peak reset and timed calls.
-
-    One process rather than one per lane: building a klein-4B module with random weights and
-    importing its code is ~20 s a process, more than all its lanes' timed calls together. A lane
-    measured later does not inherit an earlier one's peak: the GPU's counter and the CPU's
-    resident high-water mark are reset per lane, after freed memory was returned.
-    """
+def _measure(req: Mapping[str, Any], c: _Checked, candidates: Sequence[str]) -> dict[str, Any]:
+    """Every candidate lane's benchmark, in turn, on the module and package this stage already
+    holds (cgbuild_rules.lanes.measure): each lane is bound in its place before its own warm-ups,
+    peak reset and timed calls. A lane measured later does not inherit an earlier one's peak: the
+    GPU's counter and the CPU's resident high-water mark are reset per lane, after freed memory
+    was returned."""
     _fault("measure")
     import gc
 
     import torch
     from cgbuild_rules import lanes as lane_rt
-    from cgbuild_rules import trace
-    from cgbuild_rules.loader import Package, state_tensors
+    from cgbuild_rules.loader import state_tensors
 
     from cgbuild import lanes
 
-    job = trace.parse_job(req["job"])
+    job, built = c.job, c.built
     if job.device == "cpu":
         # One intra-op thread: on a shared host a parallel region waits for every thread it
         # started, and another process on a core stalls each call by a scheduler slice (24 ms
         # per call measured here at 2 threads, against 0.1 ms alone), which would rank lanes by
         # the neighbours' load. The thread count is in the evidence.
         torch.set_num_threads(1)
-    base = lane_rt.process_bytes()  # the bare process, before the module or package exist
-    built = trace.build(job, "real")
-    literals: dict[str, torch.Tensor] = {}
-    if (work / LITERALS).exists():
-        from safetensors.torch import load_file
-
-        literals = {k: v.to(job.device) for k, v in load_file(str(work / LITERALS)).items()}
-    live = {**state_tensors(built.module), **literals}
+    live = {**state_tensors(built.module), **c.literals}
     rows = _lane_rows(req, job, built.module)
     axes = [r["axis"] for r in rows]
-    package = Package(work / PACKAGE)
-    constants = {f: live[f] for f in package.constant_fqns}
+    constants = {f: live[f] for f in c.package.constant_fqns}
     device = torch.device(job.device)
 
     def call() -> Any:
-        return package(*built.args, **built.kwargs)
+        return c.package(*built.args, **built.kwargs)
 
     runs: dict[str, Any] = {}
     for lane in candidates:
         print(f"lanes: measuring {lane}", file=sys.stderr, flush=True)
-        package.bind({**constants, **lane_rt.bindings(rows, lanes.split(lane, axes), job.device)})
+        c.package.bind({**constants, **lane_rt.bindings(rows, lanes.split(lane, axes), job.device)})
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        runs[lane] = lane_rt.measure(call, device, base if device.type == "cpu" else 0)
+        runs[lane] = lane_rt.measure(call, device, c.base_bytes if device.type == "cpu" else 0)
     return {"ok": True, "runs": runs, "device": lane_rt.device_facts(device)}
 
 
@@ -866,12 +994,10 @@ def _lane_verdict(
     req: Mapping[str, Any],
     built: Mapping[str, Any],
     checked: Mapping[str, Any],
-    work: Path,
-    env: Mapping[str, str],
-    timeout: float,
+    check: _Checking,
     progress: Callable[[str], None] | None,
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """Candidates from capability, one fresh `measure` stage for all of them, the rule's verdict.
+    """Candidates from capability, measured in the check stage, the rule's verdict.
 
     Returns (the sealed `lanes` block: discrete facts only; the evidence: raw timings, samples,
     the device, never sealed), or (None, None) when the request declares no lanes.
@@ -880,6 +1006,7 @@ def _lane_verdict(
 
     want = req.get("lanes")
     if not want:
+        check.part("measure", {"candidates": []})
         return None, None
     rows = checked["lanes"]["rows"]
     used = {r["axis"] for r in rows}
@@ -895,10 +1022,10 @@ def _lane_verdict(
     )
     candidates = lanes.candidates(declared, needs, req["sm"], triton, numerics)
     runs: dict[str, Any] = {}
+    if candidates and progress:
+        progress(f"lanes: measuring {', '.join(candidates)}")
+    stage = check.part("measure", {"candidates": candidates})
     if candidates:
-        if progress:
-            progress(f"lanes: measuring {', '.join(candidates)}")
-        stage = run_stage("measure", work, env, timeout, candidates)
         runs = {lane: {"lane": lane, **stage["runs"][lane], "device": stage["device"]} for lane in candidates}
         sku = want["sku"]
         measured = [
@@ -931,9 +1058,7 @@ def _lane_verdict(
 
 def _stage_main(stage: str, work: Path, args: Sequence[str] = ()) -> int:
     req = json.loads((work / "request.json").read_text())
-    fn = {"compile": stage_compile, "verify": stage_verify, "measure": stage_measure, "serve": stage_serve}[
-        stage
-    ]
+    fn = {"compile": stage_compile, "check": stage_check, "serve": stage_serve}[stage]
     try:
         result = fn(req, work, *args)
     except MintFailure as e:

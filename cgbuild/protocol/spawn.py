@@ -110,7 +110,8 @@ def _die_with_parent(parent: int, death_signal: int) -> Callable[[], None]:
     return preexec
 
 
-def _kill_group(pid: int) -> None:
+def kill_group(pid: int) -> None:
+    """End a child's whole process group (the child and whatever it started)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
 
@@ -132,8 +133,12 @@ def spawn(
     env: Mapping[str, str] | None = None,
     timeout_s: float | None = None,
     death_signal: int = signal.SIGKILL,
+    started: Callable[[int], None] | None = None,
 ) -> Ended:
     """Run `python -m module *args` to its end and say how it ended.
+
+    `started` hears the child's pid (its process group's id) once it runs: a caller that waits
+    on it from another thread can then end the group itself (`kill_group`).
 
     `request` is written to its stdin as JSON (else stdin is empty). With `on_message` its stdout
     is the protocol stream: each line that is a JSON object is handed over as it arrives; the
@@ -159,11 +164,13 @@ def spawn(
                 preexec_fn=_die_with_parent(os.getpid(), death_signal),
             )
             _live[proc.pid] = proc
+        if started is not None:
+            started(proc.pid)
         timed_out = threading.Event()
 
         def expire() -> None:
             timed_out.set()
-            _kill_group(proc.pid)
+            kill_group(proc.pid)
 
         def reap_group() -> None:
             # Whatever the child left running in its group goes with it (a leftover holding the
@@ -171,7 +178,7 @@ def spawn(
             # child still holds its pid, so the group id cannot name anyone else.
             with contextlib.suppress(ChildProcessError):
                 os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
-            _kill_group(proc.pid)
+            kill_group(proc.pid)
 
         timer = threading.Timer(timeout_s, expire) if timeout_s is not None else None
         reaper = threading.Thread(target=reap_group, daemon=True)
@@ -196,7 +203,7 @@ def spawn(
             if timer is not None:
                 timer.cancel()
             if proc.returncode is None:  # the caller's thread was interrupted: take the child along
-                _kill_group(proc.pid)
+                kill_group(proc.pid)
                 proc.wait()
             if proc.stdout is not None:
                 proc.stdout.close()
@@ -226,7 +233,7 @@ def stop_children() -> None:
         _stopping = True
         for pid in list(_live):
             _stopped.add(pid)
-            _kill_group(pid)
+            kill_group(pid)
 
 
 @contextlib.contextmanager

@@ -251,6 +251,20 @@ def test_a_stage_that_dies_is_a_typed_retryable_failure(
     assert result["signal"] == sig and result["phase"] == "compile"
 
 
+@pytest.mark.parametrize(("part", "phase"), [("verify", "verify"), ("serve", "adopt")])
+def test_the_check_stage_dying_in_a_part_fails_that_phase(
+    cheap_request: dict[str, Any], part: str, phase: str
+) -> None:
+    """verify, measure and serve run in one child started beside the compile: its death while
+    the worker waits on one of them is that phase's typed, retryable failure (never a hang)."""
+    import os
+
+    result = run_worker(cheap_request, env={**os.environ, "CGBUILD_MINT_FAULT": f"{part}:SIGKILL"})
+    assert result["ok"] is False and result["code"] == "worker-killed" and result["retryable"] is True
+    assert result["phase"] == phase and result["signal"] == "SIGKILL"
+    assert f"{part} stage" in result["detail"]
+
+
 def test_bad_requests_are_typed(cheap_request: dict[str, Any]) -> None:
     assert run_worker({"schema": "nope"})["code"] == "bad-request"
     mixed = run_worker({**cheap_request, "sm": "sm_90"})
