@@ -992,7 +992,7 @@ def test_a_mint_that_loses_the_race_is_told_which_artifact_stands(
 
 
 def test_fetch_and_republish_refuse_a_ref_naming_another_keys_artifact(
-    tmp_path: Path, keys: dict[str, tuple[Path, str]], request: pytest.FixtureRequest, signing: None
+    s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], request: pytest.FixtureRequest, signing: None
 ) -> None:
     """Signed and intact, but another key's sealed artifact: the pull quarantines the remote ref
     (the object stays: it is the other key's) and a republish never publishes it."""
