@@ -776,6 +776,9 @@ class _Checked:
     built: Any
     base_bytes: int
     literals: dict[str, Any] = field(default_factory=dict)
+    own: dict[str, Any] = field(default_factory=dict)
+    """The module's own values of those literals (what it was built with), put back before the
+    serve part: a serving process's module holds its own, not the compile's."""
     package: Any = None
     bound: dict[str, Any] = field(default_factory=dict)
 
@@ -794,6 +797,9 @@ def _verify(req: Mapping[str, Any], work: Path, c: _Checked) -> dict[str, Any]:
 
         c.literals = {k: v.to(job.device) for k, v in load_file(str(work / LITERALS)).items()}
         for fqn, value in c.literals.items():
+            prefix, _, name = fqn.rpartition(".")
+            owner = built.module.get_submodule(prefix) if prefix else built.module
+            c.own[fqn] = getattr(owner, name, None)
             trace._set_attribute(built.module, fqn, value)
     with torch.no_grad():
         want = built.module(*built.args, **built.kwargs)
@@ -849,6 +855,9 @@ def stage_check(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     else:
         fs.write_atomic(work / "measure.json", json.dumps({"ok": True, "runs": {}}))
     artifact = _await(work, "serve")["artifact"]
+    for fqn, value in c.own.items():
+        if value is not None:
+            trace._set_attribute(c.built.module, fqn, value)
     fs.write_atomic(work / "serve.json", json.dumps(_serve(req, c.job, c.built, artifact)))
     return {"ok": True}
 

@@ -73,7 +73,7 @@ def test_mint_records_and_artifacts(minted_toy: Path) -> None:
         assert record["state"] == "ok" and record["labels"] == [t["label"]]
         assert {"export", "compile", "verify", "seal"} <= set(record["result"]["phases"])
         log = Path(record["log"]).read_text()  # the worker's own output, stage by stage
-        assert "== compile stage" in log and "== verify stage" in log
+        assert "== compile stage" in log and "== check stage" in log
         meta = read_metadata(store.resolve(t["key"]).path)
         assert meta["key"] == t["key"] and meta["sm"] == "cpu"
         assert meta["facets"] == [t["envelope"]]
