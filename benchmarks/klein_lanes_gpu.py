@@ -9,7 +9,8 @@ speed claim of an fp8 artifact is only worth its error. Two modes, each one call
             TFLOP/s, error against fp64; and the `fp8-gemm` lane's two values at klein-4B's
             linear shapes: `scaled-mm` (the row quantization compiled by Inductor, then
             `torch._scaled_mm` with the bias) and `triton` (the compiled row scale, then
-            `cgbuild::fp8_rowwise_linear_v1`), each whole and its GEMM alone, beside bf16
+            `cgbuild::fp8_rowwise_linear_v1`), each whole and its GEMM alone, the row
+            quantization alone, beside bf16
             `F.linear`, errors against fp64.
   models    in a copy of examples/flux2_klein: optionally `cgbuild plan '//flux2-klein:sm_90'`
             (the graph digests the tests bank), `cgbuild mint` of each `--mint` label (wall,
@@ -135,6 +136,7 @@ def _gemm_row(m: int, k_in: int, n: int, gen: Any, quantize: Any, row_scale: Any
         "scaled_mm_gemm_ms": _events(lambda: scaled_mm(xq, xs), 5, 20),
         "triton_lane_ms": _events(triton_lane, 5, 20),
         "triton_gemm_ms": _events(lambda: fused(x, xs.reshape(-1), w, ws, b), 5, 20),
+        "quant_ms": _events(lambda: quantize(x), 5, 20),
         "rel_bf16_vs_fp64": _rel(lin(x), ref),
         "rel_scaled_mm_vs_fp64": _rel(scaled_lane(), ref),
         "rel_triton_vs_fp64": _rel(triton_lane(), ref),

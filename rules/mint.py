@@ -184,9 +184,7 @@ def _echo(log: Path, stage: str) -> None:
     sys.stderr.flush()
 
 
-def run_stage(
-    stage: str, work: Path, env: Mapping[str, str], timeout_s: float, args: Sequence[str] = ()
-) -> dict[str, Any]:
+def run_stage(stage: str, work: Path, env: Mapping[str, str], timeout_s: float) -> dict[str, Any]:
     """Run one stage child; return its result, or raise a typed failure for how it died.
 
     A stage starts programs of its own (the compile stage's compilers), so it dies by SIGTERM
@@ -197,7 +195,7 @@ def run_stage(
     try:
         ended = spawn.spawn(
             "cgbuild_rules.mint",
-            ["--stage", stage, str(work), *args],
+            ["--stage", stage, str(work)],
             log=work / f"{stage}.log",
             env=env,
             timeout_s=timeout_s,
@@ -206,14 +204,24 @@ def run_stage(
     finally:
         _echo(work / f"{stage}.log", stage)
     if result_path.exists() and not ended.timed_out:
-        result = json.loads(result_path.read_text())
-        if not result.get("ok"):
-            extra = {k: v for k, v in result.items() if k not in ("ok", "code", "detail")}
-            raise MintFailure(result["code"], result["detail"], **extra)
-        return result
-    failure = ended.failure(f"{stage} stage", timeout_s)
+        return _stage_result(result_path)
+    raise _ended_failure(ended, f"{stage} stage", timeout_s)
+
+
+def _stage_result(path: Path) -> dict[str, Any]:
+    """A stage's result file: the result, or the failure it reports raised as a MintFailure."""
+    result = json.loads(path.read_text())
+    if not result.get("ok"):
+        extra = {k: v for k, v in result.items() if k not in ("ok", "code", "detail")}
+        raise MintFailure(result["code"], result["detail"], **extra)
+    return dict(result)
+
+
+def _ended_failure(ended: spawn.Ended, what: str, timeout_s: float) -> MintFailure:
+    """How a stage child that left no result ended, as the typed failure of `what`."""
+    failure = ended.failure(what, timeout_s)
     extra = {"signal": failure["signal"]} if "signal" in failure else {}
-    raise MintFailure(failure["code"], failure["detail"], **extra)
+    return MintFailure(failure["code"], failure["detail"], **extra)
 
 
 class _Checking:
@@ -264,16 +272,10 @@ class _Checking:
         _echo(self.work / "check.log", "check")
         if self.error is not None:
             raise MintFailure("worker-killed", f"{name} stage did not start: {self.error}")
-        said = self.work / "check.json"
-        if said.exists():
-            result = json.loads(said.read_text())
-            if not result.get("ok"):
-                extra = {k: v for k, v in result.items() if k not in ("ok", "code", "detail")}
-                raise MintFailure(result["code"], result["detail"], **extra)
+        if (self.work / "check.json").exists():
+            _stage_result(self.work / "check.json")  # raises the failure the stage reported
         assert self.ended is not None
-        failure = self.ended.failure(f"{name} stage", self.timeout_s)
-        extra = {"signal": failure["signal"]} if "signal" in failure else {}
-        raise MintFailure(failure["code"], failure["detail"], **extra)
+        raise _ended_failure(self.ended, f"{name} stage", self.timeout_s)
 
     def finish(self) -> None:
         self.thread.join(self.timeout_s)
@@ -723,7 +725,7 @@ def _rel_rms(got: Any, want: Any) -> float:
 
 def _rule_tolerance(quant: str) -> dict[str, str]:
     """{"rule": tolerance} when the layout's quant rule states its own (fp8-rowwise), else {}."""
-    stated = QUANT_RULES[quant].tolerance
+    stated = _tol(quant)
     return {"rule": stated} if stated else {}
 
 
@@ -781,6 +783,8 @@ class _Checked:
     serve part: a serving process's module holds its own, not the compile's."""
     package: Any = None
     bound: dict[str, Any] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """The sealed switch table, as verify found it on the module."""
 
 
 def _verify(req: Mapping[str, Any], work: Path, c: _Checked) -> dict[str, Any]:
@@ -789,6 +793,7 @@ def _verify(req: Mapping[str, Any], work: Path, c: _Checked) -> dict[str, Any]:
     _fault("verify")
     import torch
     from cgbuild_rules import trace
+    from cgbuild_rules.adopt import _attribute
     from cgbuild_rules.loader import Package, state_tensors
 
     job, built = c.job, c.built
@@ -797,9 +802,7 @@ def _verify(req: Mapping[str, Any], work: Path, c: _Checked) -> dict[str, Any]:
 
         c.literals = {k: v.to(job.device) for k, v in load_file(str(work / LITERALS)).items()}
         for fqn, value in c.literals.items():
-            prefix, _, name = fqn.rpartition(".")
-            owner = built.module.get_submodule(prefix) if prefix else built.module
-            c.own[fqn] = getattr(owner, name, None)
+            c.own[fqn] = _attribute(built.module, fqn)
             trace._set_attribute(built.module, fqn, value)
     with torch.no_grad():
         want = built.module(*built.args, **built.kwargs)
@@ -814,9 +817,10 @@ def _verify(req: Mapping[str, Any], work: Path, c: _Checked) -> dict[str, Any]:
     c.package.bind(c.bound)
     with torch.no_grad():
         got = c.package(*built.args, **built.kwargs)
-    result: dict[str, Any] = {"ok": True, "errors": compare_outputs(got, want, _tol(job))}
+    result: dict[str, Any] = {"ok": True, "errors": compare_outputs(got, want, _tol(job.quant))}
     if req.get("lanes"):
         result["lanes"] = _verify_lanes(req, job, built, c.package, c.bound)
+        c.rows = result["lanes"]["rows"]
     return result
 
 
@@ -913,13 +917,14 @@ def _serve(req: Mapping[str, Any], job: Any, built: Any, artifact: str) -> dict[
             code, detail = (why.code, why.detail) if why else ("verify-failed", f"counters {counters}")
             raise MintFailure(code, f"adopted, but the entry's own call was served eager: {detail}")
         tag = {} if lane is None else {"lane": lane}
-        errors += [{**e, **tag} for e in compare_outputs(got, want, _tol(job))]
+        errors += [{**e, **tag} for e in compare_outputs(got, want, _tol(job.quant))]
         served.append({**tag, "counters": counters, "seconds": round(adopted.armed[0].seconds, 3)})
     return {"ok": True, "errors": errors, "served": served}
 
 
-def _tol(job: Any) -> str | None:
-    return QUANT_RULES[job.quant].tolerance
+def _tol(quant: str) -> str | None:
+    """The tolerance the layout's quant rule states, or None (the compute dtype's applies)."""
+    return QUANT_RULES[quant].tolerance
 
 
 def _lane_rows(req: Mapping[str, Any], job: Any, module: Any) -> list[dict[str, Any]]:
@@ -952,7 +957,7 @@ def _verify_lanes(
         with torch.no_grad():
             return package(*built.args, **built.kwargs)
 
-    compare = functools.partial(compare_outputs, tolerance=_tol(job))
+    compare = functools.partial(compare_outputs, tolerance=_tol(job.quant))
     checks = lane_rt.verify_lanes(rows, eager, compiled, compare)
     return {"rows": rows, **checks}
 
@@ -968,7 +973,6 @@ def _measure(req: Mapping[str, Any], c: _Checked, candidates: Sequence[str]) -> 
 
     import torch
     from cgbuild_rules import lanes as lane_rt
-    from cgbuild_rules.loader import state_tensors
 
     from cgbuild import lanes
 
@@ -979,10 +983,7 @@ def _measure(req: Mapping[str, Any], c: _Checked, candidates: Sequence[str]) -> 
         # per call measured here at 2 threads, against 0.1 ms alone), which would rank lanes by
         # the neighbours' load. The thread count is in the evidence.
         torch.set_num_threads(1)
-    live = {**state_tensors(built.module), **c.literals}
-    rows = _lane_rows(req, job, built.module)
-    axes = [r["axis"] for r in rows]
-    constants = {f: live[f] for f in c.package.constant_fqns}
+    rows, axes = c.rows, [r["axis"] for r in c.rows]
     device = torch.device(job.device)
 
     def call() -> Any:
@@ -991,7 +992,7 @@ def _measure(req: Mapping[str, Any], c: _Checked, candidates: Sequence[str]) -> 
     runs: dict[str, Any] = {}
     for lane in candidates:
         print(f"lanes: measuring {lane}", file=sys.stderr, flush=True)
-        c.package.bind({**constants, **lane_rt.bindings(rows, lanes.split(lane, axes), job.device)})
+        c.package.bind({**c.bound, **lane_rt.bindings(rows, lanes.split(lane, axes), job.device)})
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -138,6 +138,17 @@ FP8_GEMM = {"scaled-mm": scaled_mm_linear, "triton": triton_linear}
 """The `fp8-gemm` lane's implementations, by value (the rule's record lists the same values)."""
 
 
+def _register_fp8_gemm_op() -> None:
+    from cgbuild_rules.fp8_gemm import op
+
+    op()  # registers cgbuild::fp8_rowwise_linear_v1
+
+
+SETUP = {("fp8-gemm", "triton"): _register_fp8_gemm_op}
+"""(axis, value) → what must run before a switch carrying that value is built (a custom op to
+register: a `torch.cond` branch may only call it)."""
+
+
 class Fp8RowwiseLinear(_RowwiseLinear):
     """`fp8-rowwise`: per-row fp8 activations × fp8 weights on fp8 tensor cores.
 
@@ -197,10 +208,8 @@ def convert(
     for axis in record.lanes:
         values = list((lanes or {}).get(axis) or [])
         if values and done:
-            if "triton" in values:
-                from cgbuild_rules.fp8_gemm import op
-
-                op()  # registers cgbuild::fp8_rowwise_linear_v1
+            for value in values:
+                SETUP.get((axis, value), lambda: None)()
             _attach(module, LaneSwitch(axis, values))
     return module, done
 
@@ -235,7 +244,7 @@ def probe(rule: str, device: torch.device | str) -> tuple[bool, str]:
         with torch.no_grad():
             got = q(x).float()
             rows = x.float()
-            x_scale = (rows.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(ACT_SCALE_FLOOR)
+            x_scale = _row_scale(rows)
             xq = (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * x_scale
             w = q.weight.float() * q.weight_scale[:, None]
             want = xq @ w.t() + q.bias.float()  # type: ignore[union-attr]

@@ -46,6 +46,7 @@ from typing import Any, Literal
 import torch
 from cgbuild_rules import quant as quant_rules
 from cgbuild_rules.digest import TraceError, graph_facts, is_hidden
+from cgbuild_rules.loader import state_tensors
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
@@ -284,10 +285,7 @@ def _set_attribute(module: nn.Module, fqn: str, value: torch.Tensor) -> None:
 def _ties(module: nn.Module) -> list[list[str]]:
     """Names under which one parameter or buffer object is registered (tied weights), per object."""
     names: dict[int, list[str]] = {}
-    for fqn, t in [
-        *module.named_parameters(remove_duplicate=False),
-        *module.named_buffers(remove_duplicate=False),
-    ]:
+    for fqn, t in state_tensors(module).items():
         names.setdefault(id(t), []).append(fqn)
     return [group for group in names.values() if len(group) > 1]
 
@@ -295,17 +293,13 @@ def _ties(module: nn.Module) -> list[list[str]]:
 def _retie(module: nn.Module, ties: list[list[str]]) -> None:
     """Tie again what `to_empty` untied: it gives every registration its own new tensor, so a
     tied embedding and LM head would export as two weights (another program: `graph-drift`)."""
+    tensors = state_tensors(module)
     for first, *rest in ties:
-        prefix, _, name = first.rpartition(".")
-        owner = module.get_submodule(prefix) if prefix else module
-        shared = owner._parameters.get(name)
-        if shared is None:
-            shared = owner._buffers[name]
         for fqn in rest:
             prefix, _, name = fqn.rpartition(".")
             other = module.get_submodule(prefix) if prefix else module
             table = other._parameters if name in other._parameters else other._buffers
-            table[name] = shared
+            table[name] = tensors[first]
 
 
 def call_entry(fn: Callable[[dict[str, Any]], Any], spec: dict[str, Any], quant: str) -> Built:

@@ -553,12 +553,16 @@ def _family(r: _Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict
     )
 
 
+RULE_AXES = {axis: rule.name for rule in QUANT_RULES.values() for axis in rule.lanes}
+"""Every quant rule's lane axis → the rule that owns it."""
+
+
 def _rule_axes(rules: set[str]) -> dict[str, tuple[str, dict[str, Needs]]]:
     """axis → (owning quant rule, value → needs) for the lane axes of the rules a family uses."""
     return {
-        axis: (rule, {v: Needs.from_json(n) for v, n in values.items()})
-        for rule in sorted(rules)
-        for axis, values in QUANT_RULES[rule].lanes.items()
+        axis: (rule, {v: Needs.from_json(n) for v, n in QUANT_RULES[rule].lanes[axis].items()})
+        for axis, rule in RULE_AXES.items()
+        if rule in rules
     }
 
 
@@ -589,14 +593,14 @@ def _lanes(
             *here,
         )
     entry_axes = table.axes if table is not None else {}
-    for axis in entry_axes:
-        if _owner_hint(axis):  # any rule's axis, whether or not a layout here uses the rule yet
-            raise UserError(
-                f"LANES[{axis!r}]: '{axis}' is a quant rule's lane axis; rename the entry's",
-                file=table.file if table else None,
-                line=table.line if table else None,
-                field="LANES",
-            )
+    clash = next((axis for axis in entry_axes if axis in RULE_AXES), None)
+    if table is not None and clash is not None:  # whether or not a layout here uses the rule yet
+        raise UserError(
+            f"LANES[{clash!r}]: '{clash}' is a quant rule's lane axis; rename the entry's",
+            file=table.file,
+            line=table.line,
+            field="LANES",
+        )
     axes: list[tuple[str, tuple[str, ...]]] = []
     needs: dict[str, dict[str, Needs]] = {}
     owners: dict[str, str] = {}
@@ -644,10 +648,9 @@ def _lanes(
 
 def _owner_hint(axis: str) -> str:
     """A rule's axis declared on a family none of whose layouts uses the rule: say which rule."""
-    for rule in QUANT_RULES.values():
-        if axis in rule.lanes:
-            return f"; '{axis}' belongs to quant rule '{rule.name}', which no layout of this family uses"
-    return ""
+    if axis not in RULE_AXES:
+        return ""
+    return f"; '{axis}' belongs to quant rule '{RULE_AXES[axis]}', which no layout of this family uses"
 
 
 MODULE_KEYS = {"component", "shapes", "text_lengths", "batch_sizes", "guidance"}

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -58,21 +56,3 @@ def stat_stamp(path: str | os.PathLike[str]) -> list[int] | None:
     except (OSError, ValueError):  # ValueError: a NUL in a path someone else's file named
         return None
     return [st.st_mtime_ns, st.st_size, st.st_ino]
-
-
-def set_aside(path: str | os.PathLike[str], why: str) -> Path | None:
-    """Rename a torn or foreign state file to `<name>.torn-<UTC time>` so it is rebuilt, with
-    one warning naming both; returns the new name (None when it vanished meanwhile). State
-    files are caches and records of cgbuild's own: one that does not parse is kept for a look,
-    never trusted, and never a reason to stop."""
-    src = Path(path)
-    dest = src.with_name(f"{src.name}.torn-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
-    try:
-        os.replace(src, dest)
-    except FileNotFoundError:
-        return None
-    except OSError as e:  # a read-only state folder: ignored this run, left for a writer
-        print(f"cgbuild: warning: {src} {why}; ignored (cannot set it aside: {e})", file=sys.stderr)
-        return None
-    print(f"cgbuild: warning: {src} {why}; set aside as {dest.name} and rebuilt", file=sys.stderr)
-    return dest

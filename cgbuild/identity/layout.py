@@ -576,11 +576,20 @@ def layout_identity(topology: str, quant: QuantRule) -> dict[str, str]:
     return {"topology": topology, "quant": quant.digest}
 
 
+def layout_stamp(family: str, component: str, quant: QuantRule) -> str:
+    """`<family>.<component>@<topology scheme>+<rule>@<version>`: for people, never parsed."""
+    return f"{family}.{component}@{TOPOLOGY_SCHEME}+{quant.display}"
+
+
 def layout_axis(
     family: str, component: str, quant: QuantRule, topology: str, source: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(identity, readable) blocks of the layout axis; identity holds digests only."""
     identity = layout_identity(topology, quant)
-    stamp = f"{family}.{component}@{TOPOLOGY_SCHEME}+{quant.display}"
-    readable = {**identity, "stamp": stamp, "topology_source": source, "quant_rule": quant.display}
+    readable = {
+        **identity,
+        "stamp": layout_stamp(family, component, quant),
+        "topology_source": source,
+        "quant_rule": quant.display,
+    }
     return identity, readable

@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 
 
 PLAN_SCHEMA = "cgbuild.plan/1"
-LAST_PLAN_SCHEMA = laststate.SCHEMA
 
 
 @dataclass
@@ -362,7 +361,7 @@ def _stamp(ctx: PlanContext, t: Target, layout_axis: Axis | None) -> str:
     if layout_axis is not None:
         return str(layout_axis.readable["stamp"])
     quant = layout.QUANT_RULES[ctx.cg.layouts[t.id.layout].quant]
-    return f"{t.id.family}.{t.module.component}@{layout.TOPOLOGY_SCHEME}+{quant.display}"
+    return layout.layout_stamp(t.id.family, t.module.component, quant)
 
 
 def _axes_of(

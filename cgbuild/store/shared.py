@@ -419,9 +419,9 @@ class SharedStore:
         its signature checked first: (`fresh` | `missing` | `malformed` | a trust code, the
         refusal's detail). A key the local cache holds is not asked again: its signature is
         re-verified on every resolve."""
-        state = self.ref_state(key)
-        if state != "fresh" or self.local.ref_state(key) == "fresh":
-            return state, None
+        local = self.local.ref_state(key)  # read once: `ref_state` would read it again
+        if local == "fresh" or not (key in self.seen_keys() or key in self.remote_keys()):
+            return local, None
         try:
             self._trusted_ref(key)
         except Untrusted as e:
