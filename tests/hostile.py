@@ -34,15 +34,19 @@ CGFILE: dict[str, Any] = {
     "workspace": {"state": ".cgbuild"},
     "toolchain": {"cxx": "g++"},
     "sku": {"cpu": {"sm": "cpu", "memory_gib": 24}, "h200": {"sm": "sm_90", "memory_gib": 141.5}},
-    "layout": {"fp32": {"quant": "plain.fp32"}, "bf16": {"quant": "plain.bf16"}},
+    "layout": {
+        "fp32": {"quant": "plain.fp32"},
+        "bf16": {"quant": "plain.bf16"},
+        "fp8": {"quant": "fp8-rowwise"},
+    },
     "family": {
         "toy": {
             "entry": "models:build",
             "sources": ["*.py", "pkg/**/*.py"],
             "skus": ["cpu", "h200"],
-            "layouts": ["fp32", "bf16"],
+            "layouts": ["fp32", "bf16", "fp8"],
             "config": {"hidden": 8, "ratio": 2.5, "names": ["a", "b"], "nested": {"x": True}},
-            "lanes": {"linear": ["baseline", "fast"]},
+            "lanes": {"linear": ["baseline", "fast"], "fp8-gemm": ["scaled-mm", "triton"]},
             "module": {
                 "mlp": {"shapes": ["8x64", "16x64"], "batch_sizes": [1, 2], "guidance": [3.5, 4]},
                 "conv": {"shapes": ["32x32"], "text_lengths": [8], "component": "conv"},
@@ -142,7 +146,10 @@ _SCALARS = st.one_of(
     st.booleans(),
 )
 _KEYS = st.one_of(
-    st.sampled_from(["x", "sm", "lanes", "lane", "Toy", "a b", "h200\n", ""]), st.text(max_size=6)
+    st.sampled_from(
+        ["x", "sm", "lanes", "lane", "Toy", "a b", "h200\n", "", "variant", "prefix", "tied", "fp8-gemm"]
+    ),
+    st.text(max_size=6),
 )
 
 
@@ -369,9 +376,18 @@ class Workspace:
             path = self.root / "generated.plan.json"
             path.write_bytes(item.raw)
             first = call(["diff", str(self.base_plan), str(path), "--format", "markdown"])
-            if first.code != 0:
-                return first
-            return call(["diff", str(path), str(self.base_plan), "--format", "json"])
+            if first.code != 0:  # refused by diff: gc's reader must refuse it too, by the contract
+                refused = call(["-C", str(self.valid), "gc", "--remote", "--dry-run", "--root", str(path)])
+                return first if refused.problem() is None and refused.code == 2 else refused
+            second = call(["diff", str(path), str(self.base_plan), "--format", "json"])
+            if second.code != 0:
+                return second
+            # `gc --root` reads plan files too. This one parsed for `diff`, so gc must refuse it
+            # for want of a remote (this workspace declares none): exit 2, one line, never 0
+            pinned = call(["-C", str(self.valid), "gc", "--remote", "--dry-run", "--root", str(path)])
+            if pinned.code != 2 or pinned.problem() is not None:
+                return Outcome(f"gc --root: exit {pinned.code}", pinned.stderr)
+            return second
         argv = json.loads(item.raw)
         return call(
             ["-C", str(self.valid), *argv, *(["--toolchain", str(self.lock)] if argv[0] != "query" else [])]

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 from conftest import copy_toy
+from hostile import _mutated
+from hypothesis import given, settings
 
 from cgbuild.config import cgfile
 from cgbuild.protocol.manifest import SCHEMA, SCHEMA_V1, BadManifest, read
@@ -209,9 +211,34 @@ def test_a_malformed_manifest_names_its_field(doc: Any, field: str) -> None:
         read(doc)
 
 
+MANIFEST_V2: dict[str, Any] = {
+    "schema": SCHEMA,
+    "modules": {
+        "mlp": [
+            {"graph_class": "8x64-b1", "layout": "fp32", "sm": "cpu", "key": "k" * 64, "stamp": "t@1+q@1"}
+        ],
+        "conv": [{"graph_class": "32x32-b2", "layout": "int8", "sm": "sm_90", "key": "a" * 64}],
+    },
+}
+
+
 def test_both_schemas_read_to_entries() -> None:
     row = {"graph_class": "c", "layout": "fp32", "sm": "cpu", "key": "k", "stamp": "t@1+q@1"}
     (entry,) = read({"schema": SCHEMA, "modules": {"m": [row]}})["m"]
     assert entry.to_json() == row
     (old,) = read({"schema": SCHEMA_V1, "modules": {"m": {"c": "k"}}})["m"]
     assert (old.graph_class, old.key, old.layout, old.sm) == ("c", "k", None, None)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(mutated=_mutated(MANIFEST_V2, toml=False))
+def test_generated_manifests_read_or_are_refused_by_name(mutated: tuple[dict[str, Any], str]) -> None:
+    """Whatever manifest a serving process is handed, `read` returns entries or raises
+    BadManifest (which adopt reports), never anything else."""
+    doc, _ = mutated
+    try:
+        entries = read(doc)
+    except BadManifest as refused:
+        assert str(refused)  # a sentence naming the field, for adopt's refusal
+        return
+    assert all(isinstance(rows, list) for rows in entries.values())
