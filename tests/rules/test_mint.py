@@ -312,3 +312,20 @@ def test_verification_compares_structure_dtype_nonfinite_and_tolerance() -> None
             compare_outputs(got, want)
     half = want.bfloat16()
     compare_outputs(half * 1.01, half)  # bf16 rounding noise is within its tolerance
+
+
+def test_a_quant_rule_states_its_own_tolerance() -> None:
+    """W8A8 is not bf16: fp8-rowwise verifies at 8% rel-rms where bf16 verifies at 5%, the stated
+    value is sealed under verify.rule, and rules that state none keep the dtype's."""
+    import torch
+    from cgbuild_rules.mint import MintFailure, _rule_tolerance, compare_outputs
+
+    want = torch.linspace(-2, 2, 64).bfloat16()
+    off = want * 1.06  # 6% off: past bf16's 5%, within the fp8 rule's 8%
+    with pytest.raises(MintFailure, match="relative RMS error"):
+        compare_outputs(off, want)
+    (row,) = compare_outputs(off, want, tolerance=_rule_tolerance("fp8-rowwise")["rule"])
+    assert row["tolerance"] == 0.08
+    with pytest.raises(MintFailure):
+        compare_outputs(want * 1.09, want, tolerance="8e-2")
+    assert _rule_tolerance("plain.bf16") == {} and _rule_tolerance("int8-rowwise") == {}
