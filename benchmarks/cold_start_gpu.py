@@ -17,8 +17,9 @@ serving process gets its call from its request; `to_first_output_less_harness` l
 Paths: eager; torch.compile over a warm cache (a cold compile fills it first, in the same WORK);
 cgbuild adopt (the module from the entry, eager fallback available); cgbuild headless
 (`cgbuild_rules.adopt.serve_checkpoint`: the artifact bound to the checkpoint's tensors, the
-model's code never imported, no eager fallback). Warm: the checkpoint in the page cache.
-Cold: a fresh copy of the file written with O_DIRECT (`dd iflag=direct oflag=direct`), so no
+model's code never imported, no eager fallback); headless with safetensors' own tensor-by-tensor
+`load_file(device="cuda")` in place of cgbuild's reader (side by side). Warm: the checkpoint in
+the page cache. Cold: a fresh copy of the file written with O_DIRECT (`dd iflag=direct oflag=direct`), so no
 page of it is cached when the worker reads it. A weight swap (`Adopted.rebind()` after new
 tensors of the same layout are assigned) is timed in the adopt worker. Steady step: 3 warm-up
 calls, median of 15 CUDA-event-timed calls. Writes one JSON document (machine, versions, date).
@@ -44,6 +45,7 @@ T0 = time.perf_counter()
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "flux2_klein"
 DEFAULT_LABEL = "//flux2-klein/transformer/1024x1024-t512-b1@bf16:sm_90"
+PATHS = ("headless", "headless_tensorwise", "adopt", "eager", "compile_warm")
 SUMMARY = (
     "process_wall",
     "to_first_output",
@@ -126,14 +128,18 @@ def worker(path: str, ws: Path, label: str, ckpt: Path, artifact: Path | None) -
     args = _inputs(job)
     torch.cuda.synchronize()
     rec["harness"] = round(time.perf_counter() - t, 3)
-    if path == "headless":
+    if path.startswith("headless"):
         t = time.perf_counter()
         from cgbuild_rules.adopt import serve_checkpoint
         from cgbuild_rules.weights import read_checkpoint
+        from safetensors.torch import load_file
 
         rec["import_cgbuild"] = round(time.perf_counter() - t, 3)
         t = time.perf_counter()
-        tensors = read_checkpoint(ckpt, "cuda")
+        if path == "headless_tensorwise":  # safetensors' own loader, tensor by tensor (the old reader)
+            tensors = load_file(str(ckpt), device="cuda")
+        else:
+            tensors = read_checkpoint(ckpt, "cuda")
         torch.cuda.synchronize()
         rec["weights"] = round(time.perf_counter() - t, 3)
         t = time.perf_counter()
@@ -169,8 +175,9 @@ def worker(path: str, ws: Path, label: str, ckpt: Path, artifact: Path | None) -
     rec["first_call"] = round(time.perf_counter() - t, 3)
     rec["to_first_output"] = _since()
     rec["to_first_output_less_harness"] = round(rec["to_first_output"] - rec["harness"], 3)
+    rec["out_sum"] = float(out.float().sum())  # the same weights give the same output, either reader
     rec["steady_ms"] = _steady(fn, args)
-    if path in ("adopt", "headless"):
+    if path in ("adopt", "headless", "headless_tensorwise"):
         rec["served"] = dict(fn.counters)
     if path == "adopt":
         # a weight swap: new tensors of the same layout (a merged LoRA, say), bound without a re-mint
@@ -209,7 +216,7 @@ def _fresh_copy(src: Path, dest: Path) -> None:
     )
 
 
-def _setup(work: Path, label: str, archive: Path) -> tuple[Path, Path, Path]:
+def _setup(work: Path, label: str, archive: Path, no_lanes: bool) -> tuple[Path, Path, Path]:
     import torch
     from cgbuild_rules import trace
     from cgbuild_rules.weights import write_checkpoint
@@ -219,6 +226,11 @@ def _setup(work: Path, label: str, archive: Path) -> tuple[Path, Path, Path]:
     ws = work / "ws"
     if not ws.exists():
         shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+        if no_lanes:
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            from gpu_vs_compile import _drop_lanes
+
+            _drop_lanes(ws / "Cgfile")
     store_root = work / "store"
     if not store_root.exists():
         with tarfile.open(archive) as tar:
@@ -235,12 +247,20 @@ def _setup(work: Path, label: str, archive: Path) -> tuple[Path, Path, Path]:
     return ws, ckpt, artifact
 
 
-def main_all(work: Path, out_json: Path, label: str, archive: Path, reps: int) -> dict[str, Any]:
+def main_all(
+    work: Path,
+    out_json: Path,
+    label: str,
+    archive: Path,
+    reps: int,
+    no_lanes: bool = False,
+    cold_cache: bool = True,
+) -> dict[str, Any]:
     import torch
 
     work.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    ws, ckpt, artifact = _setup(work, label, archive)
+    ws, ckpt, artifact = _setup(work, label, archive, no_lanes)
     setup_s = round(time.perf_counter() - t, 1)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"), "PYTHONUNBUFFERED": "1"}
     base = [str(ws), label]
@@ -254,15 +274,15 @@ def main_all(work: Path, out_json: Path, label: str, archive: Path, reps: int) -
 
     run("compile_cold", ckpt, "warm")  # fills the inductor cache the warm compile worker reads
     for _ in range(reps):
-        for path in ("headless", "adopt", "eager", "compile_warm"):
+        for path in PATHS:
             run(path, ckpt, "warm")
     cold = work / "weights.cold.safetensors"
-    for path in ("headless", "adopt"):
+    for path in ("headless", "adopt") if cold_cache else ():
         _fresh_copy(ckpt, cold)
         run(path, cold, "cold")
     cold.unlink(missing_ok=True)
     summary: dict[str, Any] = {}
-    for path in ("headless", "adopt", "eager", "compile_warm"):
+    for path in PATHS:
         for cache in ("warm", "cold"):
             done = [r for r in runs if r["path"] == path and r["page_cache"] == cache and "error" not in r]
             if done:
@@ -289,6 +309,7 @@ def main_all(work: Path, out_json: Path, label: str, archive: Path, reps: int) -
         "checkpoint_gib": round(ckpt.stat().st_size / 2**30, 2),
         "setup_s": setup_s,
         "reps": reps,
+        "lanes": not no_lanes,
         "runs": runs,
         "median": summary,
     }
@@ -316,5 +337,7 @@ if __name__ == "__main__":
     p.add_argument("--store-archive", type=Path, required=True)
     p.add_argument("--label", default=DEFAULT_LABEL)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--no-lanes", action="store_true", help="drop the example's lane tables (no switches)")
+    p.add_argument("--no-cold", action="store_true", help="skip the cold page-cache workers")
     a = p.parse_args()
-    main_all(a.work, a.out_json, a.label, a.store_archive, a.reps)
+    main_all(a.work, a.out_json, a.label, a.store_archive, a.reps, a.no_lanes, not a.no_cold)

@@ -165,6 +165,11 @@ def phase(name: str, work: Path, label: str) -> dict[str, Any]:
         rec["rc"] = proc.returncode
         lines = proc.stdout.strip().splitlines()
         rec["summary"] = json.loads(lines[-1]) if lines else None
+        rec["progress"] = [ln for ln in proc.stderr.splitlines() if ln.startswith("mint ")][-12:]
+        rec["traced_here"] = [
+            json.loads(p.read_text()).get("traced_here")
+            for p in sorted((ws / ".cgbuild" / "mint").glob("*.json"))
+        ]
         if proc.returncode:
             rec["stderr_tail"] = proc.stderr[-2000:]
         return rec

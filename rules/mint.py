@@ -8,10 +8,17 @@ typed failure of a stage, never a lost result.
 1. `compile` stage, in a scrubbed, declared environment (`cgbuild.identity.policy`) with the chosen host
    compiler as `CXX` and the temp and Inductor cache folders inside a sandbox at a FIXED path:
    (a) refuses a key whose device this machine does not have (`wrong-device`, naming the sm);
-   (b) re-derives the toolchain (`cgbuild.identity.toolchain.probe`) and the graph digest (trace rule,
-   mode `empty`) and refuses `toolchain-drift` / `graph-drift` (old → new) when they differ from
-   the key it was asked to build, so a drifted worker image never seals under a wrong key;
-   (c) compiles weightless under the one compile policy; (d) normalizes the package (below).
+   (b) traces the job (trace rule, mode `empty`) and reports its graph facts (`trace.json`);
+   (c) on the worker's go, re-derives the toolchain (`cgbuild.identity.toolchain.probe`) and
+   refuses `toolchain-drift` / `graph-drift` (old → new) when it or the traced digest differs
+   from the key it was asked to build, so a drifted worker image never seals under a wrong key;
+   (d) compiles weightless under the one compile policy; (e) normalizes the package (below).
+   A HOLD (`cgbuild.protocol.mint.MintHold`: the plan's trace of a unit `cgbuild mint` will
+   mint, docs/architecture.md) starts the worker before any key exists: (b) runs first (fake
+   when this machine lacks the device), the worker hands the facts to the engine (`{"traced":
+   ...}` on its protocol stream) and reads the key's request as its next stdin line (`bad-request`
+   unless it names the job traced and the folders the worker was started with); (a) and (c)
+   follow. An empty line or the end of its input ends a hold without a result.
 2-5 run in ONE `check` stage child, started beside the compile: it imports torch and the entry
 and builds the module with its seed-0 random weights while the compile runs (about 20 s of a
 klein-4B mint that no longer waits on it), then runs each part when the worker hands it its input:
@@ -107,7 +114,8 @@ from cgbuild.identity import compiler, policy
 from cgbuild.identity.layout import QUANT_RULES
 from cgbuild.identity.toolchain import TRACE_ONLY
 from cgbuild.protocol import spawn
-from cgbuild.protocol.mint import BadRequest, MintRequest
+from cgbuild.protocol.mint import HOLD_SCHEMA, BadRequest, MintHold, MintRequest
+from cgbuild.protocol.trace import FACT_KEYS
 from cgbuild.store.seal import LITERALS, PACKAGE, compare_artifacts, member_digests, read_metadata, seal
 
 ARTIFACT_SCHEMA = "cgbuild.artifact/1"
@@ -145,11 +153,30 @@ class MintFailure(Exception):
 
 
 # ---- the worker (no torch) ---------------------------------------------------------------------
-def _check_request(req: Any) -> None:
+def _check_request(req: Any) -> MintHold | None:
+    """Validate a request, or a hold (returned: the worker then waits for its key's request)."""
     try:
+        if isinstance(req, dict) and req.get("schema") == HOLD_SCHEMA:
+            return MintHold.from_json(req)
         MintRequest.from_json(req)
     except BadRequest as e:
         raise MintFailure("bad-request", str(e)) from None
+    return None
+
+
+def _admitted(hold: MintHold, raw: Any) -> dict[str, Any]:
+    """The key's request a held worker was handed, if it may mint it (else `bad-request`)."""
+    try:
+        why = hold.admits(MintRequest.from_json(raw))
+    except BadRequest as e:
+        why = str(e)
+    if why is not None:
+        raise MintFailure("bad-request", why)
+    return dict(raw)
+
+
+class _NotNeeded(Exception):
+    """The plan needs no mint from this held worker (its key is fresh, or another's)."""
 
 
 @contextlib.contextmanager
@@ -184,34 +211,10 @@ def _echo(log: Path, stage: str) -> None:
     sys.stderr.flush()
 
 
-def run_stage(stage: str, work: Path, env: Mapping[str, str], timeout_s: float) -> dict[str, Any]:
-    """Run one stage child; return its result, or raise a typed failure for how it died.
-
-    A stage starts programs of its own (the compile stage's compilers), so it dies by SIGTERM
-    and passes it on to its whole group (`spawn.die_with_group`).
-    """
-    result_path = work / f"{stage}.json"
-    result_path.unlink(missing_ok=True)
-    try:
-        ended = spawn.spawn(
-            "cgbuild_rules.mint",
-            ["--stage", stage, str(work)],
-            log=work / f"{stage}.log",
-            env=env,
-            timeout_s=timeout_s,
-            death_signal=signal.SIGTERM,
-        )
-    finally:
-        _echo(work / f"{stage}.log", stage)
-    if result_path.exists() and not ended.timed_out:
-        return _stage_result(result_path)
-    raise _ended_failure(ended, f"{stage} stage", timeout_s)
-
-
 def _stage_result(path: Path) -> dict[str, Any]:
     """A stage's result file: the result, or the failure it reports raised as a MintFailure."""
     result = json.loads(path.read_text())
-    if not result.get("ok"):
+    if result.get("ok") is False:
         extra = {k: v for k, v in result.items() if k not in ("ok", "code", "detail")}
         raise MintFailure(result["code"], result["detail"], **extra)
     return dict(result)
@@ -224,14 +227,17 @@ def _ended_failure(ended: spawn.Ended, what: str, timeout_s: float) -> MintFailu
     return MintFailure(failure["code"], failure["detail"], **extra)
 
 
-class _Checking:
-    """The mint's one `check` stage child (verify, measure, serve), started before the compile
-    so its imports and the module's build overlap it. Each `part` hands the child its input and
-    waits for its result; the child's death, a failure it reports or `timeout_s` without a
-    result is the part's typed failure, as `run_stage` types a stage's."""
+class _Stage:
+    """One stage child, started before its input exists so that its imports overlap what comes
+    first (the compile stage's trace, the check stage's module build beside the compile). Each
+    `part` hands the child its input (`go-<part>.json`) and waits for `<part>.json`; the child's
+    death, a failure it reports (`<stage>.json`) or `timeout_s` without a result is the part's
+    typed failure. A stage starts programs of its own (the compiler), so it dies by SIGTERM and
+    passes it on to its group (`spawn.die_with_group`)."""
 
-    def __init__(self, work: Path, env: Mapping[str, str], timeout_s: float) -> None:
-        self.work, self.timeout_s = work, timeout_s
+    def __init__(self, name: str, work: Path, env: Mapping[str, str], timeout_s: float) -> None:
+        self.name, self.work, self.timeout_s = name, work, timeout_s
+        (work / f"{name}.json").unlink(missing_ok=True)
         self.pid: int | None = None
         self.ended: spawn.Ended | None = None
         self.error: BaseException | None = None
@@ -242,8 +248,8 @@ class _Checking:
         try:
             self.ended = spawn.spawn(
                 "cgbuild_rules.mint",
-                ["--stage", "check", str(self.work)],
-                log=self.work / "check.log",
+                ["--stage", self.name, str(self.work)],
+                log=self.work / f"{self.name}.log",
                 env=env,
                 death_signal=signal.SIGTERM,
                 started=self._started,
@@ -265,15 +271,15 @@ class _Checking:
                 self.stop()
                 raise MintFailure("timeout", f"{name} stage: no result within {self.timeout_s:.0f} s")
             time.sleep(POLL_S)
-        return dict(json.loads(result_path.read_text()))
+        return _stage_result(result_path)
 
     def _died(self, name: str) -> None:
         self.thread.join()
-        _echo(self.work / "check.log", "check")
+        _echo(self.work / f"{self.name}.log", self.name)
         if self.error is not None:
             raise MintFailure("worker-killed", f"{name} stage did not start: {self.error}")
-        if (self.work / "check.json").exists():
-            _stage_result(self.work / "check.json")  # raises the failure the stage reported
+        if (self.work / f"{self.name}.json").exists():
+            _stage_result(self.work / f"{self.name}.json")  # raises the failure the stage reported
         assert self.ended is not None
         raise _ended_failure(self.ended, f"{name} stage", self.timeout_s)
 
@@ -281,7 +287,7 @@ class _Checking:
         self.thread.join(self.timeout_s)
         if self.thread.is_alive():
             self.stop()
-        _echo(self.work / "check.log", "check")
+        _echo(self.work / f"{self.name}.log", self.name)
 
     def stop(self) -> None:
         """End the child and its group now (the mint failed, or a part outlived its time)."""
@@ -324,16 +330,22 @@ def _metadata(
     }
 
 
-def mint(req: dict[str, Any], progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def mint(
+    req: dict[str, Any],
+    progress: Callable[[str], None] | None = None,
+    next_request: Callable[[dict[str, Any]], Any] | None = None,
+) -> dict[str, Any] | None:
     """Run one mint request to its result line (never raises for the key's own failure).
 
-    `progress` hears each phase as it starts, so the engine can show it.
+    `progress` hears each phase as it starts, so the engine can show it. A hold (`MintHold`)
+    hands `next_request` its trace (the facts, or the trace's failure) and mints the key's
+    request it returns; None from it, or a failed trace, ends the hold without a result.
     """
     start = time.perf_counter()
     phase = "request"
     try:
-        _check_request(req)
-        key = req["key"]
+        hold = _check_request(req)
+        key = req["id"] if hold else req["key"]
         out = Path(req["out"])
         out.mkdir(parents=True, exist_ok=True)
         work = out / f".mint-{key[:16]}-{os.getpid()}"
@@ -353,13 +365,27 @@ def mint(req: dict[str, Any], progress: Callable[[str], None] | None = None) -> 
         (work / "request.json").write_text(json.dumps({**req, "cxx_path": cxx, "sandbox": str(sandbox)}))
         timeout = float(req.get("timeout_s") or 3600)
         (work / "tmp").mkdir()
-        check = _Checking(work, {**env, "TMPDIR": str(work / "tmp")}, timeout)
+        check = _Stage("check", work, {**env, "TMPDIR": str(work / "tmp")}, timeout)
         try:
-            phase = "compile"
             with _sandbox(sandbox, bool(req.get("fresh")), progress):
-                if progress:
-                    progress(phase)  # the sandbox is held: the compile itself starts now
-                built = run_stage("compile", work, env, timeout)
+                compiling = _Stage("compile", work, env, timeout)
+                try:
+                    phase = "trace" if hold else "compile"
+                    if progress and not hold:
+                        progress(phase)  # the sandbox is held: the compile stage starts now
+                    if hold:
+                        assert next_request is not None
+                        req = _held_request(hold, compiling, next_request, work, cxx, sandbox)
+                        key, phase = req["key"], "compile"
+                        if progress:
+                            progress(phase)
+                    else:
+                        compiling.part("trace")  # the stage checks the digest against the key's
+                    built = compiling.part("compile")
+                    compiling.finish()
+                except BaseException:
+                    compiling.stop()
+                    raise
             phase = "verify"
             if progress:
                 progress(phase)
@@ -419,14 +445,41 @@ def mint(req: dict[str, Any], progress: Callable[[str], None] | None = None) -> 
             result.update(compare_artifacts(req["compare_with"], artifact))
         shutil.rmtree(work, ignore_errors=True)
         return result
+    except _NotNeeded:
+        shutil.rmtree(work, ignore_errors=True)
+        return None
     except MintFailure as e:
         return e.result(req.get("id") if isinstance(req, dict) else None, phase)
     except compiler.CompilerError as e:
         return MintFailure("wrong-host", str(e)).result(req.get("id"), phase)
+
     except Exception as e:  # the worker must answer, whatever broke
         return MintFailure("mint-error", f"{type(e).__name__}: {e}").result(
             req.get("id") if isinstance(req, dict) else None, phase
         )
+
+
+def _held_request(
+    hold: MintHold,
+    compiling: _Stage,
+    next_request: Callable[[dict[str, Any]], Any],
+    work: Path,
+    cxx: str,
+    sandbox: Path,
+) -> dict[str, Any]:
+    """A hold's trace, handed to the engine; then the key's request it answers with, written
+    where both stages read it. A failed trace is the engine's to report, as the trace rule's."""
+    try:
+        traced = compiling.part("trace")
+    except MintFailure as e:
+        next_request(e.result(hold.id, "trace"))
+        raise _NotNeeded() from None
+    raw = next_request(traced)
+    if raw is None:
+        raise _NotNeeded()
+    req = _admitted(hold, raw)
+    fs.write_atomic(work / "request.json", json.dumps({**req, "cxx_path": cxx, "sandbox": str(sandbox)}))
+    return req
 
 
 # ---- stages (torch) ----------------------------------------------------------------------------
@@ -647,8 +700,23 @@ def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] |
     }
 
 
+def _sm_here(device: str) -> str | None:
+    """This machine's sm for a job's device (None: it has none)."""
+    import torch
+
+    if device == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
 def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
-    _fault("compile")
+    """Trace (`trace.json`: the graph facts and this machine's sm), then, on the worker's go,
+    refuse drift and compile. A held stage (started by a `MintHold`) traces before any key
+    exists, on the device when this machine has it (else fake, for the plan alone), and reads
+    the key's request at the go; an ordinary one refuses a wrong device before tracing."""
     import importlib.metadata as md
 
     import torch
@@ -656,12 +724,25 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     from cgbuild_rules.loader import Package
 
     job = trace.parse_job(req["job"])
-    _device_refusal(job.device, req["sm"])
-    _quant_floor(job.quant, job.device, req["sm"])
-    tc = _toolchain(req)
+    held = req.get("schema") == HOLD_SCHEMA
+    if not held:
+        _device_refusal(job.device, req["sm"])
+        _quant_floor(job.quant, job.device, req["sm"])
+    here = _sm_here(job.device)
+    _fault("trace")
     t = time.perf_counter()
-    ep, facts = trace.export_job(job, "empty")
+    ep, facts = trace.export_job(job, "fake" if here is None else "empty")
     export_s = time.perf_counter() - t
+    fs.write_atomic(
+        work / "trace.json", json.dumps({"ok": True, **{k: facts[k] for k in FACT_KEYS}, "sm": here})
+    )
+    _await(work, "compile")
+    _fault("compile")
+    if held:
+        req = json.loads((work / "request.json").read_text())
+        _device_refusal(job.device, req["sm"])
+        _quant_floor(job.quant, job.device, req["sm"])
+    tc = _toolchain(req)
     if facts["graph_digest"] != req["graph_digest"]:
         raise MintFailure(
             "graph-drift",
@@ -848,6 +929,7 @@ def stage_check(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     base = lane_rt.process_bytes()  # the bare process, before the module or package exist
     c = _Checked(job, trace.build(job, "real"), base)
     _await(work, "verify")
+    req = json.loads((work / "request.json").read_text())  # a held mint's key request is here now
     fs.write_atomic(work / "verify.json", json.dumps(_verify(req, work, c)))
     candidates = _await(work, "measure")["candidates"]
     if candidates:
@@ -1004,7 +1086,7 @@ def _lane_verdict(
     req: Mapping[str, Any],
     built: Mapping[str, Any],
     checked: Mapping[str, Any],
-    check: _Checking,
+    check: _Stage,
     progress: Callable[[str], None] | None,
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """Candidates from capability, measured in the check stage, the rule's verdict.
@@ -1097,20 +1179,33 @@ def main(argv: list[str] | None = None) -> int:
     proto = os.fdopen(os.dup(1), "w", encoding="ascii")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    result: dict[str, Any] | None
     try:
-        req = json.loads(sys.stdin.read())
+        req = json.loads(sys.stdin.readline())
     except ValueError as e:
         req = None
         result = MintFailure("bad-request", f"not JSON: {e}").result(None, "request")
     if req is not None:
 
-        def progress(phase: str) -> None:
-            proto.write(json.dumps({"id": req.get("id"), "progress": phase}) + "\n")
+        def say(message: Mapping[str, Any]) -> None:
+            proto.write(json.dumps({"id": req.get("id"), **message}) + "\n")
             proto.flush()
 
-        result = mint(req, progress)
-    proto.write(json.dumps(result, sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n")
-    proto.flush()
+        def next_request(traced: dict[str, Any]) -> Any:
+            """A hold's trace out; the key's request in (None: the engine closed our input)."""
+            say({"traced": traced})
+            line = sys.stdin.readline()
+            if not line.strip():
+                return None
+            try:
+                return json.loads(line)
+            except ValueError as e:
+                raise MintFailure("bad-request", f"not JSON: {e}") from None
+
+        result = mint(req, lambda phase: say({"progress": phase}), next_request)
+    if result is not None:
+        proto.write(json.dumps(result, sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n")
+        proto.flush()
     return 0
 
 

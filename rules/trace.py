@@ -53,7 +53,7 @@ from torch.export import ExportedProgram
 from torch.utils._pytree import tree_map
 
 from cgbuild.identity.layout import QUANT_RULES
-from cgbuild.protocol.trace import REQUEST_SCHEMA, SPEC_KEYS, BadJob, TraceJob
+from cgbuild.protocol.trace import FACT_KEYS, REQUEST_SCHEMA, SPEC_KEYS, BadJob, TraceJob
 
 CODES = ("no-cuda-torch", "entry-error", "trace-failed", "literal-hidden")
 DTYPES: dict[str, torch.dtype] = {
@@ -427,11 +427,7 @@ def run_job(job: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "id": parsed.id,
         "ok": True,
-        "graph_digest": facts["graph_digest"],
-        "contract": facts["contract"],
-        "topology": facts["topology"],
-        "nodes": facts["nodes"],
-        "torch": facts["torch"],
+        **{k: facts[k] for k in FACT_KEYS},
         "seconds": round(time.perf_counter() - start, 3),
     }
 

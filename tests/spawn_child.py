@@ -3,7 +3,8 @@
 Modes: `answer` (two JSON lines among noise), `signal NAME`, `exit N`, `oom`, `sleep`, `group`
 (prints its pid and group, then sleeps), `leave` (starts a sleeper in its own group, prints its
 pid and exits), `relay [SIGTERM]` (spawns `group`-like grandchildren through the spawner and
-prints theirs), `compilers` (a SIGTERM-dying group leader that starts a plain sleeper).
+prints theirs), `compilers` (a SIGTERM-dying group leader that starts a plain sleeper), `echo`
+(says each JSON line of its stdin back as `{"echo": ...}` until its input ends, then `{"eof": true}`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def main(mode: str, arg: str = "") -> int:
         sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         say({"pid": os.getpid(), "compiler": sleeper.pid})
         time.sleep(600)
+    elif mode == "echo":
+        for line in sys.stdin:
+            say({"echo": json.loads(line)})
+        say({"eof": True})
     elif mode == "relay":
         from cgbuild.protocol.spawn import spawn
 

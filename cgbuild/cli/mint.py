@@ -42,8 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cgbuild.exec import fleet, mint
-    from cgbuild.plan.approval import approve
-    from cgbuild.plan.planner import make_plan, record_minted
+    from cgbuild.exec.held import HeldTraces
 
     if not args.label and not args.plan:
         raise UserError("name a label (e.g. //toy:cpu) or --plan PLAN.json", field="label")
@@ -57,15 +56,39 @@ def run(args: argparse.Namespace) -> int:
     selector = parse_selector(args.label or "//...")
     recorded = mint.recorded_plan_keys(args.plan) if args.plan else None  # bad input fails before a trace
     ws = workspace(args)
+    jobs = args.jobs or mint.default_jobs()
+    held = HeldTraces(ws, jobs) if executor.kind == "local" and not args.check else None
+    try:
+        return _mint(args, ws, executor, selector, recorded, jobs, held)
+    finally:
+        if held is not None:
+            held.close()
+
+
+def _mint(
+    args: argparse.Namespace,
+    ws: Any,
+    executor: Any,
+    selector: Any,
+    recorded: dict[str, str] | None,
+    jobs: int,
+    held: Any,
+) -> int:
+    from cgbuild.exec import fleet, mint
+    from cgbuild.plan.approval import approve
+    from cgbuild.plan.planner import make_plan, record_minted
+
     update, close = progress_bar("tracing")
     try:
-        plan = make_plan(ws, selector, progress=update, record=True)
+        plan = make_plan(ws, selector, progress=update, record=True, hold=held)
     finally:
         close()
     plan, refused = approve(plan, recorded)
     if args.check:
         return _check(args, ws, plan, refused)
     keys = mint.approved(plan, ws)
+    if held is not None:
+        held.keep([mk.target for mk in keys])
     fresh = sum(1 for t in plan["targets"] if t["status"] == "fresh")
     started = time.perf_counter()
     published = mint.publish_unpublished(ws, plan)
@@ -74,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         refused.extend(blocked)
         results = fleet.Fleet().mint_keys(ws, keys, on_event=_events(len(keys)))
     else:
-        results = mint.mint_keys(ws, keys, jobs=args.jobs or mint.default_jobs(), on_event=_events(len(keys)))
+        results = mint.mint_keys(ws, keys, jobs=jobs, on_event=_events(len(keys)), held=held)
     shared = ws.shared()
     if shared is not None:
         shared.save_seen()  # the keys published here: the next plan need not list them

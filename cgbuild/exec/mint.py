@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cgbuild.config.targets import Target, expand
 from cgbuild.core.codes import RETRYABLE
@@ -35,6 +35,9 @@ from cgbuild.protocol.trace import job_for
 from cgbuild.store.local import Store, StoreError
 from cgbuild.store.s3 import RemoteError
 from cgbuild.store.shared import PublishRefused, SharedStore
+
+if TYPE_CHECKING:
+    from cgbuild.exec.held import HeldTraces
 
 RECORD_SCHEMA = "cgbuild.mint-record/1"
 GIB = 1 << 30
@@ -194,16 +197,22 @@ def run_worker(
 
 
 def mint_one(
-    ws: Workspace, mk: MintKey, store: Store, on_event: Callable[[MintKey, str], None] | None = None
+    ws: Workspace,
+    mk: MintKey,
+    store: Store,
+    on_event: Callable[[MintKey, str], None] | None = None,
+    held: HeldTraces | None = None,
 ) -> MintKey:
     """Mint, admit and record one key on this machine; returns it with `result` filled.
 
     The unit both executors run: the local pool calls it per key, a fleet worker calls it on
-    the node that holds the key's sm.
+    the node that holds the key's sm. A worker `held` from the plan's trace mints it when one
+    traced its unit here (cgbuild.exec.held).
     """
     records = ws.state / "mint"
     record_path = records / f"{mk.key}.json"
     log = records / f"{mk.key}.log"
+    worker = held.claim(mk.target, log) if held is not None else None
     record = {
         "schema": RECORD_SCHEMA,
         "key": mk.key,
@@ -212,6 +221,7 @@ def mint_one(
         "started": time.time(),
         "pid": os.getpid(),  # gc leaves a live mint's build files alone
         "log": str(log),
+        "traced_here": worker is not None,  # the plan's trace of it was this mint's own
     }
     write_json(record_path, record, indent=1)
     if on_event:
@@ -226,7 +236,8 @@ def mint_one(
         store.heal(mk.key)  # a malformed ref is quarantined before the compile, not after it
         if shared is not None:
             shared.check_publishable()  # before the compile: an unpublishable mint is wasted
-        result = run_worker(request_for(ws, mk, ws.state / "build"), log, progress)
+        request = request_for(ws, mk, ws.state / "build")
+        result = worker.complete(request, progress) if worker else run_worker(request, log, progress)
         if result.get("ok"):
             if on_event:
                 on_event(mk, "admitting")
@@ -374,19 +385,27 @@ def publish_unpublished(ws: Workspace, plan: dict[str, Any]) -> list[dict[str, A
 
 
 def mint_keys(
-    ws: Workspace, keys: list[MintKey], *, jobs: int, on_event: Callable[[MintKey, str], None] | None = None
+    ws: Workspace,
+    keys: list[MintKey],
+    *,
+    jobs: int,
+    on_event: Callable[[MintKey, str], None] | None = None,
+    held: HeldTraces | None = None,
 ) -> list[MintKey]:
     """Mint, admit and record each key, `jobs` at once; returns them with `result` filled.
 
-    Keys past the first `jobs` are announced as waiting for a free slot until a worker takes them.
+    Keys a held worker will mint go first (that worker already holds its program). Keys past
+    the first `jobs` are announced as waiting for a free slot until a worker takes them.
     """
     store = Store(ws.cg.store_dir)
+    order = sorted(keys, key=lambda mk: held is None or not held.holds(mk.target))
     if on_event:
-        for mk in keys[max(1, jobs) :]:
+        for mk in order[max(1, jobs) :]:
             on_event(mk, f"waiting for a free mint slot ({max(1, jobs)} at once, -j to change)")
     pool = ThreadPoolExecutor(max_workers=max(1, jobs))
     try:
-        return list(pool.map(lambda mk: mint_one(ws, mk, store, on_event), keys))
+        list(pool.map(lambda mk: mint_one(ws, mk, store, on_event, held), order))
+        return keys
     finally:  # interrupted: keys not yet started never start
         pool.shutdown(wait=True, cancel_futures=True)
 

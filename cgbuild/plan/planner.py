@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from cgbuild.config.cgfile import Cgfile
 from cgbuild.config.labels import Selector
@@ -40,7 +40,7 @@ from cgbuild.plan.moved import Movement, Snapshots
 from cgbuild.plan.reasons import REASON_CODES, TRUST_CODES, Reason
 from cgbuild.plan.tracecache import TraceCache, trace_inputs
 from cgbuild.plan.workspace import Workspace
-from cgbuild.protocol.trace import TraceJob, job_for, request, target_lanes
+from cgbuild.protocol.trace import FACT_KEYS, TraceJob, job_for, request, target_lanes
 from cgbuild.store.local import Store
 
 if TYPE_CHECKING:
@@ -55,6 +55,18 @@ class TraceUnit:
     inputs: str
     job: TraceJob
     targets: list[Target] = field(default_factory=list)
+
+
+class Hold(Protocol):
+    """Who traces some units instead of the trace rule (`cgbuild.exec.held.HeldTraces`)."""
+
+    def trace(self, units: list[TraceUnit], on_result: Callable[[dict[str, Any]], None]) -> list[TraceUnit]:
+        """Start tracing some of `units`, one result each through `on_result`; return the rest."""
+        ...
+
+    def wait(self) -> None:
+        """Until every unit it took has its result."""
+        ...
 
 
 class _UnitShape(NamedTuple):
@@ -92,6 +104,8 @@ class PlanContext:
     verify: bool = False
     """`plan --verify`: a key fresh only by the remote's listing is fresh only once its ref's
     signature verifies against the workspace's trusted publishers."""
+    hold: Hold | None = None
+    """`cgbuild mint` on this machine: units traced by the workers that will mint them."""
     # select
     targets: list[Target] = field(default_factory=list)
     # resolve
@@ -161,12 +175,14 @@ def make_plan(
     progress: Callable[[int, int, str], None] | None = None,
     record: bool = False,
     verify: bool = False,
+    hold: Hold | None = None,
 ) -> dict[str, Any]:
     """Plan the selected targets; traces what is not cached (unless `run_traces` is False).
 
     `record` advances the workspace's recorded references (`plan` and `mint` only: a read-only
-    command such as `why` must not consume the explanation it shows); `verify`: see PlanContext."""
-    ctx = PlanContext(ws, run_traces=run_traces, workers=workers, progress=progress, verify=verify)
+    command such as `why` must not consume the explanation it shows); `verify`, `hold`: see
+    PlanContext."""
+    ctx = PlanContext(ws, run_traces=run_traces, workers=workers, progress=progress, verify=verify, hold=hold)
     return plan_in_full(ctx, selector, record=record)
 
 
@@ -258,7 +274,9 @@ def _trace_missing(ctx: PlanContext) -> None:
     if not todo:
         return
     with _trace_cache(ctx) as cache:
-        _run_traces(todo, cache, ctx.facts, ctx.blocked, workers=ctx.workers, progress=ctx.progress)
+        _run_traces(
+            todo, cache, ctx.facts, ctx.blocked, workers=ctx.workers, progress=ctx.progress, hold=ctx.hold
+        )
     if ctx.shared is not None:
         ctx.shared.push_facts({u.inputs: ctx.facts[u.inputs] for u in todo if u.inputs in ctx.facts})
 
@@ -488,12 +506,10 @@ def _run_traces(
     *,
     workers: int | None,
     progress: Callable[[int, int, str], None] | None,
+    hold: Hold | None = None,
 ) -> None:
     from cgbuild.protocol.spawn import run_groups
 
-    groups: dict[tuple[str, str], list[TraceUnit]] = {}
-    for unit in todo:
-        groups.setdefault((unit.job.root, unit.job.entry), []).append(unit)
     done = 0
     total = len(todo)
     by_id = {u.inputs: u for u in todo}
@@ -509,7 +525,7 @@ def _run_traces(
         done += 1
         unit = by_id[result["id"]]
         if result.get("ok"):
-            fact = {k: result[k] for k in ("graph_digest", "contract", "topology", "nodes", "torch")}
+            fact = {k: result[k] for k in FACT_KEYS}
             facts[unit.inputs] = fact
             cache.put(unit.inputs, fact)
         else:
@@ -519,10 +535,16 @@ def _run_traces(
         if progress:
             progress(done, total, unit.targets[0].label)
 
+    groups: dict[tuple[str, str], list[TraceUnit]] = {}
+    for unit in todo if hold is None else hold.trace(todo, on_result):
+        groups.setdefault((unit.job.root, unit.job.entry), []).append(unit)
     requests = [(request([u.job for u in units]), [u.inputs for u in units]) for units in groups.values()]
-    run_groups(
-        "trace", requests, workers=workers or min(len(requests), os.cpu_count() or 1), on_result=on_result
-    )
+    if requests:
+        run_groups(
+            "trace", requests, workers=workers or min(len(requests), os.cpu_count() or 1), on_result=on_result
+        )
+    if hold is not None:
+        hold.wait()
 
 
 @functools.cache

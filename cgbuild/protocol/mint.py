@@ -7,6 +7,11 @@ full field list and the result line are documented in `cgbuild_rules.mint`'s mod
 Identity vs metadata, visible in the type: `key`, `job`, `sm`, `graph_digest`, `toolchain` and
 `layout` are what the worker re-derives and refuses drift on; the rest (labels, facets, paths,
 timeouts) only shape the run and the sealed coverage.
+
+A `MintHold` starts a worker before its key exists: it traces the job where it will compile it
+and reports the graph facts the plan keys it with, then waits for the key's `MintRequest` (or
+the end of its input) on the same stdin. The plan's trace and the compile's are then one
+(docs/architecture.md, "One trace per mint").
 """
 
 from __future__ import annotations
@@ -19,10 +24,40 @@ from cgbuild.core.platform import device_of
 from cgbuild.protocol.trace import BadJob, TraceJob
 
 REQUEST_SCHEMA = "cgbuild.mint-request/1"
+HOLD_SCHEMA = "cgbuild.mint-hold/1"
 
 
 class BadRequest(ValueError):
     """A request that is not what this protocol says; the worker answers it `bad-request`."""
+
+
+def _to_json(doc: Any, schema: str) -> dict[str, Any]:
+    """A request's JSON: its schema and every field that is set (the job as its own JSON)."""
+    out: dict[str, Any] = {"schema": schema}
+    for f in fields(doc):
+        value = getattr(doc, f.name)
+        if f.name == "job":
+            out["job"] = value.to_json()
+        elif value is not None:
+            out[f.name] = value
+    return out
+
+
+def _checked(cls: Any, raw: Any, schema: str, required: tuple[str, ...]) -> tuple[set[str], TraceJob]:
+    """The schema, required and unknown fields of `raw` checked for `cls`; its fields and job."""
+    if not isinstance(raw, Mapping) or raw.get("schema") != schema:
+        raise BadRequest(f"schema must be {schema!r}")
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise BadRequest(f"missing {', '.join(missing)}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known - {"schema"})
+    if unknown:
+        raise BadRequest(f"unknown field {unknown[0]!r}")
+    try:
+        return known, TraceJob.from_json(raw["job"])
+    except BadJob as e:
+        raise BadRequest(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -49,32 +84,14 @@ class MintRequest:
     timeout_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"schema": REQUEST_SCHEMA}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "job":
-                out["job"] = value.to_json()
-            elif value is not None:
-                out[f.name] = value
-        return out
+        return _to_json(self, REQUEST_SCHEMA)
 
     @classmethod
     def from_json(cls, raw: Any) -> MintRequest:
         """Validate a request; BadRequest names what is wrong."""
-        if not isinstance(raw, Mapping) or raw.get("schema") != REQUEST_SCHEMA:
-            raise BadRequest(f"schema must be {REQUEST_SCHEMA!r}")
-        required = ("id", "key", "job", "sm", "graph_digest", "toolchain", "out")
-        missing = [k for k in required if k not in raw]
-        if missing:
-            raise BadRequest(f"missing {', '.join(missing)}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known - {"schema"})
-        if unknown:
-            raise BadRequest(f"unknown field {unknown[0]!r}")
-        try:
-            job = TraceJob.from_json(raw["job"])
-        except BadJob as e:
-            raise BadRequest(str(e)) from None
+        known, job = _checked(
+            cls, raw, REQUEST_SCHEMA, ("id", "key", "job", "sm", "graph_digest", "toolchain", "out")
+        )
         if not isinstance(raw["toolchain"], Mapping):
             raise BadRequest("toolchain must be an object")
         device, platform = job.spec["device"], raw["toolchain"].get("platform")
@@ -83,3 +100,35 @@ class MintRequest:
                 f"sm {raw['sm']!r}, job device {device!r} and toolchain platform {platform!r} disagree"
             )
         return cls(**{**{k: raw[k] for k in raw if k in known}, "job": job})
+
+
+@dataclass(frozen=True)
+class MintHold:
+    """A worker started for a trace unit (`id`: its trace inputs) before the plan keys it."""
+
+    id: str
+    job: TraceJob
+    out: str
+    cxx: str | None = None
+    sandbox: str | None = None
+    timeout_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return _to_json(self, HOLD_SCHEMA)
+
+    @classmethod
+    def from_json(cls, raw: Any) -> MintHold:
+        known, job = _checked(cls, raw, HOLD_SCHEMA, ("id", "job", "out"))
+        return cls(**{**{k: raw[k] for k in raw if k in known}, "job": job})
+
+    def admits(self, req: MintRequest) -> str | None:
+        """Why `req` cannot be minted by this held worker (None: it can): the job it traced and
+        everything its environment was started with must be the request's."""
+        if req.job.to_json() | {"id": None} != self.job.to_json() | {"id": None}:
+            return "the request's job is not the job this worker traced"
+        for name in ("out", "cxx", "sandbox", "timeout_s"):
+            if getattr(req, name) != getattr(self, name):
+                return f"the request's {name} is not the one this worker was started with"
+        if req.fresh or req.compare_with:
+            return "a held worker mints in the shared sandbox: fresh and compare_with are refused"
+        return None

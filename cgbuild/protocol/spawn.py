@@ -123,6 +123,45 @@ def _tail(f: IO[bytes]) -> str:
     return " | ".join(ln.strip() for ln in lines[-3:])
 
 
+class Channel:
+    """A child's stdin kept open after its request, for the JSON lines a caller sends it later
+    from another thread (a held mint hears its key's request once the plan has it). Closing it,
+    or the child's end, is the child's end of input."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pipe: IO[bytes] | None = None
+        self._closed = False
+
+    def _attach(self, pipe: IO[bytes]) -> None:
+        with self._lock:
+            if self._closed:
+                with contextlib.suppress(BrokenPipeError):
+                    pipe.close()
+            else:
+                self._pipe = pipe
+
+    def send(self, message: Any) -> bool:
+        """Write one JSON line; False when the child's input is closed (it ended, or was told to)."""
+        with self._lock:
+            if self._pipe is None or self._closed:
+                return False
+            try:
+                self._pipe.write(json.dumps(message).encode() + b"\n")
+                self._pipe.flush()
+            except (BrokenPipeError, ValueError):
+                return False
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._pipe is not None:
+                with contextlib.suppress(BrokenPipeError, ValueError):
+                    self._pipe.close()
+            self._pipe = None
+
+
 def spawn(
     module: str,
     args: Sequence[str] = (),
@@ -134,13 +173,15 @@ def spawn(
     timeout_s: float | None = None,
     death_signal: int = signal.SIGKILL,
     started: Callable[[int], None] | None = None,
+    channel: Channel | None = None,
 ) -> Ended:
     """Run `python -m module *args` to its end and say how it ended.
 
     `started` hears the child's pid (its process group's id) once it runs: a caller that waits
     on it from another thread can then end the group itself (`kill_group`).
 
-    `request` is written to its stdin as JSON (else stdin is empty). With `on_message` its stdout
+    `request` is written to its stdin as one JSON line (else stdin is empty); with `channel` stdin
+    then stays open for `channel.send` (a `request` is needed). With `on_message` its stdout
     is the protocol stream: each line that is a JSON object is handed over as it arrives; the
     rest of its output (stderr, and stdout without `on_message`) goes to `log`, or to a private
     temp file read back only for the tail. Past `timeout_s` its whole group is killed.
@@ -189,9 +230,13 @@ def spawn(
                 timer.start()
             if proc.stdin is not None:
                 with contextlib.suppress(BrokenPipeError):  # a child that died before reading
-                    proc.stdin.write(json.dumps(request).encode())
-                with contextlib.suppress(BrokenPipeError):
-                    proc.stdin.close()
+                    proc.stdin.write(json.dumps(request).encode() + b"\n")
+                    proc.stdin.flush()
+                if channel is not None:
+                    channel._attach(proc.stdin)
+                else:
+                    with contextlib.suppress(BrokenPipeError):
+                        proc.stdin.close()
             if proc.stdout is not None:
                 for line in proc.stdout:
                     message = _message(line)
@@ -200,6 +245,8 @@ def spawn(
             reaper.join()
             status = proc.wait()
         finally:
+            if channel is not None:
+                channel.close()
             if timer is not None:
                 timer.cancel()
             if proc.returncode is None:  # the caller's thread was interrupted: take the child along

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 REQUEST_SCHEMA = "cgbuild.trace-request/1"
 SPEC_KEYS = ("family", "module", "graph_class", "height", "width", "text_len", "batch", "dtype", "device")
 DEVICES = (CPU, CUDA)
+FACT_KEYS = ("graph_digest", "contract", "topology", "nodes", "torch")
+"""What a trace reports of a job and the trace cache keeps (the trace rule's and a held mint's)."""
 
 
 class BadJob(ValueError):

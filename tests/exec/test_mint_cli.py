@@ -81,6 +81,46 @@ def test_mint_records_and_artifacts(minted_toy: Path) -> None:
         assert "source" not in meta["axes"]["toolchain"]
 
 
+def test_a_cold_mint_traces_a_key_once_in_the_worker_that_compiles_it(
+    minted_toy: Path, tmp_path: Path, toy_reference: Path
+) -> None:
+    """One slot (-j 1): the first unit's plan trace was the minting worker's own; the other two
+    were traced by the trace rule. Either way the keys are the ones a plan alone computes."""
+    plan = json.loads(cli(minted_toy, "plan", "@fp32", "--json").stdout)
+    records = [
+        json.loads((minted_toy / ".cgbuild" / "mint" / f"{t['key']}.json").read_text())
+        for t in plan["targets"]
+    ]
+    assert sorted(r["traced_here"] for r in records) == [False, False, True]
+    assert not list((minted_toy / ".cgbuild" / "mint").glob("held-*"))
+    alone = copy_toy(tmp_path / "alone", toy_reference)
+    again = json.loads(cli(alone, "plan", "@fp32", "--json").stdout)
+    assert {t["label"]: t["key"] for t in again["targets"]} == {t["label"]: t["key"] for t in plan["targets"]}
+
+
+def test_a_re_trace_to_the_same_graph_stops_its_held_worker(minted_toy: Path, tmp_path: Path) -> None:
+    """Early cutoff through a held trace: the key stays fresh, so its worker is told to stop
+    and leaves no folder, log or process behind."""
+    ws = copy_ws(minted_toy, tmp_path / "toy")
+    (ws / "toy_models.py").write_text((ws / "toy_models.py").read_text() + "\n# a comment moves no graph\n")
+    rc, summary = mint_json(ws, MLP8)
+    assert rc == 0 and summary["minted"] == [] and summary["fresh"] == 1
+    assert not [p for p in (ws / ".cgbuild" / "build").iterdir()]
+    assert not list((ws / ".cgbuild" / "mint").glob("held-*"))
+
+
+def test_a_held_trace_that_dies_refuses_its_target_with_the_typed_end(
+    minted_toy: Path, tmp_path: Path
+) -> None:
+    ws = copy_ws(minted_toy, tmp_path / "toy")
+    edit(ws / "Cgfile", 'shapes = ["32x32"]', 'shapes = ["32x32", "16x16"]')
+    label = "//toy/conv/16x16-b2@fp32:cpu"
+    rc, summary = mint_json(ws, label, env={**os.environ, "CGBUILD_MINT_FAULT": "trace:SIGKILL"})
+    assert rc == 1 and summary["minted"] == [] and summary["failed"] == []
+    (refused,) = summary["refused"]
+    assert refused["code"] == "worker-killed" and "trace stage" in refused["detail"], refused
+
+
 def test_mint_progress_in_execution_order_with_waits_and_phase_times(minted_toy: Path) -> None:
     lines = [
         line

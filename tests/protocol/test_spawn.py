@@ -125,3 +125,26 @@ def test_sigterm_in_the_parent_kills_the_children_then_raises_terminated() -> No
         except spawn.Terminated as e:
             got.append(e)
     assert got and not spawn._live
+
+
+def test_a_channel_keeps_stdin_open_for_later_lines_and_its_close_ends_the_input() -> None:
+    """A held mint hears its key's request after the plan: the request line first, then each
+    `send` as one line, in order, and `close` is the child's end of input."""
+    channel = spawn.Channel()
+    got: list[dict[str, Any]] = []
+
+    def take(message: dict[str, Any]) -> None:
+        got.append(message)
+        if message.get("echo") == {"n": 0}:
+            assert channel.send({"n": 1}) and channel.send({"n": 2})
+            channel.close()
+
+    ended = spawn.spawn("spawn_child", ["echo"], request={"n": 0}, on_message=take, env=ENV, channel=channel)
+    assert ended.status == 0
+    assert got == [{"echo": {"n": 0}}, {"echo": {"n": 1}}, {"echo": {"n": 2}}, {"eof": True}]
+    assert channel.send({"n": 3}) is False  # closed: nothing reaches a child that has ended
+
+
+def test_without_a_channel_the_input_ends_after_the_request() -> None:
+    ended, got = run("echo", request={"n": 0})
+    assert ended.status == 0 and got == [{"echo": {"n": 0}}, {"eof": True}]

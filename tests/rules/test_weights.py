@@ -52,3 +52,49 @@ def test_a_checkpoint_missing_a_tensor_is_refused_by_name(tmp_path: Path) -> Non
     extra = {**real.module.state_dict(), "stray.weight": torch.zeros(1)}
     with pytest.raises(ValueError, match=r"stray\.weight"):
         weights.module_from_checkpoint(job, extra, "cpu")
+
+
+def _mixed(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Tensors of every size class, odd byte lengths first so later offsets are unaligned."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.flag": torch.tensor([True, False, True]),
+        "b.weight": torch.randn(37, 11, generator=g).to(torch.bfloat16),
+        "c.scale": torch.randn(5, generator=g),
+        "d.ids": torch.arange(7, dtype=torch.int64),
+        "e.empty": torch.zeros(0, 4),
+        "f.scalar": torch.tensor(3.5),
+        "g.big": torch.randn(300, 129, generator=g),
+    }
+    path = tmp_path / "mixed.safetensors"
+    save_file(tensors, str(path))
+    return path, tensors
+
+
+@pytest.mark.parametrize(("readers", "stage"), [(1, 1 << 20), (3, 4096), (8, 256)])
+def test_read_onto_gives_every_tensor_exactly_whatever_the_split(
+    tmp_path: Path, readers: int, stage: int
+) -> None:
+    """The GPU reader's logic on the CPU: spans over threads, stages crossing tensor ends, views
+    of one allocation at header offsets, and a copy for an offset a device kernel could not take."""
+    path, want = _mixed(tmp_path)
+    got = weights.read_onto(path, "cpu", readers=readers, stage_bytes=stage)
+    assert set(got) == set(want)
+    base = got["g.big"].untyped_storage().data_ptr() if got["g.big"].data_ptr() % weights.ALIGN == 0 else None
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0)
+        assert got[name].data_ptr() % weights.ALIGN == 0 or got[name].numel() == 0, name
+    shared = [n for n, t in got.items() if t.numel() and t.untyped_storage().data_ptr() == base]
+    assert len(shared) >= 2  # aligned tensors are views of the one allocation, not copies
+
+
+def test_read_onto_refuses_what_safetensors_refuses_before_allocating(tmp_path: Path) -> None:
+    path, _ = _mixed(tmp_path)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:-100])  # the data region ends before the header's last offset
+    with pytest.raises(Exception, match=r"(?i)incomplete|invalid|truncat|metadata"):
+        weights.read_onto(cut, "cpu")

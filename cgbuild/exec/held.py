@@ -1,0 +1,178 @@
+"""One trace per mint: a cold `cgbuild mint` traces each unit in the worker that will compile it.
+
+Without this, a mint of a target whose trace is not cached pays for two torch processes that
+each import the model's code, build its module and export it: the plan's trace, for the graph
+digest its key needs, and the compile stage's, for the program it compiles (26 s and 30 s of a
+klein-4B mint on the H200, docs/benchmarks.md). Here the plan's trace of such a unit is a
+`MintHold`: a mint worker starts, its compile stage traces the job where it will compile it and
+reports the same graph facts the trace rule would (the cache keeps them), and the worker waits.
+Once the plan has keyed the unit's targets, the worker is handed the request of a key to mint
+(one of that unit, for this machine's sm) and goes on from the program it holds; a held worker
+no key needs (its key is fresh: early cutoff) is told so and ends without compiling.
+
+Holds are bounded by the local executor's slots (`limit`); the other units go to the trace rule.
+Only the local executor holds (a fleet's keys mint on other machines), and never `mint --check`
+(a fresh sandbox per key).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cgbuild.protocol.mint import MintHold
+from cgbuild.protocol.spawn import Channel, Ended, kill_group, spawn
+
+if TYPE_CHECKING:
+    from cgbuild.config.targets import Target
+    from cgbuild.plan.planner import TraceUnit, Workspace
+
+
+class Held:
+    """One held worker: the unit it traced, then the key it was handed (if any)."""
+
+    def __init__(self, unit: TraceUnit, out: Path, log: Path, cxx: str | None) -> None:
+        self.unit = unit
+        self.labels = {t.label for t in unit.targets}
+        self.request = MintHold(id=unit.inputs, job=unit.job, out=str(out), cxx=cxx).to_json()
+        self.log = log
+        self.channel = Channel()
+        self.traced = threading.Event()
+        self.done = threading.Event()
+        self.sm: str | None = None
+        self.ok = False
+        self.claimed = False
+        self.result: dict[str, Any] | None = None
+        self.ended: Ended | None = None
+        self.on_progress: Callable[[str], None] | None = None
+        self._on_trace: Callable[[dict[str, Any]], None] | None = None
+        self.pid: int | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self, on_trace: Callable[[dict[str, Any]], None]) -> None:
+        self._on_trace = on_trace
+        self.thread.start()
+
+    def _trace(self, result: dict[str, Any]) -> None:
+        if self.traced.is_set():
+            return
+        self.ok = result.get("ok") is True
+        self.sm = result.get("sm") if self.ok else None
+        if self._on_trace is not None:  # None: the plan stopped listening (it was interrupted)
+            self._on_trace({**result, "id": self.unit.inputs})
+        self.traced.set()
+
+    def _take(self, message: dict[str, Any]) -> None:
+        if isinstance(message.get("traced"), dict):
+            self._trace(message["traced"])
+        elif "progress" in message:
+            if self.on_progress:
+                self.on_progress(str(message["progress"]))
+        elif "ok" in message:
+            self.result = message
+
+    def _run(self) -> None:
+        try:
+            self.ended = spawn(
+                "cgbuild_rules.mint",
+                request=self.request,
+                on_message=self._take,
+                log=self.log,
+                channel=self.channel,
+                started=self._started,
+            )
+            if not self.traced.is_set():  # died before its trace: the trace's typed failure
+                self._trace(self.ended.failure("mint worker (tracing)"))
+        except BaseException as e:  # spawn refused to start (cgbuild is stopping)
+            self._trace({"ok": False, "code": "worker-killed", "detail": f"mint worker did not start: {e}"})
+        finally:
+            self.done.set()
+
+    def _started(self, pid: int) -> None:
+        self.pid = pid
+
+    def serves(self, target: Target) -> bool:
+        """Whether this worker can mint `target`'s key: it traced its unit, on its sm."""
+        return self.ok and target.label in self.labels and self.sm == target.id.sm
+
+    def complete(self, request: dict[str, Any], on_progress: Callable[[str], None] | None) -> dict[str, Any]:
+        """Hand the worker its key's request; its result line, or its typed end."""
+        self.on_progress = on_progress
+        self.channel.send(request)
+        self.done.wait()
+        if self.result is not None:
+            return self.result
+        assert self.ended is not None
+        failure = self.ended.failure("mint worker")
+        return {**failure, "phase": "worker", "detail": f"{failure['detail']} (log: {self.log})"}
+
+    def stop(self) -> None:
+        """No key for it: its input ends, it stops its stages and exits without a result; one
+        still tracing (the plan was interrupted) is killed with its stages."""
+        self._on_trace = None
+        self.channel.close()
+        if not self.traced.is_set() and self.pid is not None:
+            kill_group(self.pid)
+
+
+class HeldTraces:
+    """The plan's tracer for `cgbuild mint` on this machine (the planner's `hold`)."""
+
+    def __init__(self, ws: Workspace, limit: int) -> None:
+        self.out = ws.state / "build"
+        self.logs = ws.state / "mint"
+        self.cxx = ws.cg.cxx
+        self.limit = max(1, limit)
+        self.held: list[Held] = []
+        self._lock = threading.Lock()
+
+    def trace(self, units: list[TraceUnit], on_result: Callable[[dict[str, Any]], None]) -> list[TraceUnit]:
+        """Start a held worker for each of the first units (within the limit); the rest are the
+        trace rule's. Each held unit gets exactly one result through `on_result`."""
+        room = self.limit - len(self.held)
+        mine, rest = units[:room], units[room:]
+        for unit in mine:
+            held = Held(unit, self.out, self.logs / f"held-{unit.inputs[:16]}.log", self.cxx)
+            self.held.append(held)
+            held.start(on_result)
+        return rest
+
+    def wait(self) -> None:
+        """Until every held unit has its trace result (the plan then stops listening)."""
+        for held in self.held:
+            held.traced.wait()
+            held._on_trace = None
+
+    def keep(self, targets: list[Target]) -> None:
+        """Stop, now, every held worker the keys of none of `targets` (one per key) can use."""
+        for held in self.held:
+            if not held.claimed and not any(held.serves(t) for t in targets):
+                held.stop()
+
+    def holds(self, target: Target) -> bool:
+        return any(not h.claimed and h.serves(target) for h in self.held)
+
+    def claim(self, target: Target, log: Path) -> Held | None:
+        """The held worker that will mint `target`'s key (its log moved to `log`), or None."""
+        with self._lock:
+            held = next((h for h in self.held if not h.claimed and h.serves(target)), None)
+            if held is None:
+                return None
+            held.claimed = True
+        log.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(held.log, log)  # the worker goes on writing to the same file
+        held.log = log
+        return held
+
+    def close(self) -> None:
+        """Stop the unclaimed workers and wait for every worker to end (it removes its folder)."""
+        for held in self.held:
+            if not held.claimed:
+                held.stop()
+        for held in self.held:
+            held.thread.join(60)
+            if not held.claimed:  # its trace is in the plan; the log of a stopped worker is noise
+                held.log.unlink(missing_ok=True)
