@@ -168,9 +168,10 @@ class HeldTraces:
         return held
 
     def close(self) -> None:
-        """Stop the unclaimed workers and wait for every worker to end (it removes its folder)."""
+        """Stop every worker still waiting (unclaimed, or claimed by a mint that failed before
+        handing it its request) and wait for each to end (it removes its folder)."""
         for held in self.held:
-            if not held.claimed:
+            if not held.done.is_set() and held.result is None:
                 held.stop()
         for held in self.held:
             held.thread.join(60)

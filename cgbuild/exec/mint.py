@@ -212,7 +212,7 @@ def mint_one(
     records = ws.state / "mint"
     record_path = records / f"{mk.key}.json"
     log = records / f"{mk.key}.log"
-    worker = held.claim(mk.target, log) if held is not None else None
+    worker = None
     record = {
         "schema": RECORD_SCHEMA,
         "key": mk.key,
@@ -221,7 +221,6 @@ def mint_one(
         "started": time.time(),
         "pid": os.getpid(),  # gc leaves a live mint's build files alone
         "log": str(log),
-        "traced_here": worker is not None,  # the plan's trace of it was this mint's own
     }
     write_json(record_path, record, indent=1)
     if on_event:
@@ -237,6 +236,7 @@ def mint_one(
         if shared is not None:
             shared.check_publishable()  # before the compile: an unpublishable mint is wasted
         request = request_for(ws, mk, ws.state / "build")
+        worker = held.claim(mk.target, log) if held is not None else None  # after the refusals above
         result = worker.complete(request, progress) if worker else run_worker(request, log, progress)
         if result.get("ok"):
             if on_event:
@@ -260,6 +260,7 @@ def mint_one(
         result.setdefault("retryable", result.get("code") in RETRYABLE)
     mk.result = result
     record.update(
+        traced_here=worker is not None,  # the plan's trace of it was this mint's own
         state="ok" if result.get("ok") else "failed",
         finished=time.time(),
         result={k: v for k, v in result.items() if k not in ("members", "lane_evidence")},
