@@ -110,13 +110,17 @@ def _row_scale(rows: torch.Tensor) -> torch.Tensor:
     return (rows.abs().amax(dim=1, keepdim=True).to(torch.float32) / FP8_MAX).clamp_min(ACT_SCALE_FLOOR)
 
 
+def _quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 rows [M, K] → (e4m3 rows, fp32 [M, 1] scales): the rule's activation quantization."""
+    x_scale = _row_scale(rows)
+    return (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), x_scale
+
+
 def scaled_mm_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *bias: torch.Tensor
 ) -> torch.Tensor:
     """`scaled-mm`: quantize x per row (its own kernel), then row-wise `torch._scaled_mm`."""
-    rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
-    x_scale = _row_scale(rows)
-    xq = (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    xq, x_scale = _quantize_rows(x.reshape(-1, x.shape[-1]).to(torch.float32))
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
     if bias:
         out = out + bias[0]
@@ -199,25 +203,26 @@ def convert(
     done: list[str] = []
     if eligible(module):
         module, done = cls.from_linear(module, dtype), [""]  # type: ignore[arg-type]
-    for fqn, child in list(module.named_modules()) if not done else []:
-        if fqn and eligible(child):
-            parent_name, _, attr = fqn.rpartition(".")
-            parent = module.get_submodule(parent_name) if parent_name else module
-            setattr(parent, attr, cls.from_linear(child, dtype))  # type: ignore[arg-type]
-            done.append(fqn)
+    else:
+        for fqn, child in list(module.named_modules()):
+            if fqn and eligible(child):
+                parent_name, _, attr = fqn.rpartition(".")
+                parent = module.get_submodule(parent_name) if parent_name else module
+                setattr(parent, attr, cls.from_linear(child, dtype))  # type: ignore[arg-type]
+                done.append(fqn)
     for axis in record.lanes:
         values = list((lanes or {}).get(axis) or [])
         if values and done:
             for value in values:
                 SETUP.get((axis, value), lambda: None)()
-            _attach(module, LaneSwitch(axis, values))
+            _attach(module, done, LaneSwitch(axis, values))
     return module, done
 
 
-def _attach(module: nn.Module, switch: LaneSwitch) -> None:
+def _attach(module: nn.Module, done: list[str], switch: LaneSwitch) -> None:
     """Register `switch` once, under the first quantized module (not the root: a Sequential root
-    calls every child), and hand it to every quantized module by reference."""
-    quantized = [m for m in module.modules() if isinstance(m, _RowwiseLinear)]
+    calls every child), and hand it to every quantized module (`done`) by reference."""
+    quantized = [module.get_submodule(fqn) for fqn in done]
     quantized[0].add_module(switch.axis.replace("-", "_"), switch)
     for child in quantized:
         child.__dict__["lane"] = switch
@@ -243,9 +248,8 @@ def probe(rule: str, device: torch.device | str) -> tuple[bool, str]:
         x = torch.randn(16, 64, generator=gen).to(dev, torch.bfloat16)
         with torch.no_grad():
             got = q(x).float()
-            rows = x.float()
-            x_scale = _row_scale(rows)
-            xq = (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * x_scale
+            q_rows, x_scale = _quantize_rows(x.float())
+            xq = q_rows.float() * x_scale
             w = q.weight.float() * q.weight_scale[:, None]
             want = xq @ w.t() + q.bias.float()  # type: ignore[union-attr]
         if dev.type == "cuda":

@@ -15,11 +15,12 @@ An entry needs nothing special for this: it builds its module as it always does;
 the device and dtype contexts (docs/adopt.md, "Serving from a checkpoint").
 
 Onto a GPU, a checkpoint is read as its bytes, not tensor by tensor: safetensors' own loader
-copies each tensor from the mapped file in pageable memory (7.2 GiB of klein-4B in 1.39 s on
-the H200, 5.2 GiB/s). Here a few threads `pread` the data region into pinned staging buffers
-and copy them asynchronously into ONE device allocation, and each tensor is a view of it at
-its header offset (an offset Triton's 16-byte pointer specialisation could not take gets a copy
-of its own). safetensors still validates the header against the file before a byte is read.
+copies each tensor from the mapped file in pageable memory (7.22 GiB of klein-4B in 1.26 s on
+the H200; 0.52 s here, side by side: benchmarks/results/cold_start_gpu_nolanes.json). A few
+threads `pread` the data region into pinned staging buffers and copy them asynchronously into
+ONE device allocation, and each tensor is a view of it at its header offset (an offset Triton's
+16-byte pointer specialisation could not take gets a copy of its own). safetensors still
+validates the header against the file before a byte is read.
 """
 
 from __future__ import annotations
@@ -34,26 +35,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from cgbuild.identity.layout import SAFETENSORS_DTYPE, read_header
+
 CheckpointPath = str | os.PathLike[str]
 STAGE_BYTES = 32 << 20
 """One pinned staging buffer; each reading thread has two (one read into while one copies)."""
 READERS = 4
 ALIGN = 16
 """Device views start on this many bytes: Triton kernels specialise on 16-byte pointers."""
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+DTYPES = {code: getattr(torch, name) for name, code in SAFETENSORS_DTYPE.items()}
+"""safetensors dtype codes → torch dtypes: the layout axis's own table, read backwards."""
 
 
 def read_checkpoint(
@@ -85,14 +76,13 @@ def read_onto(
     GPU). A file safetensors refuses is refused before anything is allocated."""
     from safetensors import safe_open
 
-    from cgbuild.identity.layout import read_header
-
     with safe_open(str(path), framework="pt", device="cpu"):  # checks every offset against the file
         pass
-    header = read_header(Path(path))
-    with open(path, "rb") as f:
-        start = 8 + int.from_bytes(f.read(8), "little")
-    blob = torch.empty(os.path.getsize(path) - start, dtype=torch.uint8, device=torch.device(device))
+    header = {k: v for k, v in read_header(Path(path)).items() if k != "__metadata__"}
+    # safetensors refuses a file its tensors do not cover to the end: the data region ends there
+    size = max((info["data_offsets"][1] for info in header.values()), default=0)
+    start = os.path.getsize(path) - size
+    blob = torch.empty(size, dtype=torch.uint8, device=torch.device(device))
     per_reader = -(-blob.numel() // max(1, readers))
     step = max(1, -(-per_reader // stage_bytes)) * stage_bytes  # whole stages per reader
     spans = [(lo, min(lo + step, blob.numel())) for lo in range(0, blob.numel(), step)]
@@ -100,8 +90,6 @@ def read_onto(
         list(pool.map(lambda span: _read_span(path, start, blob, span, stage_bytes), spans))
     out: dict[str, torch.Tensor] = {}
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
         lo, hi = info["data_offsets"]
         view = blob[lo:hi] if lo % ALIGN == 0 else blob[lo:hi].clone()
         out[name] = view.view(DTYPES[info["dtype"]]).view(info["shape"])

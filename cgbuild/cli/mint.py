@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cgbuild.cli.main import add_workspace_args, positive_int, workspace
 from cgbuild.cli.render import console, key_line, phase_times, print_json, progress_bar
-from cgbuild.config.labels import parse_selector
+from cgbuild.config.labels import Selector, parse_selector
 from cgbuild.core.errors import UserError
+
+if TYPE_CHECKING:
+    from cgbuild.exec.fleet import Executor
+    from cgbuild.exec.held import HeldTraces
+    from cgbuild.plan.workspace import Workspace
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,12 +72,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _mint(
     args: argparse.Namespace,
-    ws: Any,
-    executor: Any,
-    selector: Any,
+    ws: Workspace,
+    executor: Executor,
+    selector: Selector,
     recorded: dict[str, str] | None,
     jobs: int,
-    held: Any,
+    held: HeldTraces | None,
 ) -> int:
     from cgbuild.exec import fleet, mint
     from cgbuild.plan.approval import approve

@@ -102,13 +102,17 @@ class Family:
     lane_table: dict[str, dict[str, Needs]] = field(default_factory=dict)
     """The implementations of the declared axes (the entry's or a quant rule's), in their
     provider's order, with their needs."""
-    lane_rules: dict[str, str] = field(default_factory=dict)
-    """axis → the quant rule that owns it (its modules switch on it); entry axes are absent."""
+
+    @property
+    def lane_rules(self) -> dict[str, str]:
+        """Declared axis → the quant rule that owns it (its modules switch on it); entry axes
+        are absent (an entry may not name an axis like a rule's)."""
+        return {a: RULE_AXES[a] for a, _ in self.lanes if a in RULE_AXES}
 
     def lanes_for(self, quant: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """The declared axes a target of a layout with quant rule `quant` carries: the entry's
         axes, and the axes of that rule (another rule's axis has no module to switch here)."""
-        return tuple((a, v) for a, v in self.lanes if self.lane_rules.get(a, quant) == quant)
+        return tuple((a, v) for a, v in self.lanes if RULE_AXES.get(a, quant) == quant)
 
 
 @dataclass
@@ -538,7 +542,7 @@ def _family(r: _Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict
         raise r.fail("no [family.<name>.module.*] declared", *where, "module")
     modules = {m: _module(r, (*where, "module", m), m, spec) for m, spec in modules_raw.items()}
     rules = {layouts[lay].quant for lay in fam_layouts}
-    lanes, table, owners = _lanes(r, where, t["lanes"], entry, rules) if "lanes" in t else ((), {}, {})
+    lanes, table = _lanes(r, where, t["lanes"], entry, rules) if "lanes" in t else ((), {})
     return Family(
         name,
         entry,
@@ -549,18 +553,28 @@ def _family(r: _Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict
         modules,
         lanes,
         table,
-        owners,
     )
 
 
-RULE_AXES = {axis: rule.name for rule in QUANT_RULES.values() for axis in rule.lanes}
+def _axis_owners() -> dict[str, str]:
+    """Every quant rule's lane axis → the rule that owns it; two rules may not claim one axis."""
+    owners: dict[str, str] = {}
+    for rule in QUANT_RULES.values():
+        for axis in rule.lanes:
+            if axis in owners:
+                raise ValueError(f"lane axis {axis!r} is both {owners[axis]!r}'s and {rule.name!r}'s")
+            owners[axis] = rule.name
+    return owners
+
+
+RULE_AXES = _axis_owners()
 """Every quant rule's lane axis → the rule that owns it."""
 
 
-def _rule_axes(rules: set[str]) -> dict[str, tuple[str, dict[str, Needs]]]:
-    """axis → (owning quant rule, value → needs) for the lane axes of the rules a family uses."""
+def _rule_axes(rules: set[str]) -> dict[str, dict[str, Needs]]:
+    """axis → (value → needs) for the lane axes of the rules a family uses."""
     return {
-        axis: (rule, {v: Needs.from_json(n) for v, n in QUANT_RULES[rule].lanes[axis].items()})
+        axis: {v: Needs.from_json(n) for v, n in QUANT_RULES[rule].lanes[axis].items()}
         for axis, rule in RULE_AXES.items()
         if rule in rules
     }
@@ -568,12 +582,12 @@ def _rule_axes(rules: set[str]) -> dict[str, tuple[str, dict[str, Needs]]]:
 
 def _lanes(
     r: _Reader, where: tuple[str, ...], raw: Any, entry: str, rules: set[str]
-) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], dict[str, dict[str, Needs]], dict[str, str]]:
+) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], dict[str, dict[str, Needs]]]:
     """`[family.<name>.lanes]`: axis = [values], each value a real implementation.
 
     An axis is the entry's (its `LANES` literal, read from its source, never imported) or a quant
     rule's (`QuantRule.lanes`: the rule's own modules switch on it) when one of the family's
-    layouts uses that rule; the third value maps such axes to their rule. Every axis must keep
+    layouts uses that rule (`RULE_AXES` names it). Every axis must keep
     one value with no needs, so every target that carries it can build one implementation.
     """
     here = (*where, "lanes")
@@ -583,15 +597,6 @@ def _lanes(
     root = r.path.resolve().parent
     owned = _rule_axes(rules)
     table = read_lane_table(root, entry)
-    if table is None and not set(declared) <= set(owned):
-        stray = next(a for a in declared if a not in owned)
-        if _owner_hint(stray):
-            raise r.fail(f"unknown lane axis '{stray}' for entry '{entry}'{_owner_hint(stray)}", *here, stray)
-        raise r.fail(
-            f"entry '{entry}' declares no LANES table in its source under {root.name or root}/ "
-            "(axis -> value -> needs, a literal): lanes must name implementations the entry provides",
-            *here,
-        )
     entry_axes = table.axes if table is not None else {}
     clash = next((axis for axis in entry_axes if axis in RULE_AXES), None)
     if table is not None and clash is not None:  # whether or not a layout here uses the rule yet
@@ -603,7 +608,6 @@ def _lanes(
         )
     axes: list[tuple[str, tuple[str, ...]]] = []
     needs: dict[str, dict[str, Needs]] = {}
-    owners: dict[str, str] = {}
     for axis, values in declared.items():
         at = (*here, axis)
         r.name(axis, *at)
@@ -616,18 +620,19 @@ def _lanes(
             raise r.fail(f"duplicate lane value '{dup}'", *at)
         provider = f"entry '{entry}'"
         if axis in owned:
-            owners[axis], provided = owned[axis]
-            provider = f"quant rule '{owners[axis]}'"
+            provided, provider = owned[axis], f"quant rule '{RULE_AXES[axis]}'"
         elif axis in entry_axes:
             provided = entry_axes[axis]
+        elif table is None and not _owner_hint(axis):
+            raise r.fail(
+                f"entry '{entry}' declares no LANES table in its source under {root.name or root}/ "
+                "(axis -> value -> needs, a literal): lanes must name implementations the entry provides",
+                *here,
+            )
         else:
             others = sorted({*entry_axes, *owned})
-            rule_hint = _owner_hint(axis)
-            raise r.fail(
-                f"unknown lane axis '{axis}' for entry '{entry}' (axes here: {', '.join(others) or 'none'})"
-                + rule_hint,
-                *at,
-            )
+            axes_here = f" (axes here: {', '.join(others)})" if others else ""
+            raise r.fail(f"unknown lane axis '{axis}' for entry '{entry}'{axes_here}{_owner_hint(axis)}", *at)
         for v in values:
             if v not in provided:
                 raise r.fail(
@@ -643,7 +648,7 @@ def _lanes(
             )
         axes.append((axis, tuple(values)))
         needs[axis] = {v: n for v, n in provided.items() if v in values}
-    return tuple(axes), needs, owners
+    return tuple(axes), needs
 
 
 def _owner_hint(axis: str) -> str:

@@ -152,13 +152,16 @@ class HeldTraces:
             if not held.claimed and not any(held.serves(t) for t in targets):
                 held.stop()
 
+    def _free(self, target: Target) -> Held | None:
+        return next((h for h in self.held if not h.claimed and h.serves(target)), None)
+
     def holds(self, target: Target) -> bool:
-        return any(not h.claimed and h.serves(target) for h in self.held)
+        return self._free(target) is not None
 
     def claim(self, target: Target, log: Path) -> Held | None:
         """The held worker that will mint `target`'s key (its log moved to `log`), or None."""
         with self._lock:
-            held = next((h for h in self.held if not h.claimed and h.serves(target)), None)
+            held = self._free(target)
             if held is None:
                 return None
             held.claimed = True

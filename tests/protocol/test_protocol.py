@@ -3,13 +3,17 @@ rules refuse what the contract does not allow (the same types validate on both s
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hostile import _mutated
+from hypothesis import given, settings
 
 from cgbuild.config import cgfile
 from cgbuild.config.targets import expand
-from cgbuild.protocol.mint import BadRequest, MintRequest
+from cgbuild.protocol.mint import BadRequest, MintHold, MintRequest
 from cgbuild.protocol.trace import BadJob, TraceJob, job_for, request
 
 TOY = Path(__file__).resolve().parents[2] / "examples" / "toy" / "Cgfile"
@@ -91,3 +95,50 @@ def test_a_bad_mint_request_is_named(job: TraceJob, edit, message: str) -> None:
     edit(doc)
     with pytest.raises(BadRequest, match=message):
         MintRequest.from_json(doc)
+
+
+def _hold(job: TraceJob, **extra: Any) -> MintHold:
+    return MintHold(id="u", job=job.with_id("u"), out="/out", **extra)
+
+
+def test_a_hold_round_trips_and_admits_only_the_request_it_was_started_for(job: TraceJob) -> None:
+    hold = _hold(job, timeout_s=5.0)
+    assert MintHold.from_json(hold.to_json()) == hold
+    assert hold.admits(_mint(job, timeout_s=5.0)) is None
+    other = TraceJob(job.entry, job.root, job.config, {**job.spec, "batch": 2}, job.quant, "k")
+    refusals = {
+        "job": _mint(other, timeout_s=5.0),
+        "out": dataclasses.replace(_mint(job, timeout_s=5.0), out="/elsewhere"),
+        "cxx": _mint(job, timeout_s=5.0, cxx="clang++"),
+        "timeout_s": _mint(job),
+        "fresh": _mint(job, timeout_s=5.0, fresh=True),
+        "compare_with": _mint(job, timeout_s=5.0, compare_with="a.tar.gz"),
+    }
+    for word, req in refusals.items():
+        why = hold.admits(req)
+        assert why is not None and word.split("_")[0] in why, (word, why)
+
+
+HOLD_DOC = MintHold(
+    id="u", job=TraceJob("e:build", "/r", {}, dict.fromkeys(("family", "module"), "x") | {
+        "graph_class": "c", "height": 1, "width": 1, "text_len": None, "batch": 1, "dtype": "float32",
+        "device": "cpu"}, "plain.fp32", "u"), out="/out", sandbox="/sb",
+).to_json()  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(mutated=_mutated(HOLD_DOC, toml=False))
+def test_generated_holds_read_or_are_refused_by_name(mutated: tuple[dict[str, Any], str]) -> None:
+    """Whatever first line a worker is handed, a hold reads or is refused `bad-request`, and a
+    hold that reads refuses, or admits, any request without raising."""
+    doc, _ = mutated
+    try:
+        hold = MintHold.from_json(doc)
+    except BadRequest as refused:
+        assert str(refused)
+        return
+    req = MintRequest(
+        id="k", key="k", job=hold.job, sm="cpu", graph_digest="g",
+        toolchain={"platform": "cpu", "fold": "f", "components": {}}, out="/out", sandbox="/sb",
+    )  # fmt: skip
+    assert hold.admits(req) is None or isinstance(hold.admits(req), str)

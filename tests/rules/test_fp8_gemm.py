@@ -112,3 +112,13 @@ def test_kernel_and_lane_switch_compute_what_scaled_mm_computes() -> None:
         assert r["switch_default_vs_scaled_mm"] < 5e-3, r  # the switch holds scaled-mm by default
         assert r["switch_triton_vs_kernel"] < 1e-6, r  # bound to triton, the module runs the kernel
         assert r["switch_fqn"] == ["0.fp8_gemm.onehot"]  # one switch, under the first quantized Linear
+
+
+def test_the_lane_implementations_are_exactly_the_rules_declared_values() -> None:
+    from cgbuild_rules import quant
+
+    from cgbuild.identity.layout import QUANT_RULES
+
+    declared = QUANT_RULES["fp8-rowwise"].lanes["fp8-gemm"]
+    assert set(quant.FP8_GEMM) == set(declared)
+    assert {value for axis, value in quant.SETUP if axis == "fp8-gemm"} <= set(declared)

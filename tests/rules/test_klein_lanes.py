@@ -134,3 +134,34 @@ def test_lanes_are_a_graph_change_and_the_fp8_rule_axis_moves_no_other_layout(tm
     cgfile_path.write_text(text.replace('layouts = ["fp32", "int8"]', 'layouts = ["fp32", "int8", "fp8"]'))
     with_rule = _keys(ws, "//flux2-klein-tiny/transformer/64x64-t8-b1:cpu")
     assert with_rule[LABEL] == laned[LABEL]
+
+
+def test_routed_attention_computes_what_diffusers_own_processors_compute() -> None:
+    """The entry's processors are copies of diffusers' with the SDPA call behind the switch:
+    every CPU lane of the routed model matches the unrouted diffusers model, and an attention
+    mask (which no lane takes) is refused by name, not ignored."""
+    import copy
+    import sys
+
+    from cgbuild_rules.lanes import set_lanes
+    from cgbuild_rules.trace import load_entry
+
+    from cgbuild.config import cgfile
+
+    build = load_entry("flux2_entry:build", str(FLUX))
+    flux2_entry = sys.modules[build.__module__]
+    config = cgfile.load(FLUX / "Cgfile").families["flux2-klein-tiny"].config
+    spec = {"module": "transformer", "config": config, "height": 64, "width": 64, "text_len": 8, "batch": 1}
+    torch.manual_seed(0)
+    plain, args, _ = build(spec)
+    routed = copy.deepcopy(plain.eval())
+    flux2_entry.route_attention(routed, ["flash", "math"])
+    with torch.no_grad():
+        want = plain(*args)
+        for lane in ("flash", "math"):
+            set_lanes(routed, {"attention": lane})
+            torch.testing.assert_close(routed(*args), want, rtol=1e-4, atol=1e-5)
+    processor = next(m.processor for m in routed.modules() if isinstance(m, flux2_entry.Flux2Attention))
+    q = torch.zeros(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="take no attention mask"):
+        processor.attend(q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))

@@ -92,7 +92,7 @@ def test_a_held_worker_whose_input_ends_stops_without_a_result_or_a_folder(
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("moved", ["job", "out"])
+@pytest.mark.parametrize("moved", ["job", "out", "schema"])
 def test_a_held_worker_refuses_a_request_it_did_not_trace_or_was_not_started_for(
     dirs: tuple[Path, Path], tmp_path: Path, moved: str
 ) -> None:
@@ -100,6 +100,8 @@ def test_a_held_worker_refuses_a_request_it_did_not_trace_or_was_not_started_for
     job = job_for(root, "A")
     if moved == "job":
         request = request_for(job_for(root, "B"), tmp_path, sandbox)
+    elif moved == "schema":  # JSON, but no mint request
+        request = {"schema": "cgbuild.mint-request/0", "job": job}
     else:
         (tmp_path / "elsewhere").mkdir()
         request = request_for(job, tmp_path / "elsewhere", sandbox)

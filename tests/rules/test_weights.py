@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from cgbuild_rules import trace, weights
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cgbuild.config import cgfile
 from cgbuild.config.targets import expand
@@ -98,3 +100,53 @@ def test_read_onto_refuses_what_safetensors_refuses_before_allocating(tmp_path: 
     cut.write_bytes(data[:-100])  # the data region ends before the header's last offset
     with pytest.raises(Exception, match=r"(?i)incomplete|invalid|truncat|metadata"):
         weights.read_onto(cut, "cpu")
+
+
+def test_a_file_that_shrinks_under_the_reader_is_refused_not_read_short(tmp_path: Path) -> None:
+    """The header was validated against the file; a file cut after that still never yields a
+    tensor of stale bytes."""
+    path, _ = _mixed(tmp_path)
+    blob = torch.empty(path.stat().st_size + 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="ends inside its data region"):
+        weights._read_span(path, 0, blob, (0, blob.numel()), 4096)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_generated_damaged_checkpoints_read_as_safetensors_reads_them(
+    tmp_path_factory: pytest.TempPathFactory, data
+) -> None:
+    """Any byte flipped, inserted or cut: the reader refuses what safetensors' own loader
+    refuses (with an error naming the problem) and otherwise gives exactly its tensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from cgbuild.core.errors import UserError
+
+    path, _ = _mixed(tmp_path_factory.mktemp("damaged"))
+    raw = bytearray(path.read_bytes())
+    at = data.draw(st.integers(min_value=0, max_value=len(raw) - 1))
+    op = data.draw(st.sampled_from(["flip", "insert", "cut"]))
+    if op == "flip":
+        raw[at] ^= data.draw(st.integers(min_value=1, max_value=255))
+    elif op == "insert":
+        raw[at:at] = data.draw(st.binary(min_size=1, max_size=9))
+    else:
+        del raw[at:]
+    path.write_bytes(bytes(raw))
+    try:
+        want = load_file(str(path))
+    except Exception:
+        want = None
+    try:
+        got = weights.read_onto(path, "cpu", readers=2, stage_bytes=4096)
+    except (SafetensorError, UserError, ValueError) as refused:
+        assert str(refused)
+        assert want is None or any(t.dtype not in weights.DTYPES.values() for t in want.values())
+        return
+    assert want is not None and set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), (
+            name
+        )
