@@ -200,6 +200,15 @@ def convert(
         raise QuantError(
             f"quant rule {rule!r} rewrites modules but has no transform here (rules/quant.py MODULES)"
         )
+    for axis in record.lanes:
+        values = list((lanes or {}).get(axis) or [])
+        unknown = [v for v in values if v not in record.lanes[axis]]
+        if unknown or len(set(values)) != len(values):
+            bad = unknown[0] if unknown else next(v for v in values if values.count(v) > 1)
+            raise QuantError(
+                f"{axis}: {'unknown' if unknown else 'duplicate'} lane value {bad!r} "
+                f"(quant rule {rule!r} provides: {', '.join(record.lanes[axis])})"
+            )
     done: list[str] = []
     if eligible(module):
         module, done = cls.from_linear(module, dtype), [""]  # type: ignore[arg-type]

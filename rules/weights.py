@@ -79,6 +79,9 @@ def read_onto(
     with safe_open(str(path), framework="pt", device="cpu"):  # checks every offset against the file
         pass
     header = {k: v for k, v in read_header(Path(path)).items() if k != "__metadata__"}
+    unknown = sorted({info["dtype"] for info in header.values()} - set(DTYPES))
+    if unknown:
+        raise ValueError(f"{path}: dtype {unknown[0]} is not one cgbuild reads")
     # safetensors refuses a file its tensors do not cover to the end: the data region ends there
     size = max((info["data_offsets"][1] for info in header.values()), default=0)
     start = os.path.getsize(path) - size

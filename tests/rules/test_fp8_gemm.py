@@ -122,3 +122,19 @@ def test_the_lane_implementations_are_exactly_the_rules_declared_values() -> Non
     declared = QUANT_RULES["fp8-rowwise"].lanes["fp8-gemm"]
     assert set(quant.FP8_GEMM) == set(declared)
     assert {value for axis, value in quant.SETUP if axis == "fp8-gemm"} <= set(declared)
+
+
+@pytest.mark.parametrize(
+    ("values", "words"), [(["scaled-mm", "cutlass"], "unknown"), (["triton", "triton"], "duplicate")]
+)
+def test_a_trace_spec_naming_a_lane_value_the_rule_lacks_is_refused_by_the_rule(
+    values: list, words: str
+) -> None:
+    """The spec's lanes reach `convert` from a trace job: an unknown or repeated value is the
+    rule's named refusal (the trace rule's `entry-error`), never a KeyError during export."""
+    import torch
+    from cgbuild_rules import quant
+    from torch import nn
+
+    with pytest.raises(quant.QuantError, match=rf"fp8-gemm: {words} lane value '(cutlass|triton)'"):
+        quant.convert(nn.Sequential(nn.Linear(32, 16)), "fp8-rowwise", torch.bfloat16, {"fp8-gemm": values})

@@ -102,6 +102,17 @@ def test_read_onto_refuses_what_safetensors_refuses_before_allocating(tmp_path: 
         weights.read_onto(cut, "cpu")
 
 
+def test_read_onto_refuses_a_dtype_it_has_no_torch_type_for(tmp_path: Path) -> None:
+    import json
+    import struct
+
+    header = json.dumps({"a": {"dtype": "U16", "shape": [2], "data_offsets": [0, 4]}}).encode()
+    path = tmp_path / "u16.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    with pytest.raises(ValueError, match="dtype U16 is not one cgbuild reads"):
+        weights.read_onto(path, "cpu")
+
+
 def test_a_file_that_shrinks_under_the_reader_is_refused_not_read_short(tmp_path: Path) -> None:
     """The header was validated against the file; a file cut after that still never yields a
     tensor of stale bytes."""
