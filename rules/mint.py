@@ -17,8 +17,9 @@ typed failure of a stage, never a lost result.
    mint, docs/architecture.md) starts the worker before any key exists: (b) runs first (fake
    when this machine lacks the device), the worker hands the facts to the engine (`{"traced":
    ...}` on its protocol stream) and reads the key's request as its next stdin line (`bad-request`
-   unless it names the job traced and the folders the worker was started with); (a) and (c)
-   follow. An empty line or the end of its input ends a hold without a result.
+   unless it names the job traced and the folders the worker was started with, or is no JSON
+   object); (a) and (c) follow, and the check stage starts only then. An empty line or the end
+   of its input ends a hold without a result. Each stage gets the key's request with its go.
 2-5 run in ONE `check` stage child, started beside the compile: it imports torch and the entry
 and builds the module with its seed-0 random weights while the compile runs (about 20 s of a
 klein-4B mint that no longer waits on it), then runs each part when the worker hands it its input:
@@ -290,7 +291,11 @@ class _Stage:
         _echo(self.work / f"{self.name}.log", self.name)
 
     def stop(self) -> None:
-        """End the child and its group now (the mint failed, or a part outlived its time)."""
+        """End the child and its group now (the mint failed, or a part outlived its time); one
+        still starting is waited for, so the kill cannot miss it."""
+        deadline = time.monotonic() + 30
+        while self.pid is None and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
         if self.pid is not None and self.thread.is_alive():
             spawn.kill_group(self.pid)
         self.thread.join(30)
@@ -362,26 +367,35 @@ def mint(
             },
         )
         env["CXX"] = cxx
-        (work / "request.json").write_text(json.dumps({**req, "cxx_path": cxx, "sandbox": str(sandbox)}))
+
+        def staged(r: Mapping[str, Any]) -> dict[str, Any]:
+            """The request as the stages read it (`request.json`, and the go of a hold's key)."""
+            return {**r, "cxx_path": cxx, "sandbox": str(sandbox)}
+
+        (work / "request.json").write_text(json.dumps(staged(req)))
         timeout = float(req.get("timeout_s") or 3600)
         (work / "tmp").mkdir()
-        check = _Stage("check", work, {**env, "TMPDIR": str(work / "tmp")}, timeout)
+        check_env = {**env, "TMPDIR": str(work / "tmp")}
+        # beside the compile; a hold's only once a key needs it (its module costs memory and time)
+        check = None if hold else _Stage("check", work, check_env, timeout)
         try:
             with _sandbox(sandbox, bool(req.get("fresh")), progress):
                 compiling = _Stage("compile", work, env, timeout)
                 try:
-                    phase = "trace" if hold else "compile"
-                    if progress and not hold:
-                        progress(phase)  # the sandbox is held: the compile stage starts now
                     if hold:
+                        phase = "trace"
                         assert next_request is not None
-                        req = _held_request(hold, compiling, next_request, work, cxx, sandbox)
+                        req = _held_request(hold, compiling, next_request)
                         key, phase = req["key"], "compile"
+                        check = _Stage("check", work, check_env, timeout)
                         if progress:
                             progress(phase)
                     else:
+                        phase = "compile"
+                        if progress:
+                            progress(phase)  # the sandbox is held: the compile stage starts now
                         compiling.part("trace")  # the stage checks the digest against the key's
-                    built = compiling.part("compile")
+                    built = compiling.part("compile", {"request": staged(req)})
                     compiling.finish()
                 except BaseException:
                     compiling.stop()
@@ -390,7 +404,7 @@ def mint(
             if progress:
                 progress(phase)
             t = time.perf_counter()
-            checked = check.part("verify")
+            checked = check.part("verify", {"request": staged(req)})
             verify_s = time.perf_counter() - t  # from the package's end: load, eager, compare
             phase = "lanes"
             t = time.perf_counter()
@@ -416,7 +430,8 @@ def mint(
             adopt_s = time.perf_counter() - t
             check.finish()
         except BaseException:
-            check.stop()
+            if check is not None:
+                check.stop()
             raise
         artifact = out / f"{key}.tar.gz"
         os.replace(staged, artifact)  # only an artifact a serving process adopted leaves the mint
@@ -460,15 +475,10 @@ def mint(
 
 
 def _held_request(
-    hold: MintHold,
-    compiling: _Stage,
-    next_request: Callable[[dict[str, Any]], Any],
-    work: Path,
-    cxx: str,
-    sandbox: Path,
+    hold: MintHold, compiling: _Stage, next_request: Callable[[dict[str, Any]], Any]
 ) -> dict[str, Any]:
-    """A hold's trace, handed to the engine; then the key's request it answers with, written
-    where both stages read it. A failed trace is the engine's to report, as the trace rule's."""
+    """A hold's trace, handed to the engine; then the key's request it answers with (the
+    stages get it with their go). A failed trace is the engine's to report, as the trace rule's."""
     try:
         traced = compiling.part("trace")
     except MintFailure as e:
@@ -477,9 +487,7 @@ def _held_request(
     raw = next_request(traced)
     if raw is None:
         raise _NotNeeded()
-    req = _admitted(hold, raw)
-    fs.write_atomic(work / "request.json", json.dumps({**req, "cxx_path": cxx, "sandbox": str(sandbox)}))
-    return req
+    return _admitted(hold, raw)
 
 
 # ---- stages (torch) ----------------------------------------------------------------------------
@@ -491,17 +499,26 @@ def _fault(stage: str) -> None:
         os.kill(os.getpid(), getattr(signal, spec.partition(":")[2] or "SIGKILL"))
 
 
-def _device_refusal(device: str, sm: str) -> None:
+def _sm_here(device: str) -> str | None:
+    """This machine's sm for a job's device (None: it has none)."""
     import torch
 
     if device == "cpu":
-        return
+        return "cpu"
     if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def _device_refusal(device: str, sm: str, here: str | None) -> None:
+    """Refuse a key whose sm is not this machine's (`here`: `_sm_here(device)`)."""
+    if device == "cpu":
+        return
+    if here is None:
         raise MintFailure(
             "wrong-device", f"key needs {sm} (cuda); this machine has no CUDA device", needed=sm, found="cpu"
         )
-    major, minor = torch.cuda.get_device_capability()
-    here = f"sm_{major}{minor}"
     if here != sm:
         raise MintFailure(
             "wrong-device", f"key needs {sm}; this machine's device is {here}", needed=sm, found=here
@@ -700,18 +717,6 @@ def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] |
     }
 
 
-def _sm_here(device: str) -> str | None:
-    """This machine's sm for a job's device (None: it has none)."""
-    import torch
-
-    if device == "cpu":
-        return "cpu"
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}"
-
-
 def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     """Trace (`trace.json`: the graph facts and this machine's sm), then, on the worker's go,
     refuse drift and compile. A held stage (started by a `MintHold`) traces before any key
@@ -725,10 +730,10 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
 
     job = trace.parse_job(req["job"])
     held = req.get("schema") == HOLD_SCHEMA
-    if not held:
-        _device_refusal(job.device, req["sm"])
-        _quant_floor(job.quant, job.device, req["sm"])
     here = _sm_here(job.device)
+    if not held:
+        _device_refusal(job.device, req["sm"], here)
+        _quant_floor(job.quant, job.device, req["sm"])
     _fault("trace")
     t = time.perf_counter()
     ep, facts = trace.export_job(job, "fake" if here is None else "empty")
@@ -736,11 +741,11 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     fs.write_atomic(
         work / "trace.json", json.dumps({"ok": True, **{k: facts[k] for k in FACT_KEYS}, "sm": here})
     )
-    _await(work, "compile")
+    go = _await(work, "compile")
     _fault("compile")
     if held:
-        req = json.loads((work / "request.json").read_text())
-        _device_refusal(job.device, req["sm"])
+        req = go["request"]
+        _device_refusal(job.device, req["sm"], here)
         _quant_floor(job.quant, job.device, req["sm"])
     tc = _toolchain(req)
     if facts["graph_digest"] != req["graph_digest"]:
@@ -928,8 +933,7 @@ def stage_check(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     job = trace.parse_job(req["job"])
     base = lane_rt.process_bytes()  # the bare process, before the module or package exist
     c = _Checked(job, trace.build(job, "real"), base)
-    _await(work, "verify")
-    req = json.loads((work / "request.json").read_text())  # a held mint's key request is here now
+    req = _await(work, "verify")["request"]  # a hold's key request is known only now
     fs.write_atomic(work / "verify.json", json.dumps(_verify(req, work, c)))
     candidates = _await(work, "measure")["candidates"]
     if candidates:
@@ -1198,9 +1202,12 @@ def main(argv: list[str] | None = None) -> int:
             if not line.strip():
                 return None
             try:
-                return json.loads(line)
+                raw = json.loads(line)
             except ValueError as e:
                 raise MintFailure("bad-request", f"not JSON: {e}") from None
+            if not isinstance(raw, dict):
+                raise MintFailure("bad-request", f"the key's request is not a JSON object: {line[:80]!r}")
+            return raw
 
         result = mint(req, lambda phase: say({"progress": phase}), next_request)
     if result is not None:

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cgbuild.protocol.mint import MintHold
-from cgbuild.protocol.spawn import Channel, Ended, kill_group, spawn
+from cgbuild.protocol.mint import MintHold, run_worker
+from cgbuild.protocol.spawn import Channel, kill_group
+from cgbuild.protocol.trace import FACT_KEYS
 
 if TYPE_CHECKING:
     from cgbuild.config.targets import Target
@@ -38,15 +40,13 @@ class Held:
         self.unit = unit
         self.labels = {t.label for t in unit.targets}
         self.request = MintHold(id=unit.inputs, job=unit.job, out=str(out), cxx=cxx).to_json()
-        self.log = log
+        self.log = self._started_log = log
         self.channel = Channel()
         self.traced = threading.Event()
-        self.done = threading.Event()
         self.sm: str | None = None
         self.ok = False
         self.claimed = False
-        self.result: dict[str, Any] | None = None
-        self.ended: Ended | None = None
+        self.final: dict[str, Any] = {}
         self.on_progress: Callable[[str], None] | None = None
         self._on_trace: Callable[[dict[str, Any]], None] | None = None
         self.pid: int | None = None
@@ -57,39 +57,40 @@ class Held:
         self.thread.start()
 
     def _trace(self, result: dict[str, Any]) -> None:
+        """The unit's one trace result (later ones are ignored): the worker's trace line, or,
+        when it ended without one, its result line or typed end."""
         if self.traced.is_set():
             return
+        lacking = [k for k in FACT_KEYS if k not in result]
+        if result.get("ok") is True and lacking:
+            result = {
+                "ok": False,
+                "code": "trace-failed",
+                "detail": f"the worker's trace lacks {lacking[0]!r}",
+            }
         self.ok = result.get("ok") is True
         self.sm = result.get("sm") if self.ok else None
         if self._on_trace is not None:  # None: the plan stopped listening (it was interrupted)
             self._on_trace({**result, "id": self.unit.inputs})
         self.traced.set()
 
-    def _take(self, message: dict[str, Any]) -> None:
-        if isinstance(message.get("traced"), dict):
-            self._trace(message["traced"])
-        elif "progress" in message:
-            if self.on_progress:
-                self.on_progress(str(message["progress"]))
-        elif "ok" in message:
-            self.result = message
+    def _progress(self, phase: str) -> None:
+        if self.on_progress is not None:
+            self.on_progress(phase)
 
     def _run(self) -> None:
         try:
-            self.ended = spawn(
-                "cgbuild_rules.mint",
-                request=self.request,
-                on_message=self._take,
-                log=self.log,
+            self.final = run_worker(
+                self.request,
+                self.log,
+                self._progress,
+                on_traced=self._trace,
                 channel=self.channel,
                 started=self._started,
             )
-            if not self.traced.is_set():  # died before its trace: the trace's typed failure
-                self._trace(self.ended.failure("mint worker (tracing)"))
         except BaseException as e:  # spawn refused to start (cgbuild is stopping)
-            self._trace({"ok": False, "code": "worker-killed", "detail": f"mint worker did not start: {e}"})
-        finally:
-            self.done.set()
+            self.final = {"ok": False, "code": "worker-killed", "detail": f"mint worker did not start: {e}"}
+        self._trace(self.final)  # ended before its trace (a refusal, a death): that is the trace's
 
     def _started(self, pid: int) -> None:
         self.pid = pid
@@ -102,12 +103,11 @@ class Held:
         """Hand the worker its key's request; its result line, or its typed end."""
         self.on_progress = on_progress
         self.channel.send(request)
-        self.done.wait()
-        if self.result is not None:
-            return self.result
-        assert self.ended is not None
-        failure = self.ended.failure("mint worker")
-        return {**failure, "phase": "worker", "detail": f"{failure['detail']} (log: {self.log})"}
+        self.thread.join()
+        detail = str(self.final.get("detail", ""))
+        if self.log != self._started_log and detail:  # a typed end names the log where it is now
+            return {**self.final, "detail": detail.replace(str(self._started_log), str(self.log))}
+        return self.final
 
     def stop(self) -> None:
         """No key for it: its input ends, it stops its stages and exits without a result; one
@@ -174,9 +174,10 @@ class HeldTraces:
         """Stop every worker still waiting (unclaimed, or claimed by a mint that failed before
         handing it its request) and wait for each to end (it removes its folder)."""
         for held in self.held:
-            if not held.done.is_set() and held.result is None:
+            if held.thread.is_alive():
                 held.stop()
+        deadline = time.monotonic() + 60
         for held in self.held:
-            held.thread.join(60)
-            if not held.claimed:  # its trace is in the plan; the log of a stopped worker is noise
+            held.thread.join(max(0.0, deadline - time.monotonic()))
+            if not held.claimed and held.ok:  # its trace is in the plan; a stopped worker's log is noise
                 held.log.unlink(missing_ok=True)

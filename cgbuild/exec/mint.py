@@ -29,8 +29,7 @@ from cgbuild.core.fs import write_json
 from cgbuild.core.platform import host_name
 from cgbuild.plan.diff import load_plan
 from cgbuild.plan.planner import Workspace
-from cgbuild.protocol.mint import MintRequest
-from cgbuild.protocol.spawn import spawn
+from cgbuild.protocol.mint import MintRequest, run_worker
 from cgbuild.protocol.trace import job_for
 from cgbuild.store.local import Store, StoreError
 from cgbuild.store.s3 import RemoteError
@@ -169,31 +168,6 @@ def request_for(ws: Workspace, mk: MintKey, out: Path, **extra: Any) -> dict[str
         out=str(out),
         **extra,
     ).to_json()
-
-
-def run_worker(
-    request: dict[str, Any], log: Path, on_progress: Callable[[str], None] | None = None
-) -> dict[str, Any]:
-    """One mint child; its stderr goes to `log`; a child that dies still yields a typed result.
-
-    The child announces each phase on its protocol stream (`{"progress": "compile"}`) before
-    its one result line.
-    """
-    result: dict[str, Any] | None = None
-
-    def take(message: dict[str, Any]) -> None:
-        nonlocal result
-        if "progress" in message:
-            if on_progress:
-                on_progress(str(message["progress"]))
-        elif "ok" in message:
-            result = message
-
-    ended = spawn("cgbuild_rules.mint", request=request, on_message=take, log=log)
-    if result is not None:
-        return result
-    failure = ended.failure("mint worker")
-    return {**failure, "phase": "worker", "detail": f"{failure['detail']} (log: {log})"}
 
 
 def mint_one(

@@ -16,11 +16,13 @@ the end of its input) on the same stdin. The plan's trace and the compile's are 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from cgbuild.core.platform import device_of
+from cgbuild.protocol.spawn import Channel, spawn
 from cgbuild.protocol.trace import BadJob, TraceJob
 
 REQUEST_SCHEMA = "cgbuild.mint-request/1"
@@ -43,8 +45,9 @@ def _to_json(doc: Any, schema: str) -> dict[str, Any]:
     return out
 
 
-def _checked(cls: Any, raw: Any, schema: str, required: tuple[str, ...]) -> tuple[set[str], TraceJob]:
-    """The schema, required and unknown fields of `raw` checked for `cls`; its fields and job."""
+def _checked(cls: Any, raw: Any, schema: str, required: tuple[str, ...]) -> dict[str, Any]:
+    """The schema, required and unknown fields of `raw` checked for `cls`: its keyword arguments
+    (the job parsed)."""
     if not isinstance(raw, Mapping) or raw.get("schema") != schema:
         raise BadRequest(f"schema must be {schema!r}")
     missing = [k for k in required if k not in raw]
@@ -55,9 +58,10 @@ def _checked(cls: Any, raw: Any, schema: str, required: tuple[str, ...]) -> tupl
     if unknown:
         raise BadRequest(f"unknown field {unknown[0]!r}")
     try:
-        return known, TraceJob.from_json(raw["job"])
+        job = TraceJob.from_json(raw["job"])
     except BadJob as e:
         raise BadRequest(str(e)) from None
+    return {**{k: raw[k] for k in raw if k in known}, "job": job}
 
 
 @dataclass(frozen=True)
@@ -89,17 +93,17 @@ class MintRequest:
     @classmethod
     def from_json(cls, raw: Any) -> MintRequest:
         """Validate a request; BadRequest names what is wrong."""
-        known, job = _checked(
+        kw = _checked(
             cls, raw, REQUEST_SCHEMA, ("id", "key", "job", "sm", "graph_digest", "toolchain", "out")
         )
         if not isinstance(raw["toolchain"], Mapping):
             raise BadRequest("toolchain must be an object")
-        device, platform = job.spec["device"], raw["toolchain"].get("platform")
+        device, platform = kw["job"].spec["device"], raw["toolchain"].get("platform")
         if not isinstance(raw["sm"], str) or device_of(raw["sm"]) != device or platform != device:
             raise BadRequest(
                 f"sm {raw['sm']!r}, job device {device!r} and toolchain platform {platform!r} disagree"
             )
-        return cls(**{**{k: raw[k] for k in raw if k in known}, "job": job})
+        return cls(**kw)
 
 
 @dataclass(frozen=True)
@@ -118,17 +122,52 @@ class MintHold:
 
     @classmethod
     def from_json(cls, raw: Any) -> MintHold:
-        known, job = _checked(cls, raw, HOLD_SCHEMA, ("id", "job", "out"))
-        return cls(**{**{k: raw[k] for k in raw if k in known}, "job": job})
+        return cls(**_checked(cls, raw, HOLD_SCHEMA, ("id", "job", "out")))
 
     def admits(self, req: MintRequest) -> str | None:
         """Why `req` cannot be minted by this held worker (None: it can): the job it traced and
         everything its environment was started with must be the request's."""
         if req.job.to_json() | {"id": None} != self.job.to_json() | {"id": None}:
             return "the request's job is not the job this worker traced"
-        for name in ("out", "cxx", "sandbox", "timeout_s"):
+        for name in (f.name for f in fields(self) if f.name not in ("id", "job")):
             if getattr(req, name) != getattr(self, name):
                 return f"the request's {name} is not the one this worker was started with"
         if req.fresh or req.compare_with:
             return "a held worker mints in the shared sandbox: fresh and compare_with are refused"
         return None
+
+
+def run_worker(
+    request: dict[str, Any],
+    log: Path,
+    on_progress: Callable[[str], None] | None = None,
+    *,
+    on_traced: Callable[[dict[str, Any]], None] | None = None,
+    channel: Channel | None = None,
+    started: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """One mint child; its stderr goes to `log`; a child that dies still yields a typed result.
+
+    The child announces each phase on its protocol stream (`{"progress": "compile"}`) before
+    its one result line. A hold's child also reports its trace (`{"traced": ...}`, to
+    `on_traced`) and reads its key's request through `channel`.
+    """
+    result: dict[str, Any] | None = None
+
+    def take(message: dict[str, Any]) -> None:
+        nonlocal result
+        if on_traced is not None and isinstance(message.get("traced"), dict):
+            on_traced(message["traced"])
+        elif "progress" in message:
+            if on_progress:
+                on_progress(str(message["progress"]))
+        elif "ok" in message:
+            result = message
+
+    ended = spawn(
+        "cgbuild_rules.mint", request=request, on_message=take, log=log, channel=channel, started=started
+    )
+    if result is not None:
+        return result
+    failure = ended.failure("mint worker")
+    return {**failure, "phase": "worker", "detail": f"{failure['detail']} (log: {log})"}

@@ -129,9 +129,11 @@ class SharedStore:
     def ref_state(self, key: str) -> RefState:
         """`fresh` when the local cache holds the key or the remote has it; else the local state."""
         state = self.local.ref_state(key)
-        if state != "fresh" and (key in self.seen_keys() or key in self.remote_keys()):
-            return "fresh"
-        return state
+        return "fresh" if state != "fresh" and self._listed(key) else state
+
+    def _listed(self, key: str) -> bool:
+        """The remote has `key`: by what this machine saw it publish, or by the listing."""
+        return key in self.seen_keys() or key in self.remote_keys()
 
     def _seen_path(self) -> Path:
         name = hashlib.sha256(self.remote.url.encode()).hexdigest()[:16]
@@ -420,7 +422,7 @@ class SharedStore:
         refusal's detail). A key the local cache holds is not asked again: its signature is
         re-verified on every resolve."""
         local = self.local.ref_state(key)  # read once: `ref_state` would read it again
-        if local == "fresh" or not (key in self.seen_keys() or key in self.remote_keys()):
+        if local == "fresh" or not self._listed(key):
             return local, None
         try:
             self._trusted_ref(key)

@@ -9,9 +9,10 @@ from cgbuild.config import cgfile
 from cgbuild.config.targets import expand
 from cgbuild.exec.held import Held
 from cgbuild.plan.planner import TraceUnit
-from cgbuild.protocol.trace import job_for
+from cgbuild.protocol.trace import FACT_KEYS, job_for
 
 KLEIN = Path(__file__).resolve().parents[2] / "examples" / "flux2_klein" / "Cgfile"
+TOY = KLEIN.parents[1] / "toy" / "Cgfile"
 
 
 def test_a_held_worker_serves_only_its_units_targets_on_the_sm_it_traced_on(tmp_path: Path) -> None:
@@ -27,7 +28,43 @@ def test_a_held_worker_serves_only_its_units_targets_on_the_sm_it_traced_on(tmp_
         h._trace(trace)  # what the worker's `{"traced": ...}` line carries
         return h
 
-    on_h200 = held({"ok": True, "sm": "sm_90"})
+    facts = dict.fromkeys(FACT_KEYS, "x")
+    on_h200 = held({"ok": True, "sm": "sm_90", **facts})
     assert on_h200.serves(h200) and not on_h200.serves(rtx) and not on_h200.serves(other)
-    assert not held({"ok": True, "sm": None}).serves(h200)  # no device here: traced fake, mints nothing
+    assert not held({"ok": True, "sm": None, **facts}).serves(
+        h200
+    )  # no device here: traced fake, mints nothing
     assert not held({"ok": False, "code": "entry-error", "sm": "sm_90"}).serves(h200)
+    lacking = held({"ok": True, "sm": "sm_90", "graph_digest": "d"})  # a trace line without its facts
+    assert not lacking.serves(h200) and not lacking.ok
+
+
+def test_a_trace_line_without_its_facts_is_a_typed_trace_failure_for_the_plan(tmp_path: Path) -> None:
+    cg = cgfile.load(TOY)
+    target = next(t for t in expand(cg) if t.label == "//toy/mlp/8x64-b1@fp32:cpu")
+    heard: list[dict] = []
+    h = Held(TraceUnit("u", job_for(cg, target).with_id("u"), [target]), tmp_path, tmp_path / "h.log", None)
+    h._on_trace = heard.append
+    h._trace({"ok": True, "sm": "cpu"})
+    h._trace({"ok": True, "sm": "cpu", **dict.fromkeys(FACT_KEYS, "x")})  # one result per unit
+    assert heard == [
+        {"ok": False, "code": "trace-failed", "detail": "the worker's trace lacks 'graph_digest'", "id": "u"}
+    ]
+
+
+def test_a_worker_that_refuses_before_tracing_gives_the_plan_its_refusal(tmp_path: Path) -> None:
+    """A held worker that cannot even start its stages (no such compiler) answers with its
+    result line and exits 0: that refusal, not "exited without a result", is the unit's trace."""
+    cg = cgfile.load(TOY)
+    target = next(t for t in expand(cg) if t.label == "//toy/mlp/8x64-b1@fp32:cpu")
+    heard: list[dict] = []
+    h = Held(
+        TraceUnit("u", job_for(cg, target).with_id("u"), [target]),
+        tmp_path,
+        tmp_path / "h.log",
+        "/no/such/c++",
+    )
+    h.start(heard.append)
+    h.thread.join(120)
+    (trace,) = heard
+    assert trace["ok"] is False and trace["code"] == "wrong-host" and "/no/such/c++" in trace["detail"], trace

@@ -251,6 +251,16 @@ def test_a_stage_that_dies_is_a_typed_retryable_failure(
     assert result["signal"] == sig and result["phase"] == "compile"
 
 
+def test_a_stage_part_without_a_result_in_time_is_a_typed_timeout(cheap_request: dict[str, Any]) -> None:
+    """The compile stage traces, then its compiler hangs: the part's deadline ends it, typed."""
+    import os
+
+    env = {**os.environ, "CGBUILD_MINT_FAULT": "compile:hang"}
+    result = run_worker({**cheap_request, "timeout_s": 20}, env=env)
+    assert result["ok"] is False and result["code"] == "timeout" and result["retryable"] is True
+    assert result["phase"] == "compile" and "no result within 20 s" in result["detail"]
+
+
 @pytest.mark.parametrize(("part", "phase"), [("verify", "verify"), ("serve", "adopt")])
 def test_the_check_stage_dying_in_a_part_fails_that_phase(
     cheap_request: dict[str, Any], part: str, phase: str

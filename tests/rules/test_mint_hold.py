@@ -147,7 +147,10 @@ def test_hold_requests_are_validated(dirs: tuple[Path, Path], tmp_path: Path) ->
         assert worker.traced is None and result["code"] == "bad-request" and words in result["detail"]
 
 
-def test_a_request_line_that_is_not_json_is_a_bad_request(dirs: tuple[Path, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize(("line", "words"), [(b"{not json\n", "not JSON"), (b"null\n", "not a JSON object")])
+def test_a_request_line_that_is_no_json_object_is_a_bad_request(
+    dirs: tuple[Path, Path], tmp_path: Path, line: bytes, words: str
+) -> None:
     root, sandbox = dirs
     done = threading.Event()
 
@@ -155,7 +158,7 @@ def test_a_request_line_that_is_not_json_is_a_bad_request(dirs: tuple[Path, Path
         def take(self, message: dict[str, Any]) -> None:
             if "traced" in message:
                 assert self.channel._pipe is not None
-                self.channel._pipe.write(b"{not json\n")
+                self.channel._pipe.write(line)
                 self.channel._pipe.flush()
                 done.set()
             elif "ok" in message:
@@ -163,4 +166,4 @@ def test_a_request_line_that_is_not_json_is_a_bad_request(dirs: tuple[Path, Path
 
     worker = Raw(hold_for(job_for(root, "A"), tmp_path, sandbox))
     (result,) = worker.results
-    assert done.is_set() and result["code"] == "bad-request" and "not JSON" in result["detail"]
+    assert done.is_set() and result["code"] == "bad-request" and words in result["detail"]
