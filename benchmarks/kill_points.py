@@ -46,11 +46,16 @@ OUT = REPO / "benchmarks" / "results" / "kill_points.json"
 LABEL = "//toy/mlp/8x64-b1@fp32:cpu"
 MARK = "CGBUILD_KILL_POINT_MARK"
 
-# (phase, trigger, delay s); "plan-trace" points run with the trace cache removed.
+# (phase, trigger, delay s); "plan-trace" and "held" points run with the trace cache removed:
+# the plan's trace is then the held worker's own (its compile stage traces, then waits for the
+# key), so they kill the plan's trace and the hand-over of the key to that worker.
+COLD = ("plan-trace", "held")
 POINTS: list[tuple[str, str, float]] = [
-    ("plan-trace", "proc:cgbuild_rules.trace", 0.0),
-    ("plan-trace", "proc:cgbuild_rules.trace", 1.0),
-    ("plan-trace", "proc:cgbuild_rules.trace", 2.5),
+    ("plan-trace", "proc:--stage compile", 0.0),
+    ("plan-trace", "proc:--stage compile", 1.0),
+    ("plan-trace", "proc:--stage compile", 2.5),
+    ("held", "log:: starting", 0.0),
+    ("held", "log:: compile", 0.5),
     ("worker-start", "log:: starting", 0.0),
     ("worker-start", "proc:cgbuild_rules.mint", 0.3),
     ("compile", "proc:--stage compile", 0.0),
@@ -130,7 +135,7 @@ def run_point(ws: Path, key: str | None, point: tuple[str, str, float], work: Pa
     env = {**os.environ, MARK: token}
     if trigger.startswith("hang:"):
         env["CGBUILD_MINT_FAULT"] = f"{trigger.partition(':')[2]}:hang"
-    if phase == "plan-trace":
+    if phase in COLD:
         (ws / ".cgbuild" / "traces.sqlite").unlink(missing_ok=True)
     err = work / f"err-{token[:8]}"
     before = set(ws.glob(trigger.partition(":")[2])) if trigger.startswith("file:") else set()

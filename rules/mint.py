@@ -59,7 +59,8 @@ need torch at the same path; `mint --check` names the members that differ.
 Failures are typed: `retryable` ones (`oom`, `worker-killed`, `worker-signal`, `worker-crashed`,
 `timeout`: how a stage child ended, named by `cgbuild.protocol.spawn`) may succeed on another
 attempt; the others (refusals, compile errors, verification mismatch) will not. Phase timings
-go in the result line, never in the sealed bytes.
+go in the result line, never in the sealed bytes (a hold's `total` counts from its key's
+request: its `export`, the trace, ran during the plan).
 
 Request (`schema: "cgbuild.mint-request/1"`): `id`, `key`, `job` (a trace job), `sm`,
 `graph_digest`, `toolchain` {`platform`, `fold`, `components`}; optional `axes` (readable blocks),
@@ -70,7 +71,8 @@ needs}}, `sku`: {`name`, `memory_bytes`} the verdict is fitted to}, `labels`, `c
 override), `out` (folder for `<key>.tar.gz`),
 `sandbox` (default `DEFAULT_SANDBOX`), `fresh` (empty the sandbox first, under an exclusive lock),
 `compare_with` (an earlier artifact of the key: the result adds `seal.compare_artifacts`'s
-`reproducible`, `differing` members, metadata `fields` and `verdict_moved`), `timeout_s` (per stage).
+`reproducible`, `differing` members, metadata `fields` and `verdict_moved`),
+`timeout_s` (per stage part: the trace, the compile, each check).
 Result: `{"id", "ok": true, "key", "artifact", "sha256", "size", "members": {name: sha256},
 "verify": [{"output", "dtype", "rel_rms", "tolerance", "max_abs", "lane"?}] (from the serve stage),
 "served": [{"lane"?, "counters", "seconds"}], "phases": {"export", "compile", "verify", "lanes"?,
@@ -387,6 +389,7 @@ def mint(
                         assert next_request is not None
                         req = _held_request(hold, compiling, next_request)
                         key, phase = req["key"], "compile"
+                        start = time.perf_counter()  # its total counts from the key; the trace was the plan's
                         check = _Stage("check", work, check_env, timeout)
                         if progress:
                             progress(phase)

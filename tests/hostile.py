@@ -376,18 +376,16 @@ class Workspace:
             path = self.root / "generated.plan.json"
             path.write_bytes(item.raw)
             first = call(["diff", str(self.base_plan), str(path), "--format", "markdown"])
-            if first.code != 0:  # refused by diff: gc's reader must refuse it too, by the contract
-                refused = call(["-C", str(self.valid), "gc", "--remote", "--dry-run", "--root", str(path)])
-                return first if refused.problem() is None and refused.code == 2 else refused
-            second = call(["diff", str(path), str(self.base_plan), "--format", "json"])
-            if second.code != 0:
-                return second
-            # `gc --root` reads plan files too. This one parsed for `diff`, so gc must refuse it
-            # for want of a remote (this workspace declares none): exit 2, one line, never 0
+            # `gc --root` reads plan files too, before it asks for the remote this workspace
+            # lacks: a plan diff refused, gc refuses naming the file; one diff read, gc refuses
+            # for want of a remote. Exit 2 with one line either way, never 0.
             pinned = call(["-C", str(self.valid), "gc", "--remote", "--dry-run", "--root", str(path)])
-            if pinned.code != 2 or pinned.problem() is not None:
-                return Outcome(f"gc --root: exit {pinned.code}", pinned.stderr)
-            return second
+            why = str(path) if first.code != 0 else "declares no remote"
+            if pinned.code != 2 or pinned.problem() is not None or why not in pinned.stderr:
+                return Outcome(f"gc --root: exit {pinned.code}, not refused for {why!r}", pinned.stderr)
+            if first.code != 0:
+                return first
+            return call(["diff", str(path), str(self.base_plan), "--format", "json"])
         argv = json.loads(item.raw)
         return call(
             ["-C", str(self.valid), *argv, *(["--toolchain", str(self.lock)] if argv[0] != "query" else [])]
