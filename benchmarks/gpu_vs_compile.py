@@ -9,6 +9,11 @@ Phases, each in its own process so every cold start is honest:
   compile_cold  torch.compile with an empty inductor cache: first output, steady step
   compile_warm  torch.compile in a new process over the warm cache
   bare_aoti     torch.export + aoti_compile_and_package under cgbuild's compile policy
+  bare_aoti_cxx the same with the host compiler a mint uses (`cpp.cxx`: `choose_cxx()`), not
+                the image's `CXX`
+  bare_aoti_cxx_beside_check
+                bare_aoti_cxx while a second process does what a mint's check stage does
+                during the compile (import torch and the entry, build the module, wait)
   mint          `cgbuild mint LABEL` into a copy of the example workspace (wall time, phases)
   adopt         new process: adopt the minted artifact for the live module, first output, steady
   aoti_load     new process: `aoti_load_package` on the minted artifact's package (load only,
@@ -43,6 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "flux2_klein"
 DEFAULT_LABEL = "//flux2-klein/transformer/1024x1024-t512-b1@bf16:sm_90"
 PHASES = ("fp32_ref", "eager", "compile_cold", "compile_warm", "bare_aoti", "mint", "adopt", "aoti_load")
+BARE = ("bare_aoti", "bare_aoti_cxx", "bare_aoti_cxx_beside_check")
+COLD = ("compile_cold", *BARE)  # phases that start from empty inductor and triton caches
 
 
 def _plan_entry(ws: Path, label: str) -> dict[str, Any]:
@@ -198,21 +205,39 @@ def phase(name: str, work: Path, label: str) -> dict[str, Any]:
         rec["first_s"], out = _first(compiled, b, device)
         rec["steady_ms"] = _steady(compiled, b, device)
         _errors(rec, out, work)
-    elif name == "bare_aoti":
+    elif name in BARE:
         from cgbuild.identity import compiler, policy
 
+        configs: dict[str, Any] = dict(policy.inductor_configs(clamps=compiler.torch_clamps_march()))
+        rec["cxx"] = os.environ.get("CXX")
+        if name != "bare_aoti":
+            rec["cxx"] = configs["cpp.cxx"] = compiler.choose_cxx()
         t0 = time.perf_counter()
         with torch.inference_mode():
             ep = torch.export.export(b.module, b.args, b.kwargs, strict=False)
         rec["export_s"] = round(time.perf_counter() - t0, 2)
+        beside = None
+        if name == "bare_aoti_cxx_beside_check":  # a mint's check stage starts with the compile
+            beside = subprocess.Popen(
+                [sys.executable, __file__, "phase", "check_stage", str(work), "--label", label],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
         t0 = time.perf_counter()
         pkg = torch._inductor.aoti_compile_and_package(
-            ep,
-            package_path=str(work / "bare.pt2"),
-            inductor_configs=dict(policy.inductor_configs(clamps=compiler.torch_clamps_march())),
+            ep, package_path=str(work / f"{name}.pt2"), inductor_configs=configs
         )
         rec["compile_s"] = round(time.perf_counter() - t0, 2)
         rec["package_mb"] = round(os.path.getsize(pkg) / 2**20, 2)
+        if beside is not None:
+            (work / "compiled").touch()
+            out, _ = beside.communicate(timeout=120)
+            rec["check_stage"] = json.loads(out.strip().splitlines()[-1])
+            (work / "compiled").unlink()
+    elif name == "check_stage":  # built above, as the check stage builds; holds it until the compile ends
+        while not (work / "compiled").exists():
+            time.sleep(0.2)
+        rec["alive_s"] = round(time.perf_counter() - t0, 2)
     elif name == "adopt":
         from cgbuild_rules.adopt import adopt
 
@@ -289,7 +314,7 @@ def run_all(
             tar.extractall(ws / ".cgbuild", filter="data")
     results: dict[str, Any] = {}
     for name in phases:
-        if name == "compile_cold":
+        if name in COLD:
             shutil.rmtree(work / "inductor", ignore_errors=True)
             shutil.rmtree(work / "triton", ignore_errors=True)
         t0 = time.perf_counter()

@@ -14,8 +14,13 @@ between and recording changed nothing (so the plan it holds is the one this stat
 a `fresh` key's ref must be the very file that was read (same stamp) and its object must exist
 with the size that ref records (one stat each: the same check `Store.ref_state` makes); a `mint`
 key's ref must still be absent and it must still not be quarantined. Anything else is a miss and
-the plan is computed in full. A workspace with a shared store never uses the memo (the remote's
-listing is not a local file).
+the plan is computed in full.
+
+With a shared store, a key fresh only by the remote is fresh by the remembered listing (a local
+file, stamped like the other inputs): a hit re-checks it as `SharedStore.seen_keys` would, the
+listing younger than its TTL and the key in no quarantine record (one listing of `quarantine/`).
+A plan with a key the remote lacks is never memoised there: only a listing of `refs/` re-checks
+it, and that listing is the cost the memo exists to avoid.
 """
 
 from __future__ import annotations
@@ -92,6 +97,10 @@ def input_stamps(cg: Cgfile, toolchain_lock: str | None) -> dict[str, list[int] 
     for lay in cg.layouts.values():
         if lay.reference is not None:
             paths += _tree(str(lay.reference))
+    if cg.remote:
+        from cgbuild.store.shared import seen_path
+
+        paths.append(str(seen_path(cg.store_dir, cg.remote)))  # the shared store's remembered listing
     paths += _tree(str(ENGINE), suffix=".py")
     return {p: fs.stat_stamp(p) for p in sorted(set(paths))}
 
@@ -116,45 +125,64 @@ def _tree(root: str, suffix: str = "") -> list[str]:
     return out
 
 
+LISTED = "listed"  # a StoreCheck row's stamp for a key fresh by the shared store's remembered listing
+
+
 @dataclass
 class StoreCheck:
     """The store as the plan saw it, one row per key: `[key, ref stamp, object path, size]` for
-    a fresh key, `[key, None, None, None]` for a key the store lacks."""
+    a key fresh here, `[key, None, None, None]` for a key the store lacks, and `[key, LISTED,
+    None, None]` for one the shared store's remembered listing (taken at `listed_at`) vouched for."""
 
     rows: list[list[Any]] = field(default_factory=list)
+    listed_at: float | None = None
 
     @classmethod
-    def of(cls, store_root: Path, states: dict[str, str]) -> StoreCheck | None:
+    def of(
+        cls, store_root: Path, states: dict[str, str], remote: tuple[float, set[str]] | None = None
+    ) -> StoreCheck | None:
         """The rows for `states` (key → ref state), or None when a key is neither fresh nor
-        missing, or the store no longer reads as it did (then nothing is memoised)."""
+        missing, or the store no longer reads as it did (then nothing is memoised).
+
+        `remote` is given for a workspace with a shared store: the remembered listing's time and
+        the keys it vouched for (`SharedStore.remembered`). There a `missing` key is never
+        memoised (only a listing of `refs/` could re-check it), and a key fresh without a local
+        ref must be one the remembered listing vouched for."""
         root = str(store_root)
         rows: list[list[Any]] = []
         for key, state in sorted(states.items()):
             ref = f"{root}/refs/{key[:2]}/{key}.json"
             stamp = fs.stat_stamp(ref)
             if state == "missing" and stamp is None and not os.path.exists(f"{root}/quarantine/{key}.json"):
+                if remote is not None:
+                    return None
                 rows.append([key, None, None, None])
                 continue
-            if state != "fresh" or stamp is None:
+            if state != "fresh":
                 return None
-            try:
-                with open(ref, "rb") as f:
-                    doc = json.loads(f.read())
-                obj = f"{root}/objects/sha256/{doc['object'][:2]}/{doc['object'][2:]}"
-                size = doc["size"]
-            except (OSError, ValueError, KeyError, TypeError):
+            row = _local_row(root, key, ref, stamp)
+            if row is None and remote is not None and key in remote[1]:
+                row = [key, LISTED, None, None]
+            if row is None:
                 return None
-            if fs.stat_stamp(ref) != stamp or os.stat(obj).st_size != size:
-                return None
-            rows.append([key, stamp, obj, size])
-        return cls(rows)
+            rows.append(row)
+        listed = any(row[1] == LISTED for row in rows)
+        return cls(rows, remote[0] if listed and remote is not None else None)
+
+    @property
+    def listed(self) -> list[str]:
+        """The keys only the remembered listing vouches for."""
+        return [row[0] for row in self.rows if row[1] == LISTED]
 
     def holds(self, store_root: Path) -> bool:
-        """Whether every key still reads as it did: a fresh key's ref the same file and its
-        object the recorded size; a missing key's ref still absent and not quarantined."""
+        """Whether every key still reads as it did here: a fresh key's ref the same file and its
+        object the recorded size; a missing key's ref still absent and not quarantined. (A
+        listed key is the shared store's to re-check: `SharedStore.vouches`.)"""
         root = str(store_root)
         for key, stamp, obj, size in self.rows:
             ref = f"{root}/refs/{key[:2]}/{key}.json"
+            if stamp == LISTED:
+                continue
             if stamp is None:
                 if os.path.lexists(ref) or os.path.lexists(f"{root}/quarantine/{key}.json"):
                     return False
@@ -166,6 +194,31 @@ class StoreCheck:
             except OSError:
                 return False
         return True
+
+
+def _still_listed(ws: Workspace, store: StoreCheck) -> bool:
+    """The shared store's remembered listing still vouches for every key only it made fresh."""
+    shared = ws.shared()
+    if shared is None or store.listed_at is None:
+        return False
+    return shared.vouches(store.listed, store.listed_at)
+
+
+def _local_row(root: str, key: str, ref: str, stamp: list[int] | None) -> list[Any] | None:
+    """`[key, ref stamp, object path, size]` when the local ref is this stamp's file and its object
+    has the size it records (what `Store.ref_state` calls fresh), else None."""
+    if stamp is None:
+        return None
+    try:
+        with open(ref, "rb") as f:
+            doc = json.loads(f.read())
+        obj = f"{root}/objects/sha256/{doc['object'][:2]}/{doc['object'][2:]}"
+        size = doc["size"]
+        if fs.stat_stamp(ref) != stamp or os.stat(obj).st_size != size:
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return [key, stamp, obj, size]
 
 
 @dataclass
@@ -185,8 +238,11 @@ class Memo:
         return cg.state_dir / "cache" / "plans"
 
     @classmethod
-    def load(cls, cg: Cgfile, request: Request, stamps: dict[str, list[int] | None]) -> Memo | None:
-        """The memo of `request` if its inputs still have `stamps` and its store still holds."""
+    def load(cls, ws: Workspace, request: Request, stamps: dict[str, list[int] | None]) -> Memo | None:
+        """The memo of `request` if its inputs still have `stamps` and its store still holds:
+        locally, and for keys only the shared store's remembered listing vouched for, by that
+        listing still counting and none of them quarantined (one listing of `quarantine/`)."""
+        cg = ws.cg
         base = cls.folder(cg) / request.id
         try:
             index = json.loads((base.with_suffix(".json")).read_bytes())
@@ -194,8 +250,10 @@ class Memo:
                 return None
             if index.get("stamps") != stamps:
                 return None
-            store = StoreCheck(index["store"])
+            store = StoreCheck(index["store"], index["listed_at"])
             if not store.holds(cg.store_dir):
+                return None
+            if store.listed and not _still_listed(ws, store):
                 return None
             text_path = base.with_suffix(".plan")
             if fs.stat_stamp(text_path) != index["text_stamp"]:
@@ -226,6 +284,7 @@ class Memo:
             "request": self.request.doc,
             "stamps": self.stamps,
             "store": self.store.rows,
+            "listed_at": self.store.listed_at,
             "text_stamp": fs.stat_stamp(base.with_suffix(".plan")),
             "view_stamp": fs.stat_stamp(base.with_suffix(".view")),
         }
@@ -302,7 +361,7 @@ def plan_output(
             file=str(cg.path),
             field="workspace.remote",
         )
-    if cg.remote:  # the remote's listing is no local file: a shared store is planned in full
+    if verify:
         from cgbuild.plan.planner import make_plan
 
         plan = make_plan(
@@ -317,7 +376,7 @@ def plan_output(
         return PlanOutput(plan_text(plan), lambda: plan)
     request = request_of(cg, selector.text, ws.toolchain_lock, run_traces)
     before = input_stamps(cg, ws.toolchain_lock)
-    hit = Memo.load(cg, request, before)
+    hit = Memo.load(ws, request, before)
     if hit is not None:
         return PlanOutput(hit.text, lambda: {"targets": hit.load_view(cg) or json.loads(hit.text)["targets"]})
     from cgbuild.plan.planner import (
@@ -329,7 +388,9 @@ def plan_output(
     plan = plan_in_full(ctx, selector, record=True)
     text = plan_text(plan)
     if input_stamps(cg, ws.toolchain_lock) == before:
-        store = StoreCheck.of(cg.store_dir, ctx.ref_states)
+        # with a shared store, a listing this process took itself vouches for nothing later
+        remote = None if ctx.shared is None else ctx.shared.remembered() or (0.0, set())
+        store = StoreCheck.of(cg.store_dir, ctx.ref_states, remote)
         if store is not None:
             Memo(request, before, store, text, _view(plan)).save(cg)
     return PlanOutput(text, lambda: plan)

@@ -92,6 +92,17 @@ def _unique(host: str) -> str:
     return f"{host}-{int(time.time())}-{secrets.token_hex(4)}"
 
 
+def seen_path(store_root: Path, url: str) -> Path:
+    """Where the local store at `store_root` remembers its listing of the remote at `url`."""
+    name = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    return store_root / "remote" / f"{name}.json"
+
+
+def _young(listed_at: float) -> bool:
+    """A remembered listing still counts: taken less than `SEEN_TTL_S` ago (and not in the future)."""
+    return 0 <= time.time() - listed_at < SEEN_TTL_S
+
+
 class SharedStore:
     """A local `Store` (the cache) in front of a remote `Backend`, with the workspace's trusted keys."""
 
@@ -119,12 +130,28 @@ class SharedStore:
         `refs/`. A key quarantined and later repaired is left to the full listing."""
         if self.remote.seen is None:
             doc = self._read_seen()
-            age = time.time() - float(doc.get("listed_at", 0))
-            keys = set(doc.get("keys") or []) if 0 <= age < SEEN_TTL_S else set()
+            keys = set(doc.get("keys") or []) if _young(float(doc.get("listed_at", 0))) else set()
             if keys:
-                keys -= {name.split("/", 1)[0] for name in self.remote.list_names("quarantine")}
+                keys -= self._quarantined()
             self.remote.seen = keys
         return self.remote.seen
+
+    def _quarantined(self) -> set[str]:
+        return {name.split("/", 1)[0] for name in self.remote.list_names("quarantine")}
+
+    def remembered(self) -> tuple[float, set[str]] | None:
+        """When the remembered listing this process read was taken, and the keys it vouched for
+        (less quarantined ones); None when this process listed `refs/` itself, or read none."""
+        listed_at = self._read_seen().get("listed_at")
+        if self.remote.listed or self.remote.seen is None or listed_at is None:
+            return None
+        return float(listed_at), set(self.remote.seen)
+
+    def vouches(self, keys: list[str], listed_at: float) -> bool:
+        """Whether the remembered listing taken at `listed_at` still vouches for every one of
+        `keys`, as `seen_keys` would judge it now: younger than the TTL and none of them
+        quarantined (one listing of `quarantine/`, never of `refs/`)."""
+        return _young(listed_at) and self._quarantined().isdisjoint(keys)
 
     def ref_state(self, key: str) -> RefState:
         """`fresh` when the local cache holds the key or the remote has it; else the local state."""
@@ -136,8 +163,7 @@ class SharedStore:
         return key in self.seen_keys() or key in self.remote_keys()
 
     def _seen_path(self) -> Path:
-        name = hashlib.sha256(self.remote.url.encode()).hexdigest()[:16]
-        return self.local.root / "remote" / f"{name}.json"
+        return seen_path(self.local.root, self.remote.url)
 
     def _read_seen(self) -> dict[str, Any]:
         try:

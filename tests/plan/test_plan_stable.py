@@ -94,3 +94,28 @@ def test_an_edited_source_is_never_served_from_the_memo(tmp_path: Path, toy_refe
         f.write("# a comment: the graphs stay, the trace inputs move\n")
     codes = {r["code"] for t in json.loads(plan_bytes(ws))["targets"] for r in t["reasons"]}
     assert {"trace-input-moved", "early-cutoff"} <= codes
+
+
+def test_with_a_shared_store_the_memo_keeps_only_what_it_can_re_check(tmp_path: Path) -> None:
+    """A key fresh here is checked here; one fresh only by the remote must be one the remembered
+    listing vouched for (then its row says so, with the listing's time); a key the remote lacks
+    is never memoised with a shared store (only a listing of `refs/` could re-check it)."""
+    from cgbuild.plan.memo import LISTED, StoreCheck
+    from cgbuild.store.local import Store
+
+    root = tmp_path / "store"
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"an object\n")
+    here, remote_only, absent = "a" * 64, "b" * 64, "c" * 64
+    assert Store(root).admit(here, blob).status == "admitted"
+
+    local = StoreCheck.of(root, {here: "fresh", absent: "missing"})
+    assert local is not None and [r[1] is None for r in local.rows] == [False, True] and local.holds(root)
+    assert StoreCheck.of(root, {here: "fresh", absent: "missing"}, (1.0, set())) is None
+    assert StoreCheck.of(root, {remote_only: "fresh"}) is None
+    assert StoreCheck.of(root, {remote_only: "fresh"}, (1.0, {here})) is None
+    shared = StoreCheck.of(root, {here: "fresh", remote_only: "fresh"}, (1.0, {remote_only}))
+    assert shared is not None and shared.listed == [remote_only] and shared.listed_at == 1.0
+    assert shared.rows[1] == [remote_only, LISTED, None, None] and shared.holds(root)
+    only_here = StoreCheck.of(root, {here: "fresh"}, (1.0, {remote_only}))
+    assert only_here is not None and only_here.listed == [] and only_here.listed_at is None

@@ -808,6 +808,65 @@ def test_mint_publishes_and_a_clean_clone_plans_fresh_without_tracing(
 
 
 @pytest.mark.slow
+def test_a_no_op_plan_the_remembered_listing_vouches_for_is_served_from_the_memo(
+    published: tuple[Path, str, str],
+    s3: S3,
+    keys: dict[str, tuple[Path, str]],
+    toy_reference: Path,
+    tmp_path: Path,
+) -> None:
+    """With a shared store, a key fresh only by the remote is served from the memo at the cost of
+    one listing of `quarantine/` (never of `refs/`), and stops being served the moment the key is
+    quarantined or the remembered listing it rests on is older than its TTL."""
+    _, published_url, key = published
+    source, prefix = Remote(published_url), f"memo-{secrets.token_hex(3)}"
+    remote = Remote(f"s3://{BUCKET}/{prefix}")  # a copy of the published store: this test quarantines
+    for sub in ("refs", "objects", "facts"):
+        for n in source.list_names(sub):
+            copied = {"Bucket": BUCKET, "Key": source.name(sub, n)}
+            remote.client.copy_object(Bucket=BUCKET, CopySource=copied, Key=remote.name(sub, n))
+    clone = toy_with_remote(tmp_path / "clone", toy_reference, remote.url, [keys["ci"][1]])
+    proxy = Proxy(s3.upstream).start()
+    try:
+        env = child_env(s3, AWS_ENDPOINT_URL=proxy.url, **{SIGNING_KEY_ENV: None})
+
+        def plan() -> tuple[str, list[str]]:
+            proxy.log.clear()
+            proc = cli(clone, "plan", MLP8, "--json", env=env)
+            assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+            listed = [p.split("prefix=", 1)[1].split("%2F")[1] for m, p in proxy.log if "list-type=2" in p]
+            return proc.stdout, listed
+
+        first, listed = plan()  # lists refs/ and remembers it: the listing moved, so no memo yet
+        assert json.loads(first)["targets"][0]["status"] == "fresh" and "refs" in listed
+        second, listed = plan()  # from the remembered listing, in full: now memoised
+        assert listed == ["quarantine"] and json.loads(second)["targets"][0]["status"] == "fresh"
+        memos = clone / ".cgbuild" / "cache" / "plans"
+        (index,) = memos.glob("*.json")
+        doc = json.loads(index.read_text())
+        assert [row[:2] for row in doc["store"]] == [[key, "listed"]] and doc["listed_at"]
+        stamp = index.stat().st_mtime_ns, index.stat().st_ino
+        third, listed = plan()
+        assert third == second and listed == ["quarantine"]
+        assert (index.stat().st_mtime_ns, index.stat().st_ino) == stamp, "the no-op plan was not a memo hit"
+
+        # the remembered listing is past its TTL (its file unchanged): the memo does not serve it
+        index.write_text(json.dumps({**doc, "listed_at": time.time() - SEEN_TTL_S - 1}))
+        aged = index.stat().st_mtime_ns, index.stat().st_ino
+        assert plan()[0] == second and (index.stat().st_mtime_ns, index.stat().st_ino) != aged
+
+        # another machine quarantines the key: the memo stops vouching for it at once
+        other = shared_at(tmp_path / "other", prefix, keys, host="host-b")
+        seen = other.remote.get_json(other.remote.ref_name(key))
+        assert seen is not None
+        other.quarantine_remote(key, seen, "bad bytes")
+        after, listed = plan()
+        assert json.loads(after)["targets"][0]["status"] == "mint" and "refs" in listed
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.slow
 def test_mint_publishes_what_only_this_cache_holds(
     published: tuple[Path, str, str], s3: S3, keys: dict[str, tuple[Path, str]], tmp_path: Path
 ) -> None:
