@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from cgbuild.config import cgfile
 from cgbuild.config.targets import expand
 from cgbuild.exec.held import Held
 from cgbuild.plan.planner import TraceUnit
+from cgbuild.protocol import spawn
 from cgbuild.protocol.trace import FACT_KEYS, job_for
 
 KLEIN = Path(__file__).resolve().parents[2] / "examples" / "flux2_klein" / "Cgfile"
@@ -68,3 +71,20 @@ def test_a_worker_that_refuses_before_tracing_gives_the_plan_its_refusal(tmp_pat
     h.thread.join(120)
     (trace,) = heard
     assert trace["ok"] is False and trace["code"] == "wrong-host" and "/no/such/c++" in trace["detail"], trace
+
+
+def test_a_worker_the_spawner_refuses_to_start_is_a_typed_end_for_the_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While cgbuild is stopping the spawner starts no child: the unit's trace says the worker
+    did not start (typed `worker-killed`) instead of the plan waiting on a trace that never comes."""
+    cg = cgfile.load(TOY)
+    target = next(t for t in expand(cg) if t.label == "//toy/mlp/8x64-b1@fp32:cpu")
+    heard: list[dict] = []
+    h = Held(TraceUnit("u", job_for(cg, target).with_id("u"), [target]), tmp_path, tmp_path / "h.log", None)
+    monkeypatch.setattr(spawn, "_stopping", True)  # what stop_children() leaves behind
+    h.start(heard.append)
+    h.thread.join(30)
+    (trace,) = heard
+    assert trace["code"] == "worker-killed" and "did not start" in trace["detail"], trace
+    assert h.traced.is_set() and not h.ok and h.pid is None

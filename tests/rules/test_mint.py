@@ -261,6 +261,27 @@ def test_a_stage_part_without_a_result_in_time_is_a_typed_timeout(cheap_request:
     assert result["phase"] == "compile" and "no result within 20 s" in result["detail"]
 
 
+def test_a_stage_the_spawner_refuses_to_start_fails_its_first_part_typed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While cgbuild is stopping the spawner starts no stage: the part the worker waits on says
+    the stage did not start (typed `worker-killed`), at once, not after its timeout."""
+    import os
+    import time
+
+    from cgbuild_rules.mint import MintFailure, _Stage
+
+    from cgbuild.protocol import spawn
+
+    monkeypatch.setattr(spawn, "_stopping", True)  # what stop_children() leaves behind
+    started = time.monotonic()
+    stage = _Stage("check", tmp_path, os.environ, timeout_s=600)
+    with pytest.raises(MintFailure) as failed:
+        stage.part("verify")
+    assert failed.value.code == "worker-killed" and "verify stage did not start" in failed.value.detail
+    assert time.monotonic() - started < 60 and stage.pid is None
+
+
 @pytest.mark.parametrize(("part", "phase"), [("verify", "verify"), ("serve", "adopt")])
 def test_the_check_stage_dying_in_a_part_fails_that_phase(
     cheap_request: dict[str, Any], part: str, phase: str
