@@ -71,19 +71,6 @@ HERE = Path(__file__).resolve().parent
 TOY = HERE.parent / "examples" / "toy"
 RESULT = HERE / "results" / "mint_overhead.json"
 LABEL = "//toy/mlp/8x64-b1@fp32:cpu"
-# The toy Cgfile's mlp at 8x64, batch 1, with the family config (hidden 128, out 10).
-SPEC: dict[str, Any] = {
-    "family": "toy",
-    "module": "mlp",
-    "graph_class": "8x64-b1",
-    "height": 8,
-    "width": 64,
-    "text_len": None,
-    "batch": 1,
-    "dtype": "float32",
-    "device": "cpu",
-    "config": {"hidden": 128, "out": 10},
-}
 TARGET_OVERHEAD_RATIO = 0.05
 SERVING = ("adopt", "aoti_load_package", "torch_compile_cold", "torch_compile_warm")
 
@@ -97,16 +84,18 @@ def _import_torch() -> float:
 
 
 def _toy() -> tuple[Any, Any]:
-    """The toy MLP with seed-0 weights (as the mint's verification builds it) and its input."""
-    import torch
+    """The toy MLP and its input, built from the workspace's own job for `LABEL` as the mint's
+    verification builds it (seed-0 weights, the declared lanes' switches): the same program."""
+    from cgbuild_rules import trace
 
-    sys.path.insert(0, str(TOY))
-    import toy_models
+    from cgbuild.config import cgfile
+    from cgbuild.config.targets import expand
+    from cgbuild.protocol.trace import job_for
 
-    torch.manual_seed(0)
-    module, args, _kwargs = toy_models.build(dict(SPEC))
-    module.eval()
-    return module, args[0]
+    cg = cgfile.load(TOY / "Cgfile")
+    target = next(t for t in expand(cg) if t.label == LABEL)
+    built = trace.build(trace.parse_job(job_for(cg, target).with_id("bench").to_json()), "real")
+    return built.module, built.args[0]
 
 
 def child_bare(arg: Mapping[str, Any]) -> dict[str, Any]:
