@@ -1,7 +1,7 @@
 """What a mint costs beyond the compile it wraps, and what adopting its artifact costs a server.
 
-Why: `cgbuild mint` puts a lot around one AOTInductor compile (a plan that traces the graph, a
-worker with two stage children, a toolchain re-probe, a graph re-digest, normalization, a
+Why: `cgbuild mint` puts a lot around one AOTInductor compile (a plan whose trace is the minting
+worker's own, a worker with two stage children, a toolchain re-probe, a graph re-digest, normalization, a
 verification run against eager in a fresh process, sealing, admission). That is only worth it
 if it is small next to the compile itself, and the artifact only pays off at serving time if
 adopting it reaches a first output faster than the alternatives. Both claims are measured here,
@@ -299,6 +299,8 @@ def run_mint(ws: Path) -> Run:
     record = json.loads((ws / ".cgbuild" / "mint" / f"{minted['key']}.json").read_text())
     if record["state"] != "ok" or record["result"]["phases"] != minted["phases"]:
         raise SystemExit("the mint record disagrees with the summary")
+    if record.get("traced_here") is not True:  # the breakdown below reads the held worker's trace
+        raise SystemExit("the plan's trace was not the minting worker's own (traced_here)")
     phases = minted["phases"]
     return Run(
         wall,
@@ -467,16 +469,15 @@ def summarize(
 
     overhead = [r.wall - (m(r, "export") + m(r, "compile") + m(r, "verify")) for r in mint]
     breakdown = {
-        # CLI start, workspace load, the plan (a trace child that imports torch, cold trace
-        # cache) and printing: everything outside `mint_keys`.
-        "cli_and_plan": [r.wall - m(r, "summary_seconds") for r in mint],
-        # record writes, worker process start, admission into the store
-        "worker_start_records_admit": [m(r, "summary_seconds") - m(r, "total") for r in mint],
-        # inside the worker, outside its timed phases: two stage processes (each starts Python
-        # and imports torch), the toolchain re-probe, the sandbox lock, metadata
-        "worker_untimed": [
-            m(r, "total") - sum(m(r, k) for k in ("export", "compile", "verify", "seal")) for r in mint
-        ],
+        # CLI start, workspace load, the toolchain probe, the plan, the held worker's start (its
+        # Python, torch and stage) and printing: outside `mint_keys` (which counts from the key's
+        # request) less the held worker's trace (`export`), which the plan waits on
+        "cli_plan_worker_start": [r.wall - m(r, "summary_seconds") - m(r, "export") for r in mint],
+        # record writes, the hand-over of the key, admission into the store
+        "records_admit": [m(r, "summary_seconds") - m(r, "total") for r in mint],
+        # from the key's request, outside the timed phases: the toolchain re-check, the check
+        # stage's hand-offs, normalization, the adopt before the seal, metadata
+        "worker_untimed": [m(r, "total") - sum(m(r, k) for k in ("compile", "verify", "seal")) for r in mint],
         "seal": [m(r, "seal") for r in mint],
     }
     overhead_med = med(overhead)
