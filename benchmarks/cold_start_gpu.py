@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from targets import drop_lanes, job_of
+
 T0 = time.perf_counter()
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "flux2_klein"
@@ -63,16 +65,6 @@ SUMMARY = (
 
 def _since() -> float:
     return round(time.perf_counter() - T0, 3)
-
-
-def _job(ws: Path, label: str) -> dict[str, Any]:
-    from cgbuild.config import cgfile
-    from cgbuild.config.targets import expand
-    from cgbuild.protocol.trace import job_for
-
-    cg = cgfile.load(ws / "Cgfile")
-    target = next(t for t in expand(cg) if t.label == label)
-    return job_for(cg, target).with_id("bench").to_json()
 
 
 def _inputs(job: dict[str, Any]) -> tuple[Any, ...]:
@@ -124,7 +116,7 @@ def worker(path: str, ws: Path, label: str, ckpt: Path, artifact: Path | None) -
     torch.empty(1, device="cuda")
     rec["import_torch"] = _since()
     t = time.perf_counter()
-    job = _job(ws, label)
+    job = job_of(ws, label)
     args = _inputs(job)
     torch.cuda.synchronize()
     rec["harness"] = round(time.perf_counter() - t, 3)
@@ -228,9 +220,7 @@ def _setup(work: Path, label: str, archive: Path, no_lanes: bool) -> tuple[Path,
         shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
         if no_lanes:
             sys.path.insert(0, str(ROOT / "benchmarks"))
-            from gpu_vs_compile import _drop_lanes
-
-            _drop_lanes(ws / "Cgfile")
+            drop_lanes(ws / "Cgfile")
     store_root = work / "store"
     if not store_root.exists():
         with tarfile.open(archive) as tar:
@@ -240,7 +230,7 @@ def _setup(work: Path, label: str, archive: Path, no_lanes: bool) -> tuple[Path,
     artifact = Store(store_root).resolve(key, verify=True).path
     ckpt = work / "weights.safetensors"
     if not ckpt.exists():
-        built = trace.build(trace.parse_job(_job(ws, label)), "real")
+        built = trace.build(trace.parse_job(job_of(ws, label)), "real")
         write_checkpoint(built.module, ckpt)
         del built
         torch.cuda.empty_cache()

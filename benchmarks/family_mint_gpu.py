@@ -35,7 +35,7 @@ def main(work: Path, out_json: Path, jobs: int, lanes: bool, selector: str = SEL
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_vs_compile import _drop_lanes
+    from targets import drop_lanes
 
     ws = work / "ws"
     shutil.rmtree(ws, ignore_errors=True)
@@ -45,7 +45,7 @@ def main(work: Path, out_json: Path, jobs: int, lanes: bool, selector: str = SEL
     assert 'layouts = ["bf16", "int8", "fp8"]' in text
     cgfile.write_text(text.replace('layouts = ["bf16", "int8", "fp8"]', 'layouts = ["bf16", "fp8"]', 1))
     if not lanes:
-        _drop_lanes(cgfile)
+        drop_lanes(cgfile)
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), "mint", selector, "--json", "-j", str(jobs)],

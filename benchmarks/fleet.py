@@ -447,18 +447,22 @@ def plan_remote(args: argparse.Namespace) -> None:
         assert Counter(t["status"] for t in warm_local["targets"]) == {"mint": len(keys)}
         memo = ws / ".cgbuild" / "cache" / "plans"
 
-        def memo_stamp() -> list[tuple[str, int, int]]:
-            return [(p.name, p.stat().st_mtime_ns, p.stat().st_ino) for p in sorted(memo.glob("*.json"))]
+        def memo_stamp(root: Path = ws) -> list[tuple[str, int, int]]:
+            indexes = sorted((root / ".cgbuild" / "cache" / "plans").glob("*.json"))
+            return [(p.name, p.stat().st_mtime_ns, p.stat().st_ino) for p in indexes]
 
-        def memoise() -> None:
-            """Untimed plans until the no-op plan is memoised (the first may still record)."""
-            for _ in range(3):
-                plan_logged(python, ws, env)
-                if memo_stamp():
+        def memoise(root: Path = ws) -> None:
+            """Untimed plans until one is served from the memo (its index left as it was): the
+            first may still record, or find the memo stale and rewrite it."""
+            for _ in range(4):
+                before = memo_stamp(root)
+                plan_logged(python, root, env)
+                if before and memo_stamp(root) == before:
                     return
-            raise SystemExit("the warm plan against the remote was never memoised")
+            raise SystemExit(f"the warm plan of {root} was never served from its memo")
 
         memoise()
+        memoise(local)
         stamps = memo_stamp()
         _, hit, err = plan_logged(python, ws, env, WHAT_IMPORTED)
         imports_memo = json.loads(err.strip().splitlines()[-1])
@@ -478,11 +482,12 @@ def plan_remote(args: argparse.Namespace) -> None:
             "warm_plan_json_no_remote": ([python, "-c", NO_TORCH, "-C", str(local), "plan", "--json"], local),
             "list_refs_only": ([python, "-c", LIST_REFS, REMOTE_URL, str(refs)], ws),
         }
-        from_memo = ("warm_plan_json_remote", "warm_plan_human_remote")
+        from_memo = ("warm_plan_json_remote", "warm_plan_human_remote", "warm_plan_json_no_remote")
         runs: dict[str, list[Run]] = {name: [] for name in cases}
         server_cpu: dict[str, list[float]] = {name: [] for name in cases}
-        warm_requests: dict[str, list[Counter[str]]] = {"remembered": [], "relist": []}
-        memo_hits: dict[str, list[bool]] = {name: [] for name in (*from_memo, "warm_plan_json_remote_full")}
+        warm_requests: dict[str, list[Counter[str]]] = {name: [] for name in cases if "plan" in name}
+        memo_hits: dict[str, list[bool]] = {name: [] for name in from_memo}
+        memo_rewritten: list[bool] = []  # the full runs: each planned in full and kept its memo
         remembered = ws / ".cgbuild" / "store" / "remote"
         for _ in range(args.reps):
             for name, (argv, cwd) in cases.items():
@@ -490,18 +495,20 @@ def plan_remote(args: argparse.Namespace) -> None:
                     shutil.rmtree(memo)  # the same plan computed in full, from the remembered listing
                 if name == "warm_plan_json_remote_relist":
                     shutil.rmtree(remembered)  # as on the first plan here, or past the listing's TTL
-                before, stamps = server.cpu(), memo_stamp()
+                before, stamps = server.cpu(), memo_stamp(cwd)
                 runs[name].append(timed(argv, cwd=cwd, env=env))
                 sent = server.requests()
                 server_cpu[name].append(round(server.cpu() - before, 2))
+                if name in warm_requests:
+                    warm_requests[name].append(sent)
                 if name in memo_hits:
-                    memo_hits[name].append(bool(stamps) and memo_stamp() == stamps)
-                if name in (*from_memo, "warm_plan_json_remote_full"):
+                    memo_hits[name].append(bool(stamps) and memo_stamp(cwd) == stamps)
+                if name == "warm_plan_json_remote_full":
+                    memo_rewritten.append(bool(memo_stamp()))  # its memo was removed before the run
+                if name in ("warm_plan_json_remote", "warm_plan_human_remote", "warm_plan_json_remote_full"):
                     assert sent == {"list quarantine": 1}, sent
-                    warm_requests["remembered"].append(sent)
                 elif name == "warm_plan_json_remote_relist":
                     assert sent == {"list refs": -(-refs // 1000)}, sent
-                    warm_requests["relist"].append(sent)
                     memoise()  # the listing moved, so the memo with it: plan until it is kept again
                     server.requests()
                 elif name == "list_refs_only":
@@ -509,7 +516,7 @@ def plan_remote(args: argparse.Namespace) -> None:
                 else:
                     assert not sent, (name, sent)
         assert all(all(memo_hits[name]) for name in from_memo), memo_hits
-        assert not any(memo_hits["warm_plan_json_remote_full"]), memo_hits
+        assert all(memo_rewritten), memo_rewritten
         print(
             {name: round(statistics.median(r.wall for r in rs), 3) for name, rs in runs.items()}, flush=True
         )
@@ -598,9 +605,7 @@ def plan_remote(args: argparse.Namespace) -> None:
             },
             "requests": {
                 "cold_plan": dict(sorted(cold_requests.items())),
-                "warm_plan_json_remote": [dict(sorted(r.items())) for r in warm_requests["remembered"]],
-                "warm_plan_json_remote_relist": [dict(sorted(r.items())) for r in warm_requests["relist"]],
-                "warm_plan_json_no_remote": {},
+                **{name: [dict(sorted(r.items())) for r in sent] for name, sent in warm_requests.items()},
                 "clean_clone_plan": [dict(sorted(r.items())) for r in clone_requests],
                 "expected_ref_listings": -(-refs // 1000),
             },
@@ -613,8 +618,9 @@ def plan_remote(args: argparse.Namespace) -> None:
                 },
             },
             "memo_hit": memo_hits,
+            "full_runs_memoised_again": memo_rewritten,
             "imports": {
-                "warm_plan_json_remote_full": imports_warm,
+                "first_warm_plan_json_remote": imports_warm,
                 "warm_plan_json_remote": imports_memo,
                 "clean_clone_plan": imports_clone,
             },

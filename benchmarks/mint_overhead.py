@@ -1,7 +1,7 @@
 """What a mint costs beyond the compile it wraps, and what adopting its artifact costs a server.
 
 Why: `cgbuild mint` puts a lot around one AOTInductor compile (a plan whose trace is the minting
-worker's own, a worker with two stage children, a toolchain re-probe, a graph re-digest, normalization, a
+worker's own, a worker with two stage children, a toolchain re-probe, normalization, a
 verification run against eager in a fresh process, sealing, admission). That is only worth it
 if it is small next to the compile itself, and the artifact only pays off at serving time if
 adopting it reaches a first output faster than the alternatives. Both claims are measured here,
@@ -21,10 +21,11 @@ so load from other work on the (shared) box falls on all of them alike. Per roun
     because its sandbox is a FIXED path shared by every mint (`cgbuild_rules.mint`). Whether the
     sandbox held precompiled headers before each mint is recorded.
 (b) `mint`: `cgbuild -C WS mint LABEL --json` into a fresh copy of examples/toy per round (so the
-    plan traces cold and the store is empty), the sandbox as it is; the whole command's wall
-    time, and the phases from its summary (checked against the durable mint record). overhead =
-    wall - (export + compile + verify): everything the mint adds around the compile and its
-    verification, the plan and seal included, split into what the summary lets us attribute.
+    trace cache is cold, the plan's trace is the held worker's, and the store is empty), the
+    sandbox as it is; the whole command's wall time, and the phases from its summary (checked
+    against the durable mint record). overhead = wall - (export + compile + verify): everything
+    the mint adds around the compile and its verification, the plan and seal included, split
+    into what the summary lets us attribute.
     It is compared with both bare variants; the target is overhead <= 5% of the bare path.
 (c) serving, to first output, each in a fresh process: `adopt`
     (`cgbuild_rules.adopt.adopt(key, module, store=...)` on the stored artifact with a live toy
@@ -60,6 +61,7 @@ from typing import Any
 
 from cgbuild_rules.mint import DEFAULT_SANDBOX
 from plan_scale import machine  # one description of the box for every benchmark
+from targets import built_of
 
 import cgbuild
 from cgbuild.core.platform import normalize_arch
@@ -72,7 +74,6 @@ TOY = HERE.parent / "examples" / "toy"
 RESULT = HERE / "results" / "mint_overhead.json"
 LABEL = "//toy/mlp/8x64-b1@fp32:cpu"
 TARGET_OVERHEAD_RATIO = 0.05
-SERVING = ("adopt", "aoti_load_package", "torch_compile_cold", "torch_compile_warm")
 
 
 # ---- children (torch is imported only here) ----------------------------------------------------
@@ -84,17 +85,8 @@ def _import_torch() -> float:
 
 
 def _toy() -> tuple[Any, Any]:
-    """The toy MLP and its input, built from the workspace's own job for `LABEL` as the mint's
-    verification builds it (seed-0 weights, the declared lanes' switches): the same program."""
-    from cgbuild_rules import trace
-
-    from cgbuild.config import cgfile
-    from cgbuild.config.targets import expand
-    from cgbuild.protocol.trace import job_for
-
-    cg = cgfile.load(TOY / "Cgfile")
-    target = next(t for t in expand(cg) if t.label == LABEL)
-    built = trace.build(trace.parse_job(job_for(cg, target).with_id("bench").to_json()), "real")
+    """The toy MLP and its input as the mint's verification builds them (the same program)."""
+    built = built_of(TOY, LABEL)
     return built.module, built.args[0]
 
 

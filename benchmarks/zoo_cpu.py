@@ -59,6 +59,7 @@ from typing import Any
 
 from cgbuild_rules.mint import DEFAULT_SANDBOX, TOLERANCE
 from plan_scale import machine  # one description of the box for every benchmark
+from targets import built_of
 
 from cgbuild.core.fs import write_atomic, write_json
 
@@ -80,19 +81,6 @@ PATHS = ("adopt", "eager", "torch_compile")
 
 
 # ---- children (torch is imported only here) ----------------------------------------------------
-def _built(ws: str, label: str) -> Any:
-    """The target's module and inputs exactly as the mint's serve stage builds them."""
-    from cgbuild_rules import trace
-
-    from cgbuild.config import cgfile
-    from cgbuild.config.targets import expand
-    from cgbuild.protocol.trace import job_for
-
-    cg = cgfile.load(Path(ws) / "Cgfile")
-    target = next(t for t in expand(cg) if t.label == label)
-    return trace.build(trace.parse_job(job_for(cg, target).with_id(label).to_json()), "real")
-
-
 def _fingerprint(module: Any, args: tuple[Any, ...]) -> str:
     """sha256 over the module's parameters and buffers (non-persistent ones too: names, dtypes,
     shapes, bytes) and the inputs."""
@@ -141,7 +129,7 @@ def child(path: str, arg: Mapping[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"import_torch": time.perf_counter() - t, "threads": torch.get_num_threads()}
     t = time.perf_counter()
-    built = _built(arg["ws"], arg["label"])
+    built = built_of(Path(arg["ws"]), arg["label"])
     module, args = built.module, built.args
     out["build_module"] = time.perf_counter() - t
     out["fingerprint"] = _fingerprint(module, args)

@@ -217,7 +217,7 @@ def _echo(log: Path, stage: str) -> None:
 def _stage_result(path: Path) -> dict[str, Any]:
     """A stage's result file: the result, or the failure it reports raised as a MintFailure."""
     result = json.loads(path.read_text())
-    if result.get("ok") is False:
+    if not result.get("ok"):
         extra = {k: v for k, v in result.items() if k not in ("ok", "code", "detail")}
         raise MintFailure(result["code"], result["detail"], **extra)
     return dict(result)
@@ -371,7 +371,7 @@ def mint(
         env["CXX"] = cxx
 
         def staged(r: Mapping[str, Any]) -> dict[str, Any]:
-            """The request as the stages read it (`request.json`, and the go of a hold's key)."""
+            """The request as the stages read it (`request.json`, and the go of each part)."""
             return {**r, "cxx_path": cxx, "sandbox": str(sandbox)}
 
         (work / "request.json").write_text(json.dumps(staged(req)))
@@ -420,16 +420,16 @@ def mint(
             members = {PACKAGE: work / PACKAGE}
             if (work / LITERALS).exists():
                 members[LITERALS] = work / LITERALS
-            staged = work / f"{key}.tar.gz"
-            sha = seal(staged, _metadata(req, built, lanes_block), members)
-            if read_metadata(staged)["key"] != key:
+            packed = work / f"{key}.tar.gz"
+            sha = seal(packed, _metadata(req, built, lanes_block), members)
+            if read_metadata(packed)["key"] != key:
                 raise MintFailure("seal-failed", "sealed metadata does not read back with its key")
             seal_s = time.perf_counter() - t
             phase = "adopt"
             if progress:
                 progress(phase)
             t = time.perf_counter()
-            served = check.part("serve", {"artifact": str(staged)})
+            served = check.part("serve", {"artifact": str(packed)})
             adopt_s = time.perf_counter() - t
             check.finish()
         except BaseException:
@@ -437,7 +437,7 @@ def mint(
                 check.stop()
             raise
         artifact = out / f"{key}.tar.gz"
-        os.replace(staged, artifact)  # only an artifact a serving process adopted leaves the mint
+        os.replace(packed, artifact)  # only an artifact a serving process adopted leaves the mint
         result: dict[str, Any] = {
             "id": req["id"],
             "ok": True,
@@ -744,10 +744,9 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     fs.write_atomic(
         work / "trace.json", json.dumps({"ok": True, **{k: facts[k] for k in FACT_KEYS}, "sm": here})
     )
-    go = _await(work, "compile")
+    req = _await(work, "compile")["request"]  # a hold's key request is known only now
     _fault("compile")
     if held:
-        req = go["request"]
         _device_refusal(job.device, req["sm"], here)
         _quant_floor(job.quant, job.device, req["sm"])
     tc = _toolchain(req)

@@ -200,8 +200,8 @@ def convert(
         raise QuantError(
             f"quant rule {rule!r} rewrites modules but has no transform here (rules/quant.py MODULES)"
         )
-    for axis in record.lanes:
-        values = list((lanes or {}).get(axis) or [])
+    chosen = {axis: list((lanes or {}).get(axis) or []) for axis in record.lanes}
+    for axis, values in chosen.items():
         unknown = [v for v in values if v not in record.lanes[axis]]
         if unknown or len(set(values)) != len(values):
             bad = unknown[0] if unknown else next(v for v in values if values.count(v) > 1)
@@ -219,8 +219,7 @@ def convert(
                 parent = module.get_submodule(parent_name) if parent_name else module
                 setattr(parent, attr, cls.from_linear(child, dtype))  # type: ignore[arg-type]
                 done.append(fqn)
-    for axis in record.lanes:
-        values = list((lanes or {}).get(axis) or [])
+    for axis, values in chosen.items():
         if values and done:
             for value in values:
                 SETUP.get((axis, value), lambda: None)()

@@ -139,7 +139,7 @@ class StoreCheck:
 
     @classmethod
     def of(
-        cls, store_root: Path, states: dict[str, str], remote: tuple[float, set[str]] | None = None
+        cls, store_root: Path, states: dict[str, str], remote: tuple[float | None, set[str]] | None = None
     ) -> StoreCheck | None:
         """The rows for `states` (key → ref state), or None when a key is neither fresh nor
         missing, or the store no longer reads as it did (then nothing is memoised).
@@ -352,7 +352,8 @@ def plan_output(
     memoised when nothing moved while it ran and recording changed nothing.
 
     `verify` (`plan --verify`) checks the signatures of keys fresh only by the shared store's
-    listing; it needs a remote, and so is never served from, nor written to, the memo."""
+    listing; the memo checks no signatures, so a verified plan is never served from, nor written
+    to, it."""
     cg = ws.cg
     if verify and not cg.remote:
         raise UserError(
@@ -388,8 +389,7 @@ def plan_output(
     plan = plan_in_full(ctx, selector, record=True)
     text = plan_text(plan)
     if input_stamps(cg, ws.toolchain_lock) == before:
-        # with a shared store, a listing this process took itself vouches for nothing later
-        remote = None if ctx.shared is None else ctx.shared.remembered() or (0.0, set())
+        remote = None if ctx.shared is None else ctx.shared.remembered()
         store = StoreCheck.of(cg.store_dir, ctx.ref_states, remote)
         if store is not None:
             Memo(request, before, store, text, _view(plan)).save(cg)

@@ -139,12 +139,13 @@ class SharedStore:
     def _quarantined(self) -> set[str]:
         return {name.split("/", 1)[0] for name in self.remote.list_names("quarantine")}
 
-    def remembered(self) -> tuple[float, set[str]] | None:
+    def remembered(self) -> tuple[float | None, set[str]]:
         """When the remembered listing this process read was taken, and the keys it vouched for
-        (less quarantined ones); None when this process listed `refs/` itself, or read none."""
+        (less quarantined ones); `(None, set())` when this process listed `refs/` itself or read
+        none: a later process can re-check only a listing it finds remembered."""
         listed_at = self._read_seen().get("listed_at")
         if self.remote.listed or self.remote.seen is None or listed_at is None:
-            return None
+            return None, set()
         return float(listed_at), set(self.remote.seen)
 
     def vouches(self, keys: list[str], listed_at: float) -> bool:

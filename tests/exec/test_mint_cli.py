@@ -109,12 +109,17 @@ def test_a_re_trace_to_the_same_graph_stops_its_held_worker(minted_toy: Path, tm
     assert not list((ws / ".cgbuild" / "mint").glob("held-*"))
 
 
+def with_a_new_conv_shape(minted_toy: Path, tmp_path: Path) -> tuple[Path, str]:
+    """A copy of the minted toy that declares one more conv shape, and that new target's label."""
+    ws = copy_ws(minted_toy, tmp_path / "toy")
+    edit(ws / "Cgfile", 'shapes = ["32x32"]', 'shapes = ["32x32", "16x16"]')
+    return ws, "//toy/conv/16x16-b2@fp32:cpu"
+
+
 def test_a_held_trace_that_dies_refuses_its_target_with_the_typed_end(
     minted_toy: Path, tmp_path: Path
 ) -> None:
-    ws = copy_ws(minted_toy, tmp_path / "toy")
-    edit(ws / "Cgfile", 'shapes = ["32x32"]', 'shapes = ["32x32", "16x16"]')
-    label = "//toy/conv/16x16-b2@fp32:cpu"
+    ws, label = with_a_new_conv_shape(minted_toy, tmp_path)
     rc, summary = mint_json(ws, label, env={**os.environ, "CGBUILD_MINT_FAULT": "trace:SIGKILL"})
     assert rc == 1 and summary["minted"] == [] and summary["failed"] == []
     (refused,) = summary["refused"]
@@ -226,9 +231,7 @@ def test_mint_plan_mints_exactly_the_approved_keys(minted_toy: Path, tmp_path: P
 def test_killed_worker_is_a_typed_retryable_failure_and_rerun_resumes(
     minted_toy: Path, tmp_path: Path
 ) -> None:
-    ws = copy_ws(minted_toy, tmp_path / "toy")
-    edit(ws / "Cgfile", 'shapes = ["32x32"]', 'shapes = ["32x32", "16x16"]')
-    label = "//toy/conv/16x16-b2@fp32:cpu"
+    ws, label = with_a_new_conv_shape(minted_toy, tmp_path)
     env = {**os.environ, "CGBUILD_MINT_FAULT": "compile:SIGKILL"}
     rc, summary = mint_json(ws, label, env=env)
     assert rc == 1

@@ -1,0 +1,40 @@
+"""A benchmark's target as the mint builds it: the workspace's own job for a label, its module.
+
+One place for what several benchmarks need of a workspace, so each builds exactly the program the
+mint compiled (the declared lanes' switches included) and none keeps a hand-written spec.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def job_of(ws: Path, label: str) -> dict[str, Any]:
+    """The trace job of `label` in the workspace at `ws`, as the plan hands it to a worker."""
+    from cgbuild.config import cgfile
+    from cgbuild.config.targets import expand
+    from cgbuild.protocol.trace import job_for
+
+    cg = cgfile.load(ws / "Cgfile")
+    target = next(t for t in expand(cg) if t.label == label)
+    return job_for(cg, target).with_id("bench").to_json()
+
+
+def built_of(ws: Path, label: str) -> Any:
+    """The target's module (seed-0 weights) and inputs, as the mint's verification builds them."""
+    from cgbuild_rules import trace
+
+    return trace.build(trace.parse_job(job_of(ws, label)), "real")
+
+
+def drop_lanes(cgfile: Path) -> None:
+    """Remove every `[family.*.lanes]` table: the program then has no switches (the plain one)."""
+    kept: list[str] = []
+    skipping = False
+    for line in cgfile.read_text().splitlines(keepends=True):
+        if line.startswith("["):
+            skipping = line.split("#")[0].strip().endswith(".lanes]")
+        if not skipping:
+            kept.append(line)
+    cgfile.write_text("".join(kept))
