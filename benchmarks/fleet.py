@@ -626,7 +626,7 @@ def plan_remote(args: argparse.Namespace) -> None:
             },
             "clean_clone_checks": clone_checks,
             "target_seconds": TARGET_MEMO_SECONDS,
-            "met": {name: med[name] <= TARGET_MEMO_SECONDS for name in from_memo},
+            "met": {name: med[name] <= TARGET_MEMO_SECONDS for name in from_memo[:2]},  # the remote's
             "ratios": {
                 "full_over_memo": round(med["warm_plan_json_remote_full"] / med["warm_plan_json_remote"], 2),
                 "memo_remote_over_memo_no_remote": round(

@@ -110,6 +110,21 @@ def test_a_held_worker_refuses_a_request_it_did_not_trace_or_was_not_started_for
     assert result["ok"] is False and result["code"] == "bad-request" and moved in result["detail"]
 
 
+def test_a_held_worker_refuses_a_key_built_for_another_graph_than_it_traced(
+    dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The request names the graph digest its key was built for; a held worker compiles only the
+        program it traced, so another digest is `graph-drift`, before any compile (its work folder
+    stays, as every failed mint's does, for its stage logs)."""
+    root, sandbox = dirs
+    job = job_for(root, "A")
+    request = {**request_for(job, tmp_path, sandbox), "graph_digest": "0" * 64}
+    worker = Worker(hold_for(job, tmp_path, sandbox), then=request)
+    (result,) = worker.results
+    assert result["ok"] is False and result["code"] == "graph-drift" and result["phase"] == "compile", result
+    assert result["old"] == "0" * 64 and result["new"] == worker.traced["graph_digest"]  # type: ignore[index]
+
+
 def test_a_held_trace_that_fails_is_typed_as_the_trace_rules_and_ends_the_worker(
     dirs: tuple[Path, Path], tmp_path: Path
 ) -> None:
