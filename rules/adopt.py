@@ -19,18 +19,29 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from cgbuild_rules import configured
+from cgbuild_rules.bound import (
+    ADAPTER_HINT,
+    Moved,
+    Structure,
+    Watch,
+    adapter_wrapped,
+    structure,
+    structure_moved,
+)
 from cgbuild_rules.lanes import bindings, device_memory_bytes
 from cgbuild_rules.loader import Package, host_runtime, same_view, state_tensors
 from cgbuild_rules.sealed import metadata_problem
@@ -49,6 +60,10 @@ from cgbuild.store.seal import LITERALS, PACKAGE, SealError, read_metadata, unse
 from cgbuild.store.shared import SharedStore
 
 log = logging.getLogger("cgbuild.adopt")
+
+ALIGN = 16
+"""Bytes an input's start must be aligned to: compiled kernels may assume it (Triton's pointer
+divisibility), and every traced input was so aligned."""
 
 
 class AdoptRefused(RuntimeError):
@@ -143,10 +158,45 @@ def _dim_value(expr: str, bound: Mapping[str, int]) -> int | None:
     return total
 
 
+def _contiguous(shape: list[int]) -> list[int]:
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= max(size, 1)
+    return out[::-1]
+
+
+def _as_traced(g: torch.Tensor, want: list[int]) -> torch.Tensor | None:
+    """`g` itself when the package may read it as traced (the strides it was traced with on
+    every dimension longer than one, an aligned start), else a copy laid out that way; None
+    for an input that cannot be laid out so (overlapping traced strides)."""
+    if g.numel() == 0:
+        return g
+    same = all(n <= 1 or s == w for n, s, w in zip(g.shape, g.stride(), want, strict=True))
+    if same and g.data_ptr() % ALIGN == 0:
+        return g
+    try:
+        out = torch.empty_strided(g.shape, want, dtype=g.dtype, device=g.device)
+    except RuntimeError:
+        return None
+    return out.copy_(g)
+
+
 def fit(
-    contract: Mapping[str, Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    contract: Mapping[str, Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    restrided: list[str] | None = None,
 ) -> tuple[Refusal | None, list[Any]]:
-    """Does this call fit the contract? Returns (why not, or None) and the call's leaves in order."""
+    """Does this call fit the contract? Returns (why not, or None) and the call's leaves in order.
+
+    A package reads each input with the strides it was traced with, unchecked: an expanded
+    (stride-0), transposed, sliced or channels-last view would be read as if laid out as traced.
+    So an input whose strides (on dimensions longer than one) or 16-byte alignment differ is
+    copied into the traced layout first, its name appended to `restrided`. Artifacts sealed
+    before the contract recorded strides were traced with contiguous inputs (every entry then
+    built them so) and are held to that.
+    """
     inputs = contract.get("inputs") or []
     positional = [i for i in inputs if not i.get("keyword")]
     keywords = {i["name"] for i in inputs if i.get("keyword")}
@@ -159,6 +209,8 @@ def fit(
     bound: dict[str, int] = {}
     leaves: list[Any] = []
     pending: list[tuple[str, str, int]] = []
+    tensors: list[tuple[str, torch.Tensor, Mapping[str, Any]]] = []
+    positions: list[int] = []
     arg_iter = iter(args)
     for spec in inputs:
         value = kwargs[spec["name"]] if spec.get("keyword") else next(arg_iter)
@@ -198,6 +250,8 @@ def fit(
                         ), []
                 else:
                     pending.append((f"{where} dim {axis}", dim, size))
+            positions.append(len(leaves))
+            tensors.append((where, g, w))
             leaves.append(g)
     for where, expr, size in pending:
         value = _dim_value(expr, bound)
@@ -205,6 +259,19 @@ def fit(
             return Refusal("shape", f"{where}: size {expr!r} is not checkable here"), []
         if value != size:
             return Refusal("shape", f"{where}: {size}, artifact takes {expr} = {value}"), []
+    for i, (where, g, w) in enumerate(tensors):
+        recorded = w.get("stride")
+        shape = list(g.shape)
+        want = _contiguous(shape) if recorded is None else [_dim_value(str(d), bound) for d in recorded]
+        if any(d is None for d in want) or len(want) != g.dim():
+            return Refusal("stride", f"{where}: traced strides {recorded} are not checkable here"), []
+        laid = _as_traced(g, want)  # type: ignore[arg-type]
+        if laid is None:
+            return Refusal("stride", f"{where}: cannot lay out {shape} with traced strides {want}"), []
+        if laid is not g:
+            leaves[positions[i]] = laid
+            if restrided is not None:
+                restrided.append(where)
     return None, leaves
 
 
@@ -222,6 +289,17 @@ class Artifact:
     seconds: float = 0.0
     lane: Refit | None = None
     """The kernel lane bound before the first call and why (None: the artifact has no lanes)."""
+    watch: Watch | None = None
+    """What the package is bound to; while refused for a binding reason, the module as refused
+    (nothing is retried until something in it moves)."""
+    baseline: Structure | None = None
+    """The module tree as first bound: a re-arm requires the live tree to be it again."""
+    unverified: tuple[str, ...] = ()
+    check_config: bool = True
+    """False for a checkpoint's tensors: no model code, so no configuration beside the program's."""
+    """Checks this artifact cannot support (`config`: sealed before the configuration record)."""
+    reload: Callable[[nn.Module], Artifact] | None = None
+    """Load it again (an artifact refused before its package was loaded is re-armed so)."""
 
     @property
     def contract(self) -> dict[str, Any]:
@@ -337,6 +415,16 @@ def _bindings(
     return ({}, refusal) if refusal else ({**weights, **literals}, None)
 
 
+def config_refusal(meta: Mapping[str, Any], module: nn.Module) -> Refusal | None:
+    """The first configuration value the live module holds otherwise than the module the
+    artifact was minted from (`config-drift`; `cgbuild_rules.configured`), or None."""
+    recorded = meta.get("module")
+    if not isinstance(recorded, Mapping):
+        return None
+    why = configured.drift(recorded, module)
+    return Refusal("config-drift", why) if why else None
+
+
 def layout_refusal(meta: Mapping[str, Any], module: nn.Module) -> Refusal | None:
     """The first tensor (by name) of the artifact's layout that the live module lacks or holds
     with another dtype or shape, checked before anything is loaded or bound.
@@ -435,11 +523,24 @@ def _arm(
         )
         return
     bound, refusal = _bindings(art, package, module, device)
+    if refusal is None and art.check_config:
+        refusal = config_refusal(art.metadata, module)
     if refusal:
-        art.refusal = refusal
+        art.refusal = Refusal(refusal.code, f"{refusal.detail}{_adapter_hint(module)}")
         return
     package.bind(bound)
     art.package = package
+    art.watch = _watch(art, module, bound)
+    art.baseline = structure(module)
+
+
+def _watch(art: Artifact, module: nn.Module, bound: Collection[str]) -> Watch:
+    """A watch over the bound names and every alias the table records for them."""
+    names = set(bound)
+    for row in (art.metadata.get("constants") or {}).get("state", []):
+        if row["fqn"] in names:
+            names.update(row.get("aliases", []))
+    return Watch(module, names)
 
 
 def load_artifact(
@@ -450,8 +551,12 @@ def load_artifact(
     label: str | None = None,
     memory_bytes: int | None = None,
     lane: str | None = None,
+    check_config: bool = True,
 ) -> Artifact:
     """Resolve, check and arm one artifact for `module`; a refusal is recorded, never raised.
+
+    `check_config=False` skips the configuration record (a checkpoint's tensors have none: the
+    program is the artifact's own).
 
     `memory_bytes` / `lane`: the lane re-fit's device memory override and a pinned lane
     (`choose_lane`); a pinned lane the artifact does not carry raises ValueError. A
@@ -480,6 +585,21 @@ def load_artifact(
         )
     else:
         art.refusal = host_refusal(meta, device) or layout_refusal(meta, module)
+        if art.refusal is not None and art.refusal.code in REARMABLE:
+            art.refusal = Refusal(art.refusal.code, f"{art.refusal.detail}{_adapter_hint(module)}")
+    art.check_config = check_config
+    if check_config and not isinstance(meta.get("module"), Mapping):
+        art.unverified = ("config",)
+        log.info("%s: sealed without a configuration record: its configuration is unverified", art.label)
+    art.reload = functools.partial(
+        load_artifact,
+        source,
+        store=store,
+        label=label,
+        memory_bytes=memory_bytes,
+        lane=lane,
+        check_config=check_config,
+    )
     if art.refusal is None:
         scratch = Path(tempfile.mkdtemp(prefix="cgbuild-adopt-"))
         try:
@@ -494,9 +614,32 @@ def load_artifact(
     return art
 
 
+REARMABLE = frozenset(
+    {
+        "module-changed",
+        "config-drift",
+        "layout-mismatch",
+        "weights-missing",
+        "weights-mismatch",
+        "weights-untied",
+        "literal-mismatch",
+    }
+)
+"""Refusals for what the live module holds: `rebind()` (or, once the package is loaded, the
+next call after the module moves) re-arms the artifact when the module matches it again."""
+
+
 class Adopted:
     """A module served through its artifacts: `__call__` runs compiled when a call fits one, else
-    eager, naming and counting the reason. Never raises because of an artifact."""
+    eager, naming and counting the reason. Never raises because of an artifact.
+
+    Before each compiled call the artifact's watch (`cgbuild_rules.bound`) proves the module
+    still holds what the package was bound to. When something moved, the artifact is re-bound
+    on the spot if the module still matches it (counted `rebound`), else refused for this call
+    and the next (`module-changed`, naming what moved and why it cannot be re-bound) until the
+    module matches again. A call whose inputs are laid out otherwise than traced is served on
+    copies laid out as traced (counted `restrided`).
+    """
 
     def __init__(self, module: nn.Module, artifacts: Iterable[Artifact], *, strict: bool = False) -> None:
         self.module = module
@@ -511,11 +654,16 @@ class Adopted:
 
     @property
     def armed(self) -> list[Artifact]:
-        return [a for a in self.artifacts if a.package is not None]
+        return [a for a in self.artifacts if a.package is not None and a.refusal is None]
 
     @property
     def refusals(self) -> dict[str, Refusal]:
         return {a.label: a.refusal for a in self.artifacts if a.refusal is not None}
+
+    @property
+    def unverified(self) -> dict[str, tuple[str, ...]]:
+        """label → the checks an armed artifact cannot support (sealed before their record)."""
+        return {a.label: a.unverified for a in self.armed if a.unverified}
 
     @property
     def lanes(self) -> dict[str, Refit]:
@@ -523,7 +671,7 @@ class Adopted:
         return {a.label: a.lane for a in self.armed if a.lane is not None}
 
     def route(
-        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], restrided: list[str] | None = None
     ) -> tuple[Artifact | None, list[Any], Refusal]:
         """The artifact this call runs on (with its leaves), or None and the reason it runs eager."""
         armed = self.armed
@@ -532,8 +680,11 @@ class Adopted:
             return None, [], first
         closest: Refusal | None = None
         for art in armed:
-            why, leaves = fit(art.contract, args, kwargs)
+            copied: list[str] = []
+            why, leaves = fit(art.contract, args, kwargs, copied)
             if why is None:
+                if restrided is not None:
+                    restrided.extend(copied)
                 return art, leaves, Refusal("", "")
             if closest is None:
                 closest = Refusal(why.code, f"{art.label}: {why.detail}")
@@ -541,11 +692,22 @@ class Adopted:
         return None, [], closest
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        art, leaves, why = self.route(args, kwargs)
-        if art is not None and art.package is not None:
+        self._retry_refused()
+        restrided: list[str] = []
+        art, leaves, why = self.route(args, kwargs, restrided)
+        if art is not None and art.watch is not None and (moved := art.watch.moved()) is not None:
+            refusal = self._rearm(art)
+            if refusal is None:
+                self.counters["rebound"] += 1
+            else:
+                self._hold(art, moved, refusal)
+                why = art.refusal
+        if art is not None and art.package is not None and art.refusal is None:
             try:
                 out = art.package.run_flat([x for x in leaves if isinstance(x, torch.Tensor)])
                 self.counters["compiled"] += 1
+                if restrided:
+                    self.counters["restrided"] += 1
                 return out
             except Exception as e:  # a compiled failure disarms the artifact and serves eager
                 art.refusal = Refusal("compiled-error", f"{type(e).__name__}: {e}")
@@ -560,17 +722,61 @@ class Adopted:
             log.warning("serving %s eager: %s (%s)", type(self.module).__name__, why.code, why.detail)
         return self._eager(*args, **kwargs)
 
-    def rebind(self) -> None:
-        """Re-bind after the module's tensors were REPLACED (in-place updates need nothing)."""
-        device = module_device(self.module)
-        for art in self.armed:
-            assert art.package is not None
-            refusal = layout_refusal(art.metadata, self.module)
-            bound, refusal = ({}, refusal) if refusal else _bindings(art, art.package, self.module, device)
-            if refusal:
-                art.refusal, art.package = refusal, None
+    def _rearm(self, art: Artifact) -> Refusal | None:
+        """Bind `art` to the live module again if it matches it (tree as first bound, configuration,
+        layout, every bound tensor); else the first reason it does not."""
+        assert art.package is not None
+        module = self.module
+        if art.baseline is not None and (moved := structure_moved(art.baseline, module)) is not None:
+            return Refusal("module-changed", f"{moved}{_adapter_hint(module)}")
+        refusal = layout_refusal(art.metadata, module)
+        if refusal is None:
+            bound, refusal = _bindings(art, art.package, module, module_device(module))
+        if refusal is None and art.check_config:
+            refusal = config_refusal(art.metadata, module)
+        if refusal is not None:
+            return Refusal(refusal.code, f"{refusal.detail}{_adapter_hint(module)}")
+        art.package.bind(bound)
+        art.watch = _watch(art, module, bound)
+        art.refusal = None
+        return None
+
+    def _retry_refused(self) -> None:
+        """Re-arm a loaded artifact refused for what the module held, once the module moved."""
+        for art in self.artifacts:
+            if art.package is None or art.refusal is None or art.refusal.code not in REARMABLE:
+                continue
+            moved = art.watch.moved() if art.watch is not None else None
+            if art.watch is not None and moved is None:
+                continue
+            refusal = self._rearm(art)
+            if refusal is None:
+                self.counters["rebound"] += 1
             else:
-                art.package.bind(bound)
+                self._hold(art, moved, refusal)
+
+    def _hold(self, art: Artifact, moved: Moved | None, refusal: Refusal) -> None:
+        """Refuse `art` for what the module holds now, and watch the module as it is refused (it
+        is not retried until something in it moves)."""
+        detail = f"{moved}; not re-bound: {refusal.code}: {refusal.detail}" if moved else refusal.detail
+        art.refusal = Refusal("module-changed", detail) if moved else refusal
+        art.watch = Watch(self.module, art.watch.names if art.watch else ())
+
+    def rebind(self) -> None:
+        """Bind every artifact to the module's tensors again, re-arming those refused for what the
+        module held once it matches them. Calls re-bind by themselves when something moved; this
+        also re-arms an artifact refused before its package was loaded (e.g. adopted with an
+        unfused adapter in place), and names each refusal in `refusals`."""
+        for i, art in enumerate(self.artifacts):
+            if art.refusal is not None and art.refusal.code not in REARMABLE:
+                continue
+            if art.package is None:
+                if art.reload is not None:
+                    self.artifacts[i] = art.reload(self.module)
+                continue
+            refusal = self._rearm(art)
+            if refusal is not None:
+                self._hold(art, None, refusal)
 
     def install(self) -> Adopted:
         """Serve `module(...)` through this object (an instance attribute; hooks stay intact)."""
@@ -579,6 +785,12 @@ class Adopted:
 
     def release(self) -> None:
         self.module.__dict__.pop("forward", None)
+
+
+def _adapter_hint(module: nn.Module) -> str:
+    """A pointer at the fix when the refusal's cause is an unfused adapter (`x.base_layer.w`)."""
+    wrapped = adapter_wrapped(state_tensors(module))
+    return f" ({wrapped}: {ADAPTER_HINT})" if wrapped is not None else ""
 
 
 def adopt(
@@ -599,7 +811,7 @@ def adopt(
     art = load_artifact(artifact, module, store=store, memory_bytes=memory_bytes, lane=lane)
     if strict and art.refusal is not None:
         raise AdoptRefused(art.refusal)
-    return Adopted(module, [art])
+    return Adopted(module, [art], strict=strict)
 
 
 class _CheckpointTensors(nn.Module):
@@ -660,7 +872,9 @@ def serve_checkpoint(
     with contextlib.suppress(StoreError, RemoteError, SealError, OSError, ValueError):
         meta = read_metadata(store.resolve(str(artifact), verify=True).path if store is not None else path)
     holder = _CheckpointTensors(_tie_aliases(meta, tensors))
-    art = load_artifact(artifact, holder, store=store, memory_bytes=memory_bytes, lane=lane)
+    art = load_artifact(
+        artifact, holder, store=store, memory_bytes=memory_bytes, lane=lane, check_config=False
+    )
     if art.refusal is not None:
         raise AdoptRefused(art.refusal)
     return Adopted(holder, [art], strict=True)

@@ -24,6 +24,7 @@ weight is not. Stack traces, module stacks and file paths in node meta are never
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -410,6 +411,39 @@ def topology(ep: ExportedProgram) -> list[list[Any]]:
 
 def identity(ep: ExportedProgram, literals: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """The canonical object the graph digest hashes (integers and strings only)."""
+    return _identify(ep, literals)[0]
+
+
+def _strides(r: _Renderer, ep: ExportedProgram, nodes: Mapping[str, torch.fx.Node]) -> list[Any]:
+    """Per user input (flatten order), the strides it was traced with (None for a constant)."""
+    out: list[Any] = []
+    for s in ep.graph_signature.input_specs:
+        if s.kind.name != "USER_INPUT":
+            continue
+        v = _arg_value(s.arg, nodes)
+        tensor = isinstance(v, torch.Tensor)
+        out.append([d if isinstance(d, int) else r.value(d) for d in v.stride()] if tensor else None)
+    return out
+
+
+def _with_strides(contract: Mapping[str, Any], strides: list[Any]) -> dict[str, Any]:
+    """The contract as sealed: each tensor leaf also names its traced strides.
+
+    Strides are not part of the digest (the same computation traced from another layout keeps
+    its key), but the compiled package reads its inputs with them, so adopt must know them."""
+    out = json.loads(json.dumps(contract))
+    flat = iter(strides)
+    for spec in out["inputs"]:
+        for leaf in spec["leaves"]:
+            stride = next(flat, None)
+            if isinstance(leaf, dict) and stride is not None:
+                leaf["stride"] = stride
+    return out
+
+
+def _identify(
+    ep: ExportedProgram, literals: Mapping[str, torch.Tensor] | None
+) -> tuple[dict[str, Any], list[Any]]:
     r = _Renderer(_Symbols())
     lines, node_refs = r.graph(ep.graph_module)
     by_name = {n.name: n for n in ep.graph.nodes}
@@ -417,7 +451,7 @@ def identity(ep: ExportedProgram, literals: Mapping[str, torch.Tensor] | None = 
     contract = _contract(r, ep, by_name)
     ranges, bounds = _ranges(r, ep)
     contract["symbols"] = bounds
-    return {
+    ident = {
         "scheme": SCHEME,
         "graph": lines,
         "subgraphs": r.subgraphs,
@@ -426,6 +460,7 @@ def identity(ep: ExportedProgram, literals: Mapping[str, torch.Tensor] | None = 
         "contract": contract,
         "literals": _literals(r, ep, literals or {}),
     }
+    return ident, _strides(r, ep, by_name)  # rendered last: the digested text cannot depend on it
 
 
 def graph_facts(ep: ExportedProgram, literals: Mapping[str, torch.Tensor] | None = None) -> GraphFacts:
@@ -435,10 +470,10 @@ def graph_facts(ep: ExportedProgram, literals: Mapping[str, torch.Tensor] | None
     values the export could not see (fake or meta tensors); a hidden value not supplied raises
     `LiteralHidden`.
     """
-    ident = identity(ep, literals)
+    ident, strides = _identify(ep, literals)
     return GraphFacts(
         digest=digest(ident),
-        contract=ident["contract"],
+        contract=_with_strides(ident["contract"], strides),
         topology=topology(ep),
         nodes=len(ep.graph.nodes),
         identity=ident,

@@ -332,6 +332,7 @@ def _metadata(
         "cgbuild": cgbuild.__version__,
         "constants": built["constants"],
         "layout": built.get("layout"),
+        "module": built.get("module"),
         "verify": {"metric": "rel-rms", "tolerance": TOLERANCE, **_rule_tolerance(req["job"]["quant"])},
         "forensics": built["forensics"],
     }
@@ -794,6 +795,7 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
         "graph_digest": facts["graph_digest"],
         "contract": facts["contract"],
         "nodes": facts["nodes"],
+        "module": facts["module"],
         "toolchain": tc,
         "policy": applied,
         "constants": table,

@@ -68,6 +68,12 @@ def _leaf(value: Any, where: str) -> None:
     _str(value.get("dtype"), f"{where}.dtype")
     _str(value.get("device"), f"{where}.device")
     _list(value.get("shape"), f"{where}.shape", _dim, optional=False)
+    _list(value.get("stride"), f"{where}.stride", _dim)
+    _need(
+        value.get("stride") is None or len(value["stride"]) == len(value["shape"]),
+        f"{where}.stride",
+        "not one stride per dimension",
+    )
 
 
 def _input(value: Any, where: str) -> None:
@@ -124,6 +130,19 @@ def _lanes(value: Any, where: str) -> None:
     _need(not peaks or verdict["winner"] in peaks, f"{where}.verdict.winner", "has no recorded peak")
 
 
+def _module_row(value: Any, where: str) -> None:
+    row = _obj(value, where)
+    _str(row.get("class"), f"{where}.class")
+    _obj(row.get("hyper"), f"{where}.hyper", optional=True)
+
+
+def _module(value: Any, where: str) -> None:
+    block = _obj(value, where, optional=True)
+    _obj(block.get("config"), f"{where}.config", optional=True)
+    for fqn, row in _obj(block.get("tree"), f"{where}.tree", optional=True).items():
+        _module_row(row, f"{where}.tree.{fqn or '(root)'}")
+
+
 def metadata_problem(meta: Mapping[str, Any]) -> str | None:
     """The first field adopt would misread, as `field: why`, or None when every one has its shape."""
     try:
@@ -154,6 +173,7 @@ def metadata_problem(meta: Mapping[str, Any]) -> str | None:
         _list(layout.get("tensors"), "layout.tensors", _layout_row)
         _obj(layout.get("rule"), "layout.rule", optional=True)
         _lanes(meta.get("lanes"), "lanes")
+        _module(meta.get("module"), "module")
     except Malformed as e:
         return str(e)
     return None

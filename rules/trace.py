@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from cgbuild_rules import configured
 from cgbuild_rules import quant as quant_rules
 from cgbuild_rules.digest import TraceError, graph_facts, is_hidden
 from cgbuild_rules.loader import state_tensors
@@ -363,8 +364,9 @@ def literal_values(job: Job, fn: Callable[[dict[str, Any]], Any] | None = None) 
 def export_job(job: Job | Mapping[str, Any], mode: Mode = "fake") -> tuple[ExportedProgram, dict[str, Any]]:
     """Export one job (default, pre-decomposition export) and compute its graph facts.
 
-    Returns the ExportedProgram and {graph_digest, contract, topology, nodes, torch, mode, identity}
-    (`identity`: the digested object, to show what moved when two digests differ).
+    Returns the ExportedProgram and {graph_digest, contract, topology, nodes, torch, mode, identity,
+    module} (`identity`: the digested object, to show what moved when two digests differ;
+    `module`: the module's configuration as built, `cgbuild_rules.configured.record`).
     `fake`, `empty` and `real` give the same digest; only `empty`/`real` programs can be compiled.
     Raises TraceError subclasses carrying the result code.
     """
@@ -379,6 +381,7 @@ def export_job(job: Job | Mapping[str, Any], mode: Mode = "fake") -> tuple[Expor
         if mode == "empty":
             for fqn, value in values.items():
                 _set_attribute(built.module, fqn, value.to(job.device))
+    configuration = configured.record(built.module)  # before export: it may set attributes
     try:
         with torch.no_grad():
             ep = torch.export.export(
@@ -400,6 +403,7 @@ def export_job(job: Job | Mapping[str, Any], mode: Mode = "fake") -> tuple[Expor
         "torch": torch.__version__,
         "mode": mode,
         "identity": facts.identity,
+        "module": configuration,
     }
 
 

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import torch
 from cgbuild_rules.adopt import AdoptRefused, adopt, adopt_manifest, fit, serve_checkpoint
+from support.artifacts import edited
 from test_mint import minted, session_dirs
 
 from cgbuild.store.local import Store
-from cgbuild.store.seal import read_metadata, seal, unseal
+from cgbuild.store.seal import read_metadata, unseal
 
 pytestmark = pytest.mark.slow
 
@@ -37,15 +38,6 @@ def tiny(factory: pytest.TempPathFactory, seed: int = 1, **kw: Any) -> torch.nn.
 @pytest.fixture(scope="module")
 def art_a(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(minted(tmp_path_factory, "A")[1]["artifact"])
-
-
-def edited(src: Path, dest: Path, edit: Any) -> Path:
-    """A copy of a sealed artifact with its metadata changed by `edit(meta)`."""
-    files = unseal(src, dest.with_suffix(".d"))
-    meta = read_metadata(src)
-    edit(meta)
-    seal(dest, meta, {k: v for k, v in files.items() if k != "metadata.json"})
-    return dest
 
 
 def test_adopted_module_serves_compiled_and_binds_without_copying(

@@ -211,8 +211,10 @@ def test_contract_and_topology(flux: tuple[Any, dict[str, Any]], mlp: tuple[Any,
     names = [i["name"] for i in contract["inputs"]]
     assert names == ["hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids"]
     leaves = [i["leaves"][0] for i in contract["inputs"]]
-    assert leaves[0] == {"dtype": "float32", "shape": [1, 12, 8], "device": "cpu"}
-    assert leaves[3] == {"dtype": "int64", "shape": [12, 4], "device": "cpu"}
+    assert leaves[0] == {"dtype": "float32", "shape": [1, 12, 8], "device": "cpu", "stride": [96, 8, 1]}
+    assert leaves[3] == {"dtype": "int64", "shape": [12, 4], "device": "cpu", "stride": [4, 1]}
+    # Strides are the package's reading of its inputs, not identity: the digested contract has none.
+    assert "stride" not in json.dumps(identity(flux[0])["contract"])
     assert contract["outputs"]["leaves"] == [{"dtype": "float32", "shape": [1, 12, 8], "device": "cpu"}]
     # FQNs are the diffusers names (what checkpoints and the live module at adopt carry).
     fqns = [row[0] for row in flux[1]["topology"]]

@@ -1,0 +1,177 @@
+"""Is the live module still the module the package was bound to? Asked before every compiled call.
+
+A package reads the tensors it was bound to, not the module: after `weight.data = ...`, a new
+`nn.Parameter`, `module.to(...)`, a submodule swapped for another (an injected adapter, a
+wrapper), a hook or a `forward` override on a submodule, or a train/eval switch, eager computes
+something the package does not. `Watch` snapshots, at bind, what each of those reads, by object
+identity, and `moved()` answers in one pass over the bound tensors and the module tree:
+
+- per bound tensor (every name it has): the table entry (`_parameters`, `_buffers` or the
+  attribute) still holds the same tensor object, whose storage pointer is the bound one;
+- per submodule: its parent still holds it under that name, its class, `training` flag, number
+  of children and whether it has forward hooks or an instance `forward` are as they were;
+- torch's global forward hooks, present or not, are as they were.
+
+In-place updates (`add_`, `copy_`, `fuse_lora()`'s default) keep every one of these: the package
+sees them, and nothing moves. The cost is a few attribute reads per tensor and per submodule
+(benchmarks/bind_check.py measures it against a step).
+
+`structure()` is the same tree by FQN without object references: what a re-arm compares the
+live module with (a module that returns to that structure can be bound again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _torch_module
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What moved first: a tensor or submodule by FQN (`""`: the module itself), and how."""
+
+    name: str
+    how: str
+
+    def __str__(self) -> str:
+        return f"{self.name or 'the module'} {self.how}"
+
+
+def qualified(cls: type) -> str:
+    """`torch.nn.modules.linear.Linear`: a class by its full name (peft's LoRA layer is a `Linear` too)."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks) or "forward" in m.__dict__
+
+
+def _global_hooks() -> bool:
+    return bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
+
+
+def _table(owner: nn.Module, name: str) -> dict[str, Any]:
+    if name in owner._parameters:
+        return owner._parameters
+    if name in owner._buffers:
+        return owner._buffers
+    return owner.__dict__
+
+
+class Watch:
+    """A bind's snapshot of `module`, for the tensors named in `names` (the bound FQNs and
+    their tied aliases) that the module holds."""
+
+    def __init__(self, module: nn.Module, names: Collection[str]) -> None:
+        self.root = module
+        self.names = frozenset(names)
+        self.root_kids = len(module._modules)
+        self.root_class = type(module)
+        self.root_training = module.training
+        self.global_hooks = _global_hooks()
+        tensors: list[tuple[str, dict[str, Any], str, torch.Tensor, int]] = []
+        for fqn in sorted(names):
+            prefix, _, name = fqn.rpartition(".")
+            try:
+                owner = module.get_submodule(prefix) if prefix else module
+            except AttributeError:
+                continue
+            table = _table(owner, name)
+            t = table.get(name)
+            if isinstance(t, torch.Tensor):
+                tensors.append((fqn, table, name, t, t.data_ptr()))
+        self.tensors = tensors
+        edges: list[tuple[str, dict[str, Any], str, nn.Module, type, bool, int, bool]] = []
+        for fqn, parent in module.named_modules(remove_duplicate=False):
+            for name, child in parent._modules.items():
+                if child is None:
+                    continue
+                where = f"{fqn}.{name}" if fqn else name
+                state = (type(child), child.training, len(child._modules), _hooked(child))
+                edges.append((where, parent._modules, name, child, *state))
+        self.edges = edges
+
+    def moved(self) -> Moved | None:
+        """The first thing that differs from the snapshot, or None (the package may run)."""
+        for fqn, table, name, t, ptr in self.tensors:
+            held = table.get(name)
+            if held is not t:
+                return Moved(fqn, "was replaced by another tensor" if held is not None else "was removed")
+            if t.data_ptr() != ptr:
+                return Moved(fqn, "holds another storage (.data assigned, or moved to another device/dtype)")
+        for where, kids, name, child, cls, training, n, hooked in self.edges:
+            if (now := kids.get(name)) is not child:
+                how = "was removed" if now is None else f"was replaced by a {qualified(type(now))}"
+                return Moved(where, how)
+            if type(child) is not cls:
+                return Moved(where, f"changed class to {qualified(type(child))}")
+            if child.training is not training:
+                return Moved(where, f"was switched to {'train' if child.training else 'eval'} mode")
+            if len(child._modules) != n:
+                return Moved(where, f"has {len(child._modules)} submodules, {n} when bound")
+            if _hooked(child) is not hooked:
+                return Moved(where, "lost its hooks" if hooked else "gained a forward hook or override")
+        root = self.root
+        if len(root._modules) != self.root_kids:
+            return Moved("", f"has {len(root._modules)} submodules, {self.root_kids} when bound")
+        if type(root) is not self.root_class:
+            return Moved("", f"changed class to {qualified(type(root))}")
+        if root.training is not self.root_training:
+            return Moved("", f"was switched to {'train' if root.training else 'eval'} mode")
+        if _global_hooks() is not self.global_hooks:
+            return Moved("", "sees torch's global forward hooks changed")
+        return None
+
+
+Structure = dict[str, tuple[type, bool, bool]]
+
+
+def structure(module: nn.Module) -> Structure:
+    """FQN → (class, training, hooked) of every submodule (the root's own hooks excluded: they
+    run around both paths alike)."""
+    out: Structure = {}
+    for fqn, m in module.named_modules(remove_duplicate=False):
+        out[fqn] = (type(m), m.training, _hooked(m) if fqn else False)
+    return out
+
+
+def structure_moved(baseline: Structure, module: nn.Module) -> Moved | None:
+    """The first submodule whose class, mode or hooks differ from `baseline`, or that one side
+    lacks; None when the live tree is the bound one again."""
+    live = structure(module)
+    for fqn in sorted(set(baseline) | set(live)):
+        was, now = baseline.get(fqn), live.get(fqn)
+        if now is None:
+            return Moved(fqn, "is gone")
+        if was is None:
+            return Moved(fqn, f"is new (a {qualified(now[0])}{_adapter_hint(fqn)})")
+        if was[0] is not now[0]:
+            return Moved(fqn, f"is a {qualified(now[0])}, a {qualified(was[0])} when adopted")
+        if was[1] != now[1]:
+            return Moved(fqn, "is in train mode" if now[1] else "is in eval mode")
+        if was[2] != now[2]:
+            return Moved(fqn, "has a forward hook or forward override" if now[2] else "lost its hooks")
+    return None
+
+
+ADAPTER_HINT = (
+    "an adapter layer (PEFT LoRA) wraps it, unfused: fuse it into the weights and remove the "
+    "adapter layers (diffusers: fuse_lora() then unload_lora(); peft: merge_and_unload()), then rebind()"
+)
+
+
+def _adapter_hint(fqn: str) -> str:
+    return f": {ADAPTER_HINT}" if fqn.rsplit(".", 1)[-1] in ("base_layer", "lora_A", "lora_B") else ""
+
+
+def adapter_wrapped(names: Collection[str]) -> str | None:
+    """The first module an unfused adapter wraps, read from the live tensor names (`x.base_layer.w`)."""
+    for name in sorted(names):
+        if ".base_layer." in name:
+            return name.split(".base_layer.")[0]
+    return None
