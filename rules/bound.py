@@ -10,6 +10,8 @@ identity, and `moved()` answers in one pass over the bound tensors and the modul
   attribute) still holds the same tensor object, whose storage pointer is the bound one;
 - per submodule: its parent still holds it under that name, its class, `training` flag, number
   of children and whether it has forward hooks or an instance `forward` are as they were;
+- per submodule, every public attribute that is not a tensor or a module (a norm's `eps`, an
+  attention's `heads` and `processor`: what the program baked in) holds the same value;
 - torch's global forward hooks, present or not, are as they were.
 
 In-place updates (`add_`, `copy_`, `fuse_lora()`'s default) keep every one of these: the package
@@ -22,7 +24,7 @@ live module with (a module that returns to that structure can be bound again).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +44,20 @@ class Moved:
         return f"{self.name or 'the module'} {self.how}"
 
 
+_GONE = object()
+
+
 def qualified(cls: type) -> str:
     """`torch.nn.modules.linear.Linear`: a class by its full name (peft's LoRA layer is a `Linear` too)."""
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def settings(m: nn.Module) -> Iterator[tuple[str, Any]]:
+    """A module's own public attributes that are neither tensors nor modules (`eps`, `heads`,
+    `processor`): what a traced program bakes in as constants. `training` is watched apart."""
+    for name, value in m.__dict__.items():
+        if not (name.startswith("_") or name == "training" or isinstance(value, torch.Tensor | nn.Module)):
+            yield name, value
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -95,6 +108,11 @@ class Watch:
                 state = (type(child), child.training, len(child._modules), _hooked(child))
                 edges.append((where, parent._modules, name, child, *state))
         self.edges = edges
+        values: list[tuple[str, dict[str, Any], str, Any]] = []
+        for fqn, m in module.named_modules(remove_duplicate=False):
+            for name, value in settings(m):
+                values.append((f"{fqn}.{name}" if fqn else name, m.__dict__, name, value))
+        self.values = values
 
     def moved(self) -> Moved | None:
         """The first thing that differs from the snapshot, or None (the package may run)."""
@@ -116,6 +134,10 @@ class Watch:
                 return Moved(where, f"has {len(child._modules)} submodules, {n} when bound")
             if _hooked(child) is not hooked:
                 return Moved(where, "lost its hooks" if hooked else "gained a forward hook or override")
+        for where, attrs, name, value in self.values:
+            now = attrs.get(name, _GONE)
+            if now is not value and now != value:
+                return Moved(where, "was removed" if now is _GONE else f"changed from {value!r} to {now!r}")
         root = self.root
         if len(root._modules) != self.root_kids:
             return Moved("", f"has {len(root._modules)} submodules, {self.root_kids} when bound")

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from cgbuild_rules.bound import qualified
+from cgbuild_rules.bound import qualified, settings
 from torch import nn
 
 # Config keys that describe where a model came from, not what it computes.
@@ -71,12 +71,7 @@ def show(value: Any) -> str:
 
 
 def _hyper(module: nn.Module) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, value in module.__dict__.items():
-        if name.startswith("_") or name == "training" or isinstance(value, torch.Tensor | nn.Module):
-            continue
-        out[name] = encode(value)
-    return dict(sorted(out.items()))
+    return {name: encode(value) for name, value in sorted(settings(module))}
 
 
 def _config(module: nn.Module) -> dict[str, Any] | None:
