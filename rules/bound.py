@@ -24,8 +24,10 @@ live module with (a module that returns to that structure can be bound again).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -45,6 +47,15 @@ class Moved:
 
 
 _GONE = object()
+_data_ptr = torch.Tensor.data_ptr
+_training = operator.attrgetter("training")
+
+
+def _plain(value: Any) -> bool:
+    """A value compared by `==` (numbers, strings, tuples of them); any other by identity."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    return isinstance(value, tuple) and all(_plain(v) for v in value)
 
 
 def qualified(cls: type) -> str:
@@ -60,8 +71,14 @@ def settings(m: nn.Module) -> Iterator[tuple[str, Any]]:
             yield name, value
 
 
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks) or "forward" in m.__dict__
+def _hook_counts(m: nn.Module) -> tuple[int, int, bool]:
+    """(forward hooks, forward pre-hooks, an instance `forward`) of a submodule."""
+    return len(m._forward_hooks), len(m._forward_pre_hooks), "forward" in m.__dict__
+
+
+def _hooks_text(counts: tuple[int, int, bool]) -> str:
+    hooks, pre, override = counts
+    return f"{hooks} forward hook(s), {pre} pre-hook(s){' and a forward override' if override else ''}"
 
 
 def _global_hooks() -> bool:
@@ -99,13 +116,13 @@ class Watch:
             if isinstance(t, torch.Tensor):
                 tensors.append((fqn, table, name, t, t.data_ptr()))
         self.tensors = tensors
-        edges: list[tuple[str, dict[str, Any], str, nn.Module, type, bool, int, bool]] = []
+        edges: list[tuple[str, dict[str, Any], str, nn.Module, type, bool, int, tuple[int, int, bool]]] = []
         for fqn, parent in module.named_modules(remove_duplicate=False):
             for name, child in parent._modules.items():
                 if child is None:
                     continue
                 where = f"{fqn}.{name}" if fqn else name
-                state = (type(child), child.training, len(child._modules), _hooked(child))
+                state = (type(child), child.training, len(child._modules), _hook_counts(child))
                 edges.append((where, parent._modules, name, child, *state))
         self.edges = edges
         values: list[tuple[str, dict[str, Any], str, Any]] = []
@@ -113,16 +130,66 @@ class Watch:
             for name, value in settings(m):
                 values.append((f"{fqn}.{name}" if fqn else name, m.__dict__, name, value))
         self.values = values
+        self._columns()
+
+    def _columns(self) -> None:
+        """The snapshot as parallel lists, so `unchanged` compares each in one C-level pass."""
+        self._tables = [r[1] for r in self.tensors]
+        self._tnames = [r[2] for r in self.tensors]
+        self._tensors = [r[3] for r in self.tensors]
+        self._ptrs = [r[4] for r in self.tensors]
+        self._kids = [r[1] for r in self.edges]
+        self._knames = [r[2] for r in self.edges]
+        self._children = [r[3] for r in self.edges]
+        self._classes = [r[4] for r in self.edges]
+        self._modes = [r[5] for r in self.edges]
+        self._grandkids = [r[3]._modules for r in self.edges]
+        self._counts = [r[6] for r in self.edges]
+        self._hooks = [r[3]._forward_hooks for r in self.edges]
+        self._pre_hooks = [r[3]._forward_pre_hooks for r in self.edges]
+        self._dicts = [r[3].__dict__ for r in self.edges]
+        self._hook_counts = [r[7][0] for r in self.edges]
+        self._pre_hook_counts = [r[7][1] for r in self.edges]
+        self._overrides = [r[7][2] for r in self.edges]
+        plain = [r for r in self.values if _plain(r[3])]
+        other = [r for r in self.values if not _plain(r[3])]
+        self._plain_dicts, self._plain_names = [r[1] for r in plain], [r[2] for r in plain]
+        self._plain_values = [r[3] for r in plain]
+        self._object_dicts, self._object_names = [r[1] for r in other], [r[2] for r in other]
+        self._objects = [r[3] for r in other]
+
+    def unchanged(self) -> bool:
+        """True when nothing the snapshot holds moved: one C-level pass per column."""
+        root = self.root
+        return (
+            all(map(operator.is_, map(dict.get, self._tables, self._tnames), self._tensors))
+            and list(map(_data_ptr, self._tensors)) == self._ptrs
+            and all(map(operator.is_, map(dict.get, self._kids, self._knames), self._children))
+            and list(map(type, self._children)) == self._classes
+            and list(map(_training, self._children)) == self._modes
+            and list(map(len, self._grandkids)) == self._counts
+            and list(map(len, self._hooks)) == self._hook_counts
+            and list(map(len, self._pre_hooks)) == self._pre_hook_counts
+            and list(map(operator.contains, self._dicts, repeat("forward"))) == self._overrides
+            and list(map(dict.get, self._plain_dicts, self._plain_names, repeat(_GONE))) == self._plain_values
+            and all(map(operator.is_, map(dict.get, self._object_dicts, self._object_names), self._objects))
+            and len(root._modules) == self.root_kids
+            and type(root) is self.root_class
+            and root.training is self.root_training
+            and _global_hooks() is self.global_hooks
+        )
 
     def moved(self) -> Moved | None:
         """The first thing that differs from the snapshot, or None (the package may run)."""
+        if self.unchanged():
+            return None
         for fqn, table, name, t, ptr in self.tensors:
             held = table.get(name)
             if held is not t:
                 return Moved(fqn, "was replaced by another tensor" if held is not None else "was removed")
             if t.data_ptr() != ptr:
                 return Moved(fqn, "holds another storage (.data assigned, or moved to another device/dtype)")
-        for where, kids, name, child, cls, training, n, hooked in self.edges:
+        for where, kids, name, child, cls, training, n, hooks in self.edges:
             if (now := kids.get(name)) is not child:
                 how = "was removed" if now is None else f"was replaced by a {qualified(type(now))}"
                 return Moved(where, how)
@@ -132,11 +199,11 @@ class Watch:
                 return Moved(where, f"was switched to {'train' if child.training else 'eval'} mode")
             if len(child._modules) != n:
                 return Moved(where, f"has {len(child._modules)} submodules, {n} when bound")
-            if _hooked(child) is not hooked:
-                return Moved(where, "lost its hooks" if hooked else "gained a forward hook or override")
+            if (now_hooks := _hook_counts(child)) != hooks:
+                return Moved(where, f"has {_hooks_text(now_hooks)}, {_hooks_text(hooks)} when bound")
         for where, attrs, name, value in self.values:
             now = attrs.get(name, _GONE)
-            if now is not value and now != value:
+            if now is not value and not (_plain(value) and now == value):
                 return Moved(where, "was removed" if now is _GONE else f"changed from {value!r} to {now!r}")
         root = self.root
         if len(root._modules) != self.root_kids:
@@ -147,18 +214,18 @@ class Watch:
             return Moved("", f"was switched to {'train' if root.training else 'eval'} mode")
         if _global_hooks() is not self.global_hooks:
             return Moved("", "sees torch's global forward hooks changed")
-        return None
+        return Moved("", "changed since it was bound")  # `unchanged` saw what the walk above did not
 
 
-Structure = dict[str, tuple[type, bool, bool]]
+Structure = dict[str, tuple[type, bool, tuple[int, int, bool]]]
 
 
 def structure(module: nn.Module) -> Structure:
-    """FQN → (class, training, hooked) of every submodule (the root's own hooks excluded: they
+    """FQN → (class, training, hook counts) of every submodule (the root's own hooks excluded: they
     run around both paths alike)."""
     out: Structure = {}
     for fqn, m in module.named_modules(remove_duplicate=False):
-        out[fqn] = (type(m), m.training, _hooked(m) if fqn else False)
+        out[fqn] = (type(m), m.training, _hook_counts(m) if fqn else (0, 0, False))
     return out
 
 
@@ -177,7 +244,7 @@ def structure_moved(baseline: Structure, module: nn.Module) -> Moved | None:
         if was[1] != now[1]:
             return Moved(fqn, "is in train mode" if now[1] else "is in eval mode")
         if was[2] != now[2]:
-            return Moved(fqn, "has a forward hook or forward override" if now[2] else "lost its hooks")
+            return Moved(fqn, f"has {_hooks_text(now[2])}, {_hooks_text(was[2])} when adopted")
     return None
 
 
