@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild.config.tomlpos import KeyLines
+from cgbuild.core import userfile
 from cgbuild.core.errors import UserError
 from cgbuild.core.publickey import public_key_bytes
 from cgbuild.identity.layout import QUANT_RULES, Reading, compute_dtype
@@ -294,6 +295,8 @@ def _is_num_list(v: Any) -> bool:
     return isinstance(v, list) and all(_is_num(x) for x in v)
 
 
+MAX_BYTES = 16 * userfile.MIB
+"""A Cgfile of thousands of families is a few hundred KiB."""
 TOP_KEYS = {"workspace", "toolchain", "sku", "layout", "family"}
 MODULE_LANE_KEYS = {"lanes", "lane"}
 
@@ -301,14 +304,7 @@ MODULE_LANE_KEYS = {"lanes", "lane"}
 def load(path: str | Path) -> Cgfile:
     """Parse and validate a Cgfile; raises UserError naming file, line and field."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise UserError("no such Cgfile", file=str(path)) from None
-    except OSError as exc:
-        raise UserError(f"cannot read Cgfile: {exc.strerror}", file=str(path)) from None
-    except ValueError as exc:  # a NUL in the path
-        raise UserError(f"cannot read Cgfile: {exc}", file=str(path)) from None
+    raw = userfile.read(path, "Cgfile", MAX_BYTES)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

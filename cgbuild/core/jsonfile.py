@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from cgbuild.core import userfile
 from cgbuild.core.errors import UserError
 
 MAX_DEPTH = 64
@@ -50,17 +51,13 @@ def parse(text: str, file: str) -> Any:
     return value
 
 
+MAX_BYTES = 512 * userfile.MIB
+"""Larger than the plan of 100,000 targets cgbuild would write."""
+
+
 def load(path: str, what: str) -> Any:
     """Read and parse the JSON file at `path`; `what` names it in errors ("plan file", "lock")."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise UserError(f"no such {what}", file=path) from None
-    except OSError as exc:
-        raise UserError(f"cannot read the {what}: {exc.strerror}", file=path) from None
-    except ValueError as exc:  # a NUL in the path
-        raise UserError(f"cannot read the {what}: {exc}", file=path) from None
+    raw = userfile.read(path, what, MAX_BYTES)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -49,7 +49,10 @@ def ws(tmp_path: Path) -> Path:
         (["plan", "//a\n"], "bad label"),
         (["query", " //a"], "bad label"),
         (["plan", "--toolchain", "lock\x00.json"], "cannot read the lock"),
-        (["plan", "--cgfile", "."], "cannot read Cgfile"),
+        (["plan", "--cgfile", "."], "cannot read the Cgfile: a directory"),
+        (["plan", "--cgfile", "/dev/zero"], "cannot read the Cgfile: not a regular file"),
+        (["diff", "/dev/zero", "/dev/zero"], "cannot read the plan file: not a regular file"),
+        (["plan", "--toolchain", "/dev/zero"], "cannot read the lock: not a regular file"),
         (["plan", "--no-trace", "-o", "."], "cannot write the plan"),
         (["diff", "--format", "yaml", "a", "b"], "invalid choice"),
         (["nope"], "invalid choice"),
@@ -98,12 +101,14 @@ def _blocked_on(pid: int, fifo: Path, timeout: float = 30.0) -> None:
 @pytest.mark.parametrize(
     ("signum", "code", "line"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
 )
-def test_a_signal_is_one_line_and_its_exit_code(tmp_path: Path, signum: int, code: int, line: str) -> None:
-    """A real cgbuild process, held where it reads its Cgfile (a FIFO nobody writes), is signalled."""
-    fifo = tmp_path / "Cgfile"
+def test_a_signal_is_one_line_and_its_exit_code(
+    ws: Path, tmp_path: Path, signum: int, code: int, line: str
+) -> None:
+    """A real cgbuild process, held where it writes its plan (a FIFO nobody reads), is signalled."""
+    fifo = tmp_path / "plan.json"
     os.mkfifo(fifo)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cgbuild.cli", "plan", "--cgfile", str(fifo)],
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), "plan", "--no-trace", "-o", str(fifo)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -319,10 +320,28 @@ def test_deep_nesting_is_refused_not_a_recursion_error(tmp_path: Path) -> None:
 
 
 def test_cgfile_path_that_is_a_folder_or_holds_nul(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="cannot read Cgfile"):
+    with pytest.raises(UserError, match="cannot read the Cgfile: a directory"):
         cgfile.load(tmp_path)
-    with pytest.raises(UserError, match="cannot read Cgfile"):
+    with pytest.raises(UserError, match="cannot read the Cgfile"):
         cgfile.load(str(tmp_path / "Cg\x00file"))
+
+
+def test_a_cgfile_that_never_ends_or_never_comes_is_refused_before_reading(tmp_path: Path) -> None:
+    """`/dev/zero` would be read until memory runs out, a FIFO no one writes would block forever."""
+    with pytest.raises(UserError, match="cannot read the Cgfile: not a regular file"):
+        cgfile.load("/dev/zero")
+    fifo = tmp_path / "Cgfile"
+    os.mkfifo(fifo)
+    with pytest.raises(UserError, match="cannot read the Cgfile: not a regular file"):
+        cgfile.load(fifo)
+
+
+def test_an_oversized_cgfile_is_refused_by_its_size(tmp_path: Path) -> None:
+    big = tmp_path / "Cgfile"
+    with open(big, "wb") as f:
+        f.truncate(cgfile.MAX_BYTES + 1)  # sparse: no disk, and never read
+    with pytest.raises(UserError, match=f"Cgfile too large: {cgfile.MAX_BYTES + 1} bytes"):
+        cgfile.load(big)
 
 
 def test_keylines_count_only_newlines() -> None:
