@@ -44,7 +44,6 @@ from cgbuild_rules.bound import (
 )
 from cgbuild_rules.lanes import bindings, device_memory_bytes
 from cgbuild_rules.loader import Package, host_runtime, same_view, state_tensors
-from cgbuild_rules.sealed import metadata_problem
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -55,6 +54,7 @@ from cgbuild.lanes import Refit
 from cgbuild.protocol.manifest import Entry as ManifestEntry
 from cgbuild.protocol.manifest import read as read_manifest
 from cgbuild.store.local import Store, StoreError
+from cgbuild.store.metadata import metadata_problem
 from cgbuild.store.s3 import RemoteError
 from cgbuild.store.seal import LITERALS, PACKAGE, SealError, read_metadata, unseal
 from cgbuild.store.shared import SharedStore

@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cgbuild.store.metadata import metadata_problem
     from cgbuild.store.seal import SealError, member_digests, read_metadata
 
     record: dict[str, Any] | None = None
@@ -63,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         evidence = (ws.shared(store) or store).read_evidence(key)
     try:
         meta, members = read_metadata(path), member_digests(path)
+        if problem := metadata_problem(meta):  # the fields adopt and this summary read, as adopt checks them
+            raise SealError(problem, "bad-metadata")
     except SealError as e:  # a crafted or broken archive: what adopt would refuse, named
         if args.json:
             print_json({"artifact": str(path), "refusal": {"code": e.code, "detail": e.detail}})
@@ -116,7 +119,10 @@ def show(doc: dict[str, Any]) -> None:
         f"{tc.get('platform', meta['toolchain'].get('platform'))} fold {meta['toolchain']['fold']}",
     )
     for name, comp in sorted((meta["toolchain"].get("components") or {}).items()):
-        row(f"  {name}", component_summary(name, comp))
+        try:
+            row(f"  {name}", component_summary(name, comp))
+        except (AttributeError, KeyError, TypeError, ValueError):  # forensics only: say so, go on
+            row(f"  {name}", "(unreadable)")
     row(
         "layout",
         f"{meta.get('stamp')}: topology {str(lay.get('topology'))[:16]} "
@@ -170,8 +176,8 @@ def _facet(f: dict[str, Any]) -> str:
 def _signature(contract: dict[str, Any]) -> str:
     """`x: float32[1, 8, 64] -> float32[1, 8, 10]` from the sealed call contract."""
 
-    def leaf(v: dict[str, Any]) -> str:
-        return f"{v.get('dtype')}{list(v.get('shape') or [])}"
+    def leaf(v: Any) -> str:  # a tensor, or a constant the program baked in (None, False, 2)
+        return f"{v.get('dtype')}{list(v.get('shape') or [])}" if isinstance(v, dict) else repr(v)
 
     ins = ", ".join(
         f"{i.get('name')}: {' | '.join(leaf(v) for v in i.get('leaves') or [])}"

@@ -24,6 +24,7 @@ from cgbuild_rules.adopt import AdoptRefused, adopt
 from test_adopt import tiny
 from test_mint import minted
 
+from cgbuild.cli import main
 from cgbuild.store.seal import METADATA, PACKAGE, read_metadata, unseal
 
 pytestmark = pytest.mark.slow
@@ -125,6 +126,14 @@ def _bend(path: str, value: Any) -> Callable[[dict[str, Any]], Any]:
             _bend("lanes", {"axes": [{"axis": "linear", "values": ["a"]}], "verdict": {"winner": "b"}}),
             "lane 'b'",
         ),
+        (_bend("host.isa", []), "host.isa: not an object"),
+        (_bend("graph.contract.inputs", [{"name": "x", "leaves": "abc"}]), "inputs[0].leaves: not a list"),
+        (
+            _bend("lanes", {"axes": [{"axis": "linear", "values": ["a"]}], "verdict": 3}),
+            "verdict: not an object",
+        ),
+        (_bend("facets", [{"shape": 8}]), "facets[0].shape: not a string"),
+        (_bend("toolchain", None), "toolchain: not an object"),
         (lambda meta: [meta], "not a JSON object"),
     ],
 )
@@ -134,12 +143,36 @@ def test_metadata_of_the_wrong_shape_is_a_named_refusal_not_an_exception(
     tmp_path_factory: pytest.TempPathFactory,
     edit: Callable[[dict[str, Any]], Any],
     needle: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     meta, files = real
     bent = edit(json.loads(json.dumps(meta)))
     art = forge(tmp_path / "bent.tar.gz", bent, members_of(files), record=isinstance(bent, dict))
     served_eager(art, tiny(tmp_path_factory), "bad-metadata")
     assert needle in next(iter(adopt(art, tiny(tmp_path_factory)).refusals.values())).detail
+    # inspect reads the same metadata through the same check: the same refusal, never a traceback
+    (tmp_path / "Cgfile").write_text('[workspace]\nname = "w"\n')
+    assert main(["-C", str(tmp_path), "inspect", str(art)]) == 2
+    err = capsys.readouterr().err
+    assert "refused (bad-metadata)" in err and needle in err and "Traceback" not in err
+
+
+def test_inspect_shows_a_call_with_constant_arguments(
+    real: tuple[dict[str, Any], dict[str, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A diffusers transformer traced as its pipeline calls it bakes `return_dict=False` (and
+    `None`s) into its contract: inspect renders them as the constants they are."""
+    meta, files = real
+    honest = json.loads(json.dumps(meta))
+    honest["graph"]["contract"]["inputs"] += [
+        {"name": "return_dict", "keyword": True, "tree": None, "leaves": [False]},
+        {"name": "mask", "keyword": True, "tree": None, "leaves": [None]},
+    ]
+    art = forge(tmp_path / "constants.tar.gz", honest, members_of(files))
+    (tmp_path / "Cgfile").write_text('[workspace]\nname = "w"\n')
+    assert main(["-C", str(tmp_path), "inspect", str(art)]) == 0
+    out = capsys.readouterr().out
+    assert "return_dict: False" in out and "mask: None" in out
 
 
 def test_broken_archives_and_literals_are_refusals(

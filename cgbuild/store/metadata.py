@@ -1,11 +1,12 @@
-"""Is an artifact's sealed metadata well-formed enough to serve from? Checked before adopt reads it.
+"""Is an artifact's sealed metadata well-formed enough to read? Checked before adopt or inspect reads it.
 
-Sealed metadata comes from a file anyone could have written: every field adopt interprets (the
-host facts, the call contract, the constant and layout tables, the lanes block) is checked for
-its shape here, so a malformed artifact is one named refusal (`bad-metadata`, naming the field)
-instead of an AttributeError at load or a TypeError on the first call. Written by hand rather
-than with a schema library: it is twenty checks, the serving process gains no dependency, and
-each refusal names the field in adopt's own words.
+Sealed metadata comes from a file anyone could have written: every field adopt or `cgbuild
+inspect` interprets (the host facts, the call contract, the constant and layout tables, the
+lanes block, the graph and toolchain summaries, the covered facets, the configuration record) is
+checked for its shape here, so a malformed artifact is one named refusal (`bad-metadata`, naming
+the field) everywhere it is read, instead of an AttributeError at load, a TypeError on the first
+call, or a traceback from inspect. Written by hand rather than with a schema library: it is a few
+dozen checks, the serving process gains no dependency, and each refusal names the field.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def _list(value: Any, where: str, item: Callable[[Any, str], None], *, optional:
         item(v, f"{where}[{i}]")
 
 
-def _str(value: Any, where: str) -> None:
-    _need(isinstance(value, str), where, "not a string")
+def _str(value: Any, where: str, *, optional: bool = False) -> None:
+    _need(isinstance(value, str) or (optional and value is None), where, "not a string")
 
 
 def _int(value: Any, where: str, *, optional: bool = False) -> None:
@@ -120,6 +121,11 @@ def _lanes(value: Any, where: str) -> None:
     _list(block["axes"], f"{where}.axes", _lane_axis)
     verdict = _obj(block.get("verdict"), f"{where}.verdict")
     _str(verdict.get("winner"), f"{where}.verdict.winner")
+    _need(
+        verdict.get("binding") is None or isinstance(verdict["binding"], str),
+        f"{where}.verdict.binding",
+        "not a string",
+    )
     peaks = _obj(verdict.get("peaks"), f"{where}.verdict.peaks", optional=True)
     for lane, peak in peaks.items():
         _int(peak, f"{where}.verdict.peaks.{lane}")
@@ -128,6 +134,15 @@ def _lanes(value: Any, where: str) -> None:
     for lane in [verdict["winner"], *peaks, *(verdict.get("fallback") or [])]:
         _need(lane in carried, f"{where}.verdict", f"names lane {lane!r}, which the axes do not carry")
     _need(not peaks or verdict["winner"] in peaks, f"{where}.verdict.winner", "has no recorded peak")
+
+
+def _facet(value: Any, where: str) -> None:
+    row = _obj(value, where)
+    for name in ("shape", "graph_class"):
+        _str(row.get(name), f"{where}.{name}", optional=True)
+    for name in ("batch", "text_len"):
+        _int(row.get(name), f"{where}.{name}", optional=True)
+    _list(row.get("guidance"), f"{where}.guidance", _str)
 
 
 def _module_row(value: Any, where: str) -> None:
@@ -157,11 +172,24 @@ def metadata_problem(meta: Mapping[str, Any]) -> str | None:
                 f"host.runtime.{lib}",
                 "not a version",
             )
-        contract = _obj(_obj(meta.get("graph"), "graph").get("contract"), "graph.contract")
+        graph = _obj(meta.get("graph"), "graph")
+        _str(meta.get("device"), "device", optional=True)
+        _str(meta.get("stamp"), "stamp", optional=True)
+        _str(graph.get("digest"), "graph.digest")
+        _int(graph.get("nodes"), "graph.nodes", optional=True)
+        toolchain = _obj(meta.get("toolchain"), "toolchain")
+        _str(toolchain.get("fold"), "toolchain.fold")
+        _obj(toolchain.get("components"), "toolchain.components", optional=True)
+        _list(meta.get("facets"), "facets", _facet)
+        for name, block in _obj(meta.get("axes"), "axes", optional=True).items():
+            _obj(block, f"axes.{name}")
+        contract = _obj(graph.get("contract"), "graph.contract")
         _list(contract.get("inputs"), "graph.contract.inputs", _input)
         names = [i["name"] for i in contract.get("inputs") or []]
         _need(len(names) == len(set(names)), "graph.contract.inputs", "names repeat")
         _list(contract.get("symbols"), "graph.contract.symbols", _symbol)
+        outputs = _obj(contract.get("outputs"), "graph.contract.outputs", optional=True)
+        _list(outputs.get("leaves"), "graph.contract.outputs.leaves", _leaf)
         constants = _obj(meta.get("constants"), "constants", optional=True)
         _list(constants.get("state"), "constants.state", _constant)
         _list(
