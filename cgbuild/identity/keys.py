@@ -28,6 +28,31 @@ IDENTITY_FIELDS = {
 }
 
 
+def identity_of(name: str, readable: dict[str, Any]) -> dict[str, Any]:
+    """The identity fields of axis `name` read from its readable block (a recorded plan's)."""
+    return {f: readable.get(f) for f in IDENTITY_FIELDS[name]}
+
+
+def moved_fields(name: str, old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Every identity field of axis `name` that differs between two readable blocks: the one
+    comparison `plan`, `why` and `diff` make."""
+    return [(f, old.get(f), new.get(f)) for f in IDENTITY_FIELDS[name] if old.get(f) != new.get(f)]
+
+
+def move_text(name: str, old: dict[str, Any], new: dict[str, Any]) -> tuple[str, str]:
+    """(before, after) of one axis move as a person reads it: the sm itself; a layout's stamp
+    with each moved digest; otherwise each moved field's digest, shortened."""
+    fields = moved_fields(name, old, new) or [(f, old.get(f), new.get(f)) for f in IDENTITY_FIELDS[name]]
+    if name == "sm":
+        return str(old.get("sm")), str(new.get("sm"))
+
+    def side(block: dict[str, Any], values: list[Any]) -> str:
+        moved = ", ".join(f"{f} {str(v)[:12]}" for (f, *_), v in zip(fields, values, strict=True))
+        return f"{block.get('stamp')} ({moved})" if name == "layout" else moved
+
+    return side(old, [o for _, o, _ in fields]), side(new, [n for _, _, n in fields])
+
+
 @dataclass(frozen=True)
 class Axis:
     identity: dict[str, Any]

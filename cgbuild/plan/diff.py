@@ -16,7 +16,7 @@ from cgbuild.core import jsonfile
 from cgbuild.core.errors import UserError, printable
 from cgbuild.core.platform import device_of
 from cgbuild.identity import toolchain
-from cgbuild.identity.keys import AXES, IDENTITY_FIELDS
+from cgbuild.identity.keys import AXES, move_text, moved_fields
 
 
 def load_plan(path: str) -> dict[str, Any]:
@@ -86,7 +86,7 @@ def _moved_axes(base: dict[str, Any], head: dict[str, Any]) -> list[str]:
         a, b = (base.get("axes") or {}).get(axis), (head.get("axes") or {}).get(axis)
         if a is None or b is None:
             continue
-        if any(a.get(f) != b.get(f) for f in IDENTITY_FIELDS[axis]):
+        if moved_fields(axis, a, b):
             moved.append(axis)
     return moved
 
@@ -183,9 +183,8 @@ def _moved(
         if axis == "toolchain":
             details.append(_toolchain_detail(comp_changes[device_of(h["sm"])]))
         else:
-            field = IDENTITY_FIELDS[axis][0]
-            old, new = b["axes"][axis].get(field), h["axes"][axis].get(field)
-            details.append(f"{axis}: {str(old)[:12]} → {str(new)[:12]}")
+            old, new = move_text(axis, b["axes"][axis], h["axes"][axis])
+            details.append(f"{axis}: {old} → {new}")
     return {
         "label": label,
         "family": h["family"],

@@ -17,7 +17,7 @@ from cgbuild.config.cgfile import Cgfile
 from cgbuild.config.targets import Target
 from cgbuild.core.canon import digest
 from cgbuild.identity import toolchain
-from cgbuild.identity.keys import AXES, IDENTITY_FIELDS, Axis
+from cgbuild.identity.keys import AXES, Axis, identity_of, move_text
 from cgbuild.plan import reasons as why
 from cgbuild.plan.reasons import Reason
 from cgbuild.plan.tracecache import TRACE_RULE_VERSION
@@ -97,13 +97,13 @@ class Movement:
         last_axes = last.get("axes", {})
         new_graph, old_graph = axes.get("graph"), last_axes.get("graph")
         cutoff = trace_moved and new_graph is not None and old_graph is not None
-        cutoff = cutoff and _identity_of("graph", old_graph) == new_graph.identity  # type: ignore[union-attr]
+        cutoff = cutoff and identity_of("graph", old_graph) == new_graph.identity  # type: ignore[union-attr]
         if trace_moved:
             new_torch = new_graph.readable.get("traced_with") if new_graph is not None else None
             out.extend(self._inputs_moved(t.id.family, last, new_torch, root=not cutoff))
         for name in AXES:
             new, old = axes.get(name), last_axes.get(name)
-            if new is not None and old is not None and _identity_of(name, old) != new.identity:
+            if new is not None and old is not None and identity_of(name, old) != new.identity:
                 out.extend(self._axis_moved(t, name, old, new, trace_moved=trace_moved))
         if cutoff:
             out.append(why.early_cutoff())
@@ -123,7 +123,8 @@ class Movement:
         # the graph, and a topology read from the trace, move because the trace inputs did
         traced = name == "graph" or new.readable.get("topology_source") == "trace"
         root = not (trace_moved and traced)
-        return [why.axis_moved(name, _short(name, old), _short(name, new.readable), root=root)]
+        before, after = move_text(name, old, new.readable)
+        return [why.axis_moved(name, before, after, root=root)]
 
     def _inputs_moved(
         self, fam: str, last: dict[str, Any], new_torch: str | None, *, root: bool
@@ -187,18 +188,6 @@ def _flatten(value: Any, prefix: str) -> list[tuple[str, Any]]:
     if isinstance(value, dict) and value:
         return [pair for k, v in value.items() for pair in _flatten(v, f"{prefix}.{k}")]
     return [(prefix, value)]
-
-
-def _identity_of(name: str, readable: dict[str, Any]) -> dict[str, Any]:
-    return {f: readable.get(f) for f in IDENTITY_FIELDS[name]}
-
-
-def _short(name: str, readable: dict[str, Any]) -> str:
-    if name == "sm":
-        return str(readable["sm"])
-    if name == "layout":
-        return f"{readable.get('stamp')} ({str(readable['topology'])[:12]}/{str(readable['quant'])[:12]})"
-    return str(readable.get("digest") or readable.get("fold"))[:16]
 
 
 def _changed_dists(old: dict[str, str], new: dict[str, str]) -> list[tuple[str, str | None, str | None]]:

@@ -135,3 +135,18 @@ def test_brand_new_targets_are_tagged_mint_and_moved_ones_re_mint() -> None:
     assert "  added    //toy/b [mint]: new target" in text
     markdown = render(diff_plans(base, head), "markdown")
     assert "| added (mint) | `//toy/b` |" in markdown and "| moved (re-mint) | `//toy/a` |" in markdown
+
+
+def test_a_quant_only_layout_move_names_the_stamp_and_the_digest_that_moved() -> None:
+    """Only the quant digest moved (the topology is the same tensors): both stamps, and the quant
+    digests on each side, not the first identity field of the axis twice."""
+    topo, q1, q2 = "T" * 64, "1" * 64, "2" * 64
+    base = a_plan(axes={"layout": {"stamp": "toy.mlp@1+plain.fp32@1", "topology": topo, "quant": q1}})
+    head = a_plan(
+        key="cd" * 32, axes={"layout": {"stamp": "toy.mlp@1+int8-rowwise@1", "topology": topo, "quant": q2}}
+    )
+    (entry,) = diff_plans(base, head)["entries"]
+    assert entry["axes"] == ["layout"]
+    assert entry["detail"] == (
+        "layout: toy.mlp@1+plain.fp32@1 (quant 111111111111) → toy.mlp@1+int8-rowwise@1 (quant 222222222222)"
+    )
