@@ -16,6 +16,7 @@ from cgbuild.cli.main import add_workspace_args, positive_int, workspace
 from cgbuild.cli.render import console, key_line, phase_times, print_json, progress_bar
 from cgbuild.config.labels import Selector, parse_selector
 from cgbuild.core.errors import UserError
+from cgbuild.protocol.mint import PHASES
 
 if TYPE_CHECKING:
     from cgbuild.exec.fleet import Executor
@@ -152,7 +153,7 @@ def _summary(
     }
 
 
-STEPS = ("compile", "verify", "lanes", "seal", "admitting", "done")
+STEPS = (*PHASES, "admitting", "done")
 
 
 class PhaseClock:

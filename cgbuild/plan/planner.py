@@ -37,7 +37,7 @@ from cgbuild.identity.keys import Axis, graph_axis, key_of, sm_axis, toolchain_a
 from cgbuild.plan import environment, laststate
 from cgbuild.plan.inputs import SourceHasher
 from cgbuild.plan.moved import Movement, Snapshots
-from cgbuild.plan.reasons import REASON_CODES, TRUST_CODES, Reason
+from cgbuild.plan.reasons import TRUST_CODES, Reason, trace_refused
 from cgbuild.plan.tracecache import TraceCache, trace_inputs
 from cgbuild.plan.workspace import Workspace
 from cgbuild.protocol.trace import FACT_KEYS, TraceJob, job_for, request, target_lanes
@@ -529,9 +529,7 @@ def _run_traces(
             facts[unit.inputs] = fact
             cache.put(unit.inputs, fact)
         else:
-            code = result.get("code", "trace-failed")
-            code = code if code in REASON_CODES else "trace-failed"
-            blocked[unit.inputs] = Reason(code, result.get("detail", "trace failed"), root=True)
+            blocked[unit.inputs] = trace_refused(result)
         if progress:
             progress(done, total, unit.targets[0].label)
 

@@ -26,6 +26,9 @@ REASON_CODES = (
     "trace-failed",
     "entry-error",
     "literal-hidden",
+    "wrong-host",
+    "wrong-device",
+    "mint-error",
     "worker-crashed",
     "worker-killed",
     "worker-signal",
@@ -135,3 +138,14 @@ def early_cutoff() -> Reason:
     return Reason(
         "early-cutoff", "re-traced: the graph digest did not move (early cutoff)", False, axis="graph"
     )
+
+
+def trace_refused(result: dict[str, Any]) -> Reason:
+    """A failed trace's result line as the target's blocking reason, keeping the code its worker
+    typed (a held worker's `wrong-host` stays `wrong-host`); only a code no plan reason has is
+    read as `trace-failed`, its own code kept in the detail."""
+    code = str(result.get("code") or "trace-failed")
+    detail = str(result.get("detail") or "trace failed")
+    if code not in REASON_CODES:
+        code, detail = "trace-failed", f"{code}: {detail}"
+    return Reason(code, detail, root=True)

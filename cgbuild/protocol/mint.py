@@ -25,6 +25,10 @@ from cgbuild.core.platform import device_of
 from cgbuild.protocol.spawn import Channel, spawn
 from cgbuild.protocol.trace import BadJob, TraceJob
 
+PHASES = ("compile", "verify", "lanes", "seal", "adopt")
+"""The phases a mint worker announces (`{"progress": phase}`), in the order they run: the worker
+names its phases from this tuple and the CLI's progress counts its steps by it."""
+
 REQUEST_SCHEMA = "cgbuild.mint-request/1"
 HOLD_SCHEMA = "cgbuild.mint-hold/1"
 

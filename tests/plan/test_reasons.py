@@ -33,3 +33,12 @@ def test_json_names_what_moved_and_omits_what_is_absent() -> None:
     assert reasons.axis_moved("toolchain", "3.6.0", "3.7.0", root=True, component="triton").detail == (
         "toolchain: triton 3.6.0 → 3.7.0"
     )
+
+
+def test_a_workers_typed_refusal_keeps_its_code_as_the_plans_reason() -> None:
+    """A held worker that cannot build on this host says `wrong-host`: the plan shows that, not a
+    relabelled `trace-failed`; a code no plan reason has is kept in the detail."""
+    held = reasons.trace_refused({"ok": False, "code": "wrong-host", "detail": "no /no/such/c++"})
+    assert (held.code, held.detail, held.root) == ("wrong-host", "no /no/such/c++", True)
+    odd = reasons.trace_refused({"ok": False, "code": "seal-failed", "detail": "x"})
+    assert (odd.code, odd.detail) == ("trace-failed", "seal-failed: x")

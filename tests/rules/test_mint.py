@@ -52,6 +52,8 @@ CLASSES: dict[str, dict[str, Any]] = {
     "B": {"graph_class": "4x64-b2-16", "height": 4, "batch": 2, "config": {"dynamic_batch": [2, 16]}},
 }
 _MINTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+ANNOUNCED: dict[str, list[str]] = {}
+"""Request id → the phases its worker announced, in order."""
 
 
 def session_dirs(factory: pytest.TempPathFactory) -> tuple[Path, Path]:
@@ -132,6 +134,8 @@ def run_worker(request: dict[str, Any], env: dict[str, str] | None = None) -> di
     assert len(lines) == 1, (
         f"exactly one result line expected; stdout={proc.stdout!r} stderr={proc.stderr[-2000:]}"
     )
+    said = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{") and '"progress"' in ln]
+    ANNOUNCED[str(request.get("id"))] = [str(m["progress"]) for m in said]
     return json.loads(lines[0])
 
 
@@ -152,6 +156,21 @@ def mint_a(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], di
 
 
 # ---- with a real compile ----------------------------------------------------------------------
+@pytest.mark.slow
+def test_every_phase_a_worker_announces_is_a_step_of_the_progress_bar(
+    mint_a: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    """The CLI counts a key's progress by the phases the worker names: one it does not know
+    would drop the bar to 0 (the serve check once did)."""
+    from cgbuild.cli.mint import STEPS
+    from cgbuild.protocol.mint import PHASES
+
+    announced = [p.split(":")[0] for p in ANNOUNCED[mint_a[0]["id"]]]
+    assert announced and all(p in STEPS for p in announced), announced
+    assert [p for p in PHASES if p in announced] == [p for p in announced if p in PHASES]
+    assert {"compile", "verify", "seal", "adopt"} <= set(announced)
+
+
 @pytest.mark.slow
 def test_mint_seals_a_verified_artifact(
     mint_a: tuple[dict[str, Any], dict[str, Any]], tmp_path: Path
