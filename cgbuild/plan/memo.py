@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from cgbuild.core import fs
 from cgbuild.core.errors import UserError
+from cgbuild.store import refs
 
 if TYPE_CHECKING:
     from cgbuild.config.cgfile import Cgfile
@@ -212,11 +213,13 @@ def _local_row(root: str, key: str, ref: str, stamp: list[int] | None) -> list[A
     try:
         with open(ref, "rb") as f:
             doc = json.loads(f.read())
+        if refs.doc_problem(doc, key, refs.REF_SCHEMA) is not None:
+            return None
         obj = f"{root}/objects/sha256/{doc['object'][:2]}/{doc['object'][2:]}"
         size = doc["size"]
         if fs.stat_stamp(ref) != stamp or os.stat(obj).st_size != size:
             return None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return None
     return [key, stamp, obj, size]
 

@@ -48,11 +48,11 @@ from typing import Any, BinaryIO, Literal
 
 from cgbuild.core import fs
 from cgbuild.core.canon import NotCanonical, canonical_json, file_digest
+from cgbuild.store import refs
+from cgbuild.store.refs import REF_SCHEMA
 
-REF_SCHEMA = "cgbuild.ref/1"
 QUARANTINE_SCHEMA = "cgbuild.quarantine/1"
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,199}$")
-_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
 EVIDENCE_SCHEMA = "cgbuild.lane-evidence/1"
 _CHUNK = 1 << 20
@@ -184,27 +184,6 @@ def validated_key(key: str) -> str:
     if not isinstance(key, str) or not _KEY_RE.match(key):
         raise StoreError(key if isinstance(key, str) else None, f"not a valid key: {key!r}")
     return key
-
-
-def _ref_problem(raw: bytes, key: str) -> str | None:
-    """Why these bytes are not `key`'s ref, or None."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
-        return "not JSON" if raw.strip() else "empty"
-    if not isinstance(doc, dict):
-        return f"a JSON {type(doc).__name__}, not an object"
-    if doc.get("schema") != REF_SCHEMA or doc.get("key") != key:
-        return (
-            f"schema {doc.get('schema')!r} and key {str(doc.get('key'))[:16]!r}, not {REF_SCHEMA} of this key"
-        )
-    if not isinstance(doc.get("object"), str) or not _SHA_RE.match(doc["object"]):
-        return "its object is not a sha256"
-    if type(doc.get("size")) is not int or doc["size"] < 0:
-        return f"size {doc.get('size')!r} is not a byte count"
-    if not isinstance(doc.get("metadata") or {}, dict):
-        return "its metadata is not an object"
-    return None
 
 
 class Store:
@@ -373,7 +352,7 @@ class Store:
             return None
         except IsADirectoryError:
             raise MalformedRef(key, f"ref {path} is a folder") from None
-        why = _ref_problem(raw, key)
+        why = refs.raw_problem(raw, key, REF_SCHEMA)
         if why:
             raise MalformedRef(key, f"ref {path}: {why}")
         doc = json.loads(raw)
@@ -403,25 +382,13 @@ class Store:
         except (OSError, ValueError):
             return "malformed"  # a folder, bytes that are not JSON
         if doc is not None:
-            try:
-                sha, size = doc["object"], doc["size"]
-                sound = doc["key"] == key and type(size) is int and doc["schema"] == REF_SCHEMA
-                sound = sound and isinstance(sha, str) and len(sha) == 64
-            except (KeyError, TypeError):
-                sound = False
-            if not sound and self._malformed(key):
-                return "malformed"
+            if refs.doc_problem(doc, key, REF_SCHEMA) is not None:
+                return "malformed"  # the one check read_ref makes: never `missing` for a crafted ref
+            sha, size = doc["object"], doc["size"]
             with contextlib.suppress(OSError):
                 if os.stat(f"{root}/objects/sha256/{sha[:2]}/{sha[2:]}").st_size == size:
                     return "fresh"
         return "quarantined" if os.path.exists(f"{root}/quarantine/{key}.json") else "missing"
-
-    def _malformed(self, key: str) -> bool:
-        try:
-            self.read_ref(key)
-        except MalformedRef:
-            return True
-        return False
 
     def iter_refs(self) -> Iterator[Ref]:
         """Every ref, in key order."""
@@ -521,7 +488,7 @@ class Store:
         verdicts = [self.verify(key) for key in self.ref_keys()]
         for obj in sorted((self.root / "objects" / "sha256").glob("*/*")):
             sha = obj.parent.name + obj.name
-            if _SHA_RE.match(sha) and file_digest(obj)[0] != sha:
+            if refs.SHA_RE.match(sha) and file_digest(obj)[0] != sha:
                 with self._locked(exclusive=True):
                     self._move_to_quarantine(sha)
                 verdicts.append(Verdict(f"object:{sha}", "corrupt", "object bytes do not match its name"))
@@ -578,7 +545,7 @@ class Store:
             return
         except IsADirectoryError:
             raw = b"<a folder>"
-        if not _ref_problem(raw, key) and not path.is_dir():
+        if not refs.raw_problem(raw, key, REF_SCHEMA) and not path.is_dir():
             return  # repaired meanwhile
         record = {
             "schema": QUARANTINE_SCHEMA,

@@ -23,7 +23,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import secrets
 import tempfile
 import threading
@@ -35,7 +34,7 @@ from typing import Any
 
 from cgbuild.core import fs
 from cgbuild.core.canon import canonical_json, file_digest
-from cgbuild.store import trust
+from cgbuild.store import refs, trust
 from cgbuild.store.backend import Backend
 from cgbuild.store.local import (
     EVIDENCE_SCHEMA,
@@ -54,7 +53,6 @@ from cgbuild.store.s3 import RemoteError, RemoteRef
 REMOTE_REF_SCHEMA = "cgbuild.remote-ref/1"
 REMOTE_QUARANTINE_SCHEMA = "cgbuild.remote-quarantine/1"
 FACTS_SCHEMA = "cgbuild.remote-facts/1"
-_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 FACT_READERS = 8  # concurrent fact reads: within botocore's default pool of 10 connections
 SEEN_SCHEMA = "cgbuild.remote-seen/1"
 SEEN_TTL_S = 3 * 3600
@@ -438,10 +436,9 @@ class SharedStore:
         if got is None:
             raise Missing(key, f"no artifact in the local cache or in {self.remote.url}")
         doc = got.doc
-        sha, size = doc.get("object"), doc.get("size")
-        if doc.get("key") != key or not _SHA_RE.match(str(sha)) or not isinstance(size, int):
-            raise StoreError(key, f"malformed remote ref {self.remote.ref_name(key)}")
-        return got, self._verify(key, str(sha), size, doc.get("signature"))
+        if why := refs.doc_problem(doc, key, REMOTE_REF_SCHEMA):
+            raise StoreError(key, f"malformed remote ref {self.remote.ref_name(key)}: {why}")
+        return got, self._verify(key, doc["object"], doc["size"], doc.get("signature"))
 
     def verified_state(self, key: str) -> tuple[str, str | None]:
         """`ref_state`, except that a key fresh only by the remote's listing has its ref read and

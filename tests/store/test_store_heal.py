@@ -4,6 +4,7 @@ writers and reported by the readers; readers create nothing; a full disk fails o
 from __future__ import annotations
 
 import errno
+import json
 import os
 import types
 import zipfile
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cgbuild.store import local
+from cgbuild.store import local, refs
 from cgbuild.store.local import DiskFull, MalformedRef, Store
 from cgbuild.store.seal import seal
 
@@ -35,6 +36,11 @@ MALFORMED = {
     "a-folder": lambda p, s: (p.unlink(), p.mkdir()),
     "size-text": lambda p, s: p.write_text(p.read_text().replace(f'"size":{s}', f'"size":"{s}"')),
     "other-key": lambda p, s: p.write_text(p.read_text().replace(K1, K2)),
+    # 64 characters that are no sha256, a negative size: once `missing` to ref_state alone
+    "no-sha-negative-size": lambda p, s: p.write_text(
+        json.dumps({**json.loads(p.read_text()), "object": "Z" * 64, "size": -1})
+    ),
+    "size-true": lambda p, s: p.write_text(json.dumps({**json.loads(p.read_text()), "size": True})),
 }
 
 
@@ -47,6 +53,7 @@ def test_a_malformed_ref_is_reported_by_readers_and_quarantined_by_writers(tmp_p
     MALFORMED[kind](ref, store.read_ref(K1).size)  # type: ignore[union-attr]
     reader = Store(tmp_path / "store")
     assert reader.ref_state(K1) == "malformed"  # plan: not fresh, reason malformed-ref
+    assert refs.raw_problem(ref.read_bytes() if ref.is_file() else b"", K1, refs.REF_SCHEMA)  # one check
     with pytest.raises(MalformedRef):
         reader.resolve(K1)  # adopt's path: a refusal, and nothing changed
     assert ref.exists() and reader.quarantine_record(K1) is None
