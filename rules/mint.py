@@ -1168,7 +1168,8 @@ def _stage_main(stage: str, work: Path, args: Sequence[str] = ()) -> int:
     except Exception as e:
         from cgbuild_rules.digest import TraceError
 
-        code = getattr(e, "code", "trace-failed") if isinstance(e, TraceError) else f"{stage}-failed"
+        failed = {"compile": "compile-failed", "check": "check-failed", "serve": "serve-failed"}[stage]
+        code = getattr(e, "code", "trace-failed") if isinstance(e, TraceError) else failed
         result = {
             "ok": False,
             "code": code,

@@ -40,12 +40,15 @@ class Code(StrEnum):
     TOOLCHAIN_DRIFT = "toolchain-drift"
     GRAPH_DRIFT = "graph-drift"
     COMPILE_FAILED = "compile-failed"
+    CHECK_FAILED = "check-failed"
+    SERVE_FAILED = "serve-failed"
     CLAMP_NOT_APPLIED = "clamp-not-applied"
     CONSTANT_TABLE_MISMATCH = "constant-table-mismatch"
     VERIFY_MISMATCH = "verify-mismatch"
     VERIFY_FAILED = "verify-failed"
     SEAL_FAILED = "seal-failed"
     MINT_ERROR = "mint-error"
+    CONFLICT = "conflict"
     ONE_CANDIDATE = "one-candidate"
     OOM = "oom"
     TIMEOUT = "timeout"
@@ -121,9 +124,22 @@ class Code(StrEnum):
 
 
 # A mint that failed with one of these may succeed on another attempt (another node, later);
-# every other failure is a property of the key or the machine and will fail again.
+# every other failure is a property of the key or the machine and will fail again. A result's
+# `retryable` is `code in RETRYABLE`, never set by hand.
 RETRYABLE: frozenset[Code] = frozenset(
-    {Code.OOM, Code.TIMEOUT, Code.WORKER_KILLED, Code.WORKER_SIGNAL, Code.WORKER_CRASHED, Code.DISK_FULL}
+    {
+        Code.OOM,
+        Code.TIMEOUT,
+        Code.WORKER_KILLED,
+        Code.WORKER_SIGNAL,
+        Code.WORKER_CRASHED,
+        Code.DISK_FULL,
+        Code.IO_ERROR,
+        Code.REMOTE_UNAVAILABLE,
+        Code.UPLOAD_FAILED,
+        Code.FLEET_ERROR,
+        Code.FLEET_NODE_LOST,
+    }
 )
 
 

@@ -37,6 +37,7 @@ from typing import Any
 from cgbuild.config import cgfile
 from cgbuild.config.targets import expand
 from cgbuild.core.canon import sha256_file
+from cgbuild.core.codes import RETRYABLE
 from cgbuild.core.errors import UserError
 from cgbuild.core.fs import write_json
 from cgbuild.exec.mint import MintKey, mint_one
@@ -144,8 +145,9 @@ def order_for(ws: Workspace, mk: MintKey) -> Order:
     return Order(str(path), sha256_file(str(path)), mk.key, mk.entries, mk.toolchain)
 
 
-def _failure(code: str, detail: str, *, retryable: bool, phase: str = "fleet") -> dict[str, Any]:
-    return {"ok": False, "code": code, "retryable": retryable, "phase": phase, "detail": detail}
+def _failure(code: str, detail: str, *, phase: str = "fleet") -> dict[str, Any]:
+    """A failed key's result; `retryable` from its code alone (docs/architecture.md)."""
+    return {"ok": False, "code": code, "retryable": code in RETRYABLE, "phase": phase, "detail": detail}
 
 
 @dataclass
@@ -182,7 +184,7 @@ class Fleet:
                 num_returns="streaming",
                 name=f"mint {mk.labels[0]}",
             ).remote(order_for(ws, mk))
-            no_result = _failure("fleet-error", "the node returned no result", retryable=True)
+            no_result = _failure("fleet-error", "the node returned no result")
             return _Followed(mk, gen, time.monotonic(), {"result": no_result})
 
         live = {f.gen: f for f in map(submit, keys)}
@@ -211,7 +213,7 @@ class Fleet:
         except StopIteration:
             return f.final
         except ray.exceptions.RayError as exc:
-            return {"result": _failure("fleet-error", f"{type(exc).__name__}: {exc}", retryable=True)}
+            return {"result": _failure("fleet-error", f"{type(exc).__name__}: {exc}")}
         if "phase" not in message:
             f.final = message
             return None
@@ -241,7 +243,7 @@ class Fleet:
             ray.cancel(f.gen, force=True)
             del live[f.gen]
             detail = f"no live node offers {sm!r} any more (the node minting it was lost)"
-            self._finish(ws, f.mk, {"result": _failure("fleet-node-lost", detail, retryable=True)}, on_event)
+            self._finish(ws, f.mk, {"result": _failure("fleet-node-lost", detail)}, on_event)
 
     def _finish(
         self,
@@ -274,14 +276,13 @@ def settle_visibility(ws: Workspace, mk: MintKey, host: str) -> None:
             remote is not None and remote.get_json(remote.ref_name(mk.key)) is not None
         )
     except RemoteError as exc:
-        mk.result = _failure(exc.code, exc.detail, retryable=True, phase="admit")
+        mk.result = _failure(exc.code, exc.detail, phase="admit")
         return
     if not visible:
         mk.result = _failure(
             "not-visible",
             f"node {host} minted {mk.key[:12]} into a store this driver cannot read: declare a shared "
             "remote store (docs/store.md) or keep the workspace on a filesystem every node shares",
-            retryable=False,
             phase="admit",
         )
 
@@ -327,7 +328,7 @@ def mint_on_node(order: Order) -> Iterator[dict[str, Any]]:
         ws, mk = _workspace_here(order)
     except (_Refusal, UserError) as exc:
         code = exc.code if isinstance(exc, _Refusal) else "workspace-drift"
-        yield {"result": _failure(code, str(exc), retryable=False, phase="workspace")}
+        yield {"result": _failure(code, str(exc), phase="workspace")}
         return
     events: queue.Queue[str | None] = queue.Queue()
     raised: list[BaseException] = []

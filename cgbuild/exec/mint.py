@@ -218,20 +218,13 @@ def mint_one(
             _admit(mk, result, store, shared)
     except StoreError as e:  # PublishRefused (no signing key, no create-only writes), local refusals
         phase = "publish" if isinstance(e, PublishRefused) else "admit"
-        result = {
-            "ok": False,
-            "code": e.code,
-            "retryable": e.code in RETRYABLE,
-            "phase": phase,
-            "detail": e.detail,
-        }
+        result = {"ok": False, "code": e.code, "phase": phase, "detail": e.detail}
     except RemoteError as e:
-        retry = e.code in ("remote-unavailable", "upload-failed")
-        result = {"ok": False, "code": e.code, "retryable": retry, "phase": "publish", "detail": e.detail}
+        result = {"ok": False, "code": e.code, "phase": "publish", "detail": e.detail}
     except OSError as e:  # the state folder or the build folder refused a write: this key fails
-        result = {"ok": False, "code": "io-error", "retryable": True, "phase": "admit", "detail": str(e)}
+        result = {"ok": False, "code": "io-error", "phase": "admit", "detail": str(e)}
     if not result.get("ok"):
-        result.setdefault("retryable", result.get("code") in RETRYABLE)
+        result["retryable"] = result.get("code") in RETRYABLE  # from the code alone, whoever failed
     mk.result = result
     record.update(
         traced_here=worker is not None,  # the plan's trace of it was this mint's own
@@ -267,7 +260,6 @@ def _admit(mk: MintKey, result: dict[str, Any], store: Store, shared: SharedStor
             result.update(
                 ok=False,
                 code="conflict",
-                retryable=False,
                 phase="admit",
                 standing=admission.existing,
                 detail=f"{where} already holds a different artifact for {mk.key[:12]} "
@@ -390,7 +382,13 @@ def remint_and_compare(ws: Workspace, mk: MintKey) -> dict[str, Any]:
     store = Store(ws.cg.store_dir)
     resolved = store.resolve(mk.key, verify=True)
     if (bad := store.check_sealed_key(mk.key)) is not None:  # another key's object: quarantined
-        return {"ok": False, "code": bad.status, "retryable": False, "phase": "check", "detail": bad.detail}
+        return {
+            "ok": False,
+            "code": bad.status,
+            "retryable": bad.status in RETRYABLE,
+            "phase": "check",
+            "detail": bad.detail,
+        }
     with tempfile.TemporaryDirectory(prefix="cgbuild-check-") as tmp:
         req = request_for(ws, mk, Path(tmp), fresh=True, compare_with=str(resolved.path))
         result = run_worker(req, ws.state / "mint" / f"{mk.key}.check.log")

@@ -62,3 +62,17 @@ def test_codes_are_their_strings_and_retryable_is_a_subset() -> None:
     assert Code.MISSING_FROM_STORE == "missing-from-store"
     assert set(Code) >= RETRYABLE
     assert len({c.value for c in Code}) == len(Code)
+
+
+def test_retryable_is_read_from_the_code_never_written_by_hand() -> None:
+    """docs/architecture.md: a failure's `retryable` is `code in RETRYABLE`. A literal True or
+    False beside a code lets the two disagree (io-error and the fleet's codes once did)."""
+    hand = re.compile(r"""["']?retryable["']?\s*[:=]\s*(True|False)""")
+    written = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in [*ROOT.glob("cgbuild/**/*.py"), *ROOT.glob("rules/**/*.py")]
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if hand.search(line)
+    ]
+    assert written == []
+    assert {Code.IO_ERROR, Code.REMOTE_UNAVAILABLE, Code.UPLOAD_FAILED, Code.FLEET_NODE_LOST} <= RETRYABLE
