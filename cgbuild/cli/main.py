@@ -15,8 +15,21 @@ import sys
 import traceback
 from pathlib import Path
 
+from cgbuild import __version__
 from cgbuild.core.errors import UserError
 from cgbuild.protocol.spawn import Terminated, stop_children_on_signals
+
+DESCRIPTION = (
+    "Build compiled PyTorch graphs: plan what a Cgfile declares, mint what is missing with "
+    "AOTInductor, seal it into the store, serve it."
+)
+EPILOG = """examples:
+  cgbuild plan                          what exists, what must be minted, and why
+  cgbuild mint //flux2-klein:sm_120     build what a label selects
+  cgbuild diff base.json head.json      what a toolchain bump re-mints
+
+exit codes: 0 ok; 1 work found (--exit-code) or a mint failed; 2 bad input; 3 internal error;
+130 interrupted; 143 terminated. Docs: docs/ in the source tree, README.md first."""
 
 COMMANDS = {
     "plan": ("cgbuild.cli.plan", "what must be minted, and why"),
@@ -81,8 +94,14 @@ def _is_dir(path: str) -> bool:
 
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, object]]:
-    parser = argparse.ArgumentParser(prog="cgbuild", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="cgbuild",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("-C", dest="directory", metavar="DIR", help="run as if started in DIR")
+    parser.add_argument("--version", action="version", version=f"cgbuild {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     modules: dict[str, object] = {}

@@ -664,6 +664,15 @@ def _module(r: _Reader, where: tuple[str, ...], name: str, raw: Any) -> Module:
             raise r.fail(
                 "lanes are declared per family ([family.<name>.lanes]), not per module", *where, lane_key
             )
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            if key not in MODULE_KEYS and isinstance(value, dict):  # `[...module.vae.decode]` unquoted
+                quoted = ".".join([*where[:-1], f'"{name}.{key}"'])
+                raise r.fail(
+                    f"unknown key '{key}': a module name with a dot is quoted in TOML, [{quoted}]",
+                    *where,
+                    key,
+                )
     t = r.table(raw, where, MODULE_KEYS)
     component = r.get(
         t, where, "component", _is_str, "a checkpoint component name", default=name.split(".")[0]

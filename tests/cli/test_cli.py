@@ -127,3 +127,13 @@ def test_in_process_main_restores_the_sigterm_handler(ws: Path) -> None:
     before = signal.getsignal(signal.SIGTERM)
     assert main(["-C", str(ws), "query"]) == 0
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_version_and_a_help_that_reads_as_a_tools(capsys: pytest.CaptureFixture[str]) -> None:
+    from cgbuild import __version__
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out == f"cgbuild {__version__}\n"
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Build compiled PyTorch graphs" in out and "cgbuild mint //flux2-klein:sm_120" in out
+    assert "exit codes:" in out and "dispatch" not in out

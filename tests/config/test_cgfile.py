@@ -379,3 +379,9 @@ def test_cgfile_example_plans_from_the_checkout_root(
     codes = {t["reasons"][0]["code"] for t in plan["targets"] if t["status"] == "blocked"}
     assert codes <= {"no-cuda-torch"}  # blocked only by a CPU-only torch, never by the file
     assert cgfile.load(tmp_path / "Cgfile.example").remote is None
+
+
+def test_an_unquoted_dotted_module_name_gets_the_quoting_hint(tmp_path: Path) -> None:
+    err = error_of(tmp_path, GOOD + '\n[family.toy.module.vae.decode]\nshapes = ["8x8"]\n')
+    assert err.field == "family.toy.module.vae.decode" and err.line is not None
+    assert 'a module name with a dot is quoted in TOML, [family.toy.module."vae.decode"]' in err.message
