@@ -1,10 +1,12 @@
 """Keys are the product: every key the examples plan is pinned in `tests/golden/keys.json`.
 
 The CPU keys are planned from an empty state folder in a copy of each example (its reference
-checkpoints written afresh from the entry's seed weights). They depend on the torch that traced
-them, so under another torch the comparison is skipped, saying why. The banked H200 plan's keys
-are recomputed from the axes that plan recorded, which needs no torch at all. A change that
-moves a key on purpose updates the golden file in the same commit and says why.
+checkpoints written afresh from the entry's seed weights). Their axes are banked beside them
+(`cpu_axes`), so every golden key is recomputed from its axes under any torch (or none); the live
+plan must give the golden keys under the golden torch, and under another torch every key that
+differs must say why: the toolchain (torch is a member) or the graph moved. Nothing skips. The
+banked H200 plan's keys are recomputed from the axes that plan recorded. A change that moves a
+key on purpose updates the golden file in the same commit and says why.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from cgbuild.identity.keys import IDENTITY_FIELDS, Axis, key_of
+from cgbuild.identity.keys import IDENTITY_FIELDS, Axis, key_of, moved_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = json.loads((ROOT / "tests" / "golden" / "keys.json").read_text())
@@ -32,7 +34,7 @@ def _torch() -> str | None:
         return None
 
 
-def _planned_keys(example: str, dest: Path) -> dict[str, str]:
+def _planned_targets(example: str, dest: Path) -> dict[str, dict[str, Any]]:
     work = dest / example
     shutil.copytree(ROOT / "examples" / example, work, ignore=shutil.ignore_patterns(".cgbuild", "reference"))
     run = [sys.executable, "-m", "cgbuild_rules.reference", "-C", str(work)]
@@ -44,17 +46,35 @@ def _planned_keys(example: str, dest: Path) -> dict[str, str]:
         cwd=dest,
     )
     assert proc.returncode == 0, proc.stderr
-    return {t["label"]: t["key"] for t in json.loads(proc.stdout)["targets"] if t["key"]}
+    return {t["label"]: t for t in json.loads(proc.stdout)["targets"] if t["key"]}
+
+
+def test_banked_cpu_axes_recompute_the_golden_cpu_keys() -> None:
+    """No torch needed: the key is a function of the four axes alone."""
+    banked = GOLDEN["cpu_axes"]
+    assert set(banked) == set(GOLDEN["cpu"])
+    recomputed = {
+        label: key_of({name: _axis(name, axes[name]) for name in IDENTITY_FIELDS})
+        for label, axes in banked.items()
+    }
+    assert recomputed == GOLDEN["cpu"]
 
 
 @pytest.mark.slow
 def test_example_keys_match_the_golden_file(tmp_path: Path) -> None:
-    if _torch() != GOLDEN["torch"]:
-        pytest.skip(f"golden CPU keys were planned with torch {GOLDEN['torch']}, this is {_torch()}")
-    planned: dict[str, str] = {}
+    planned: dict[str, dict[str, Any]] = {}
     for example in ("toy", "flux2_klein"):
-        planned.update(_planned_keys(example, tmp_path))
-    assert planned == GOLDEN["cpu"]
+        planned.update(_planned_targets(example, tmp_path))
+    assert set(planned) == set(GOLDEN["cpu"])
+    keys = {label: t["key"] for label, t in planned.items()}
+    if _torch() == GOLDEN["torch"]:
+        assert keys == GOLDEN["cpu"]
+        return
+    for label, t in planned.items():  # another torch: each moved key names the axis that moved
+        if keys[label] != GOLDEN["cpu"][label]:
+            was = GOLDEN["cpu_axes"][label]
+            moved = [name for name in IDENTITY_FIELDS if moved_fields(name, was[name], t["axes"][name])]
+            assert moved and set(moved) <= {"toolchain", "graph"}, (label, moved)
 
 
 def _axis(name: str, readable: dict[str, Any]) -> Axis:
