@@ -75,8 +75,9 @@ override), `out` (folder for `<key>.tar.gz`),
 `timeout_s` (per stage part: the trace, the compile, each check).
 Result: `{"id", "ok": true, "key", "artifact", "sha256", "size", "members": {name: sha256},
 "verify": [{"output", "dtype", "rel_rms", "tolerance", "max_abs", "lane"?}] (from the serve stage),
-"served": [{"lane"?, "counters", "seconds"}], "phases": {"export", "compile", "verify", "lanes"?,
-"seal", "adopt", "total"}, "lane_evidence"?: {raw timings, samples, peaks, device, numerics, verdict}}` (the
+"served": [{"lane"?, "counters", "seconds"}], "phases": {"wait"? (for the compile sandbox),
+"export", "compile", "verify", "lanes"?, "seal", "adopt", "total"}, "lane_evidence"?: {raw
+timings, samples, peaks, device, numerics, verdict}}` (the
 engine files the evidence beside the artifact, never in it) or `{"id", "ok": false, "code",
 "retryable", "phase", "detail", ...}` with `old`/`new`
 (drift), `changes` (toolchain components), `needed`/`found` (device) or `signal`. Codes:
@@ -183,12 +184,16 @@ class _NotNeeded(Exception):
 
 
 @contextlib.contextmanager
-def _sandbox(path: Path, fresh: bool, progress: Callable[[str], None] | None = None) -> Iterator[None]:
+def _sandbox(
+    path: Path, fresh: bool, progress: Callable[[str], None] | None = None
+) -> Iterator[Callable[[], float]]:
     """Hold the sandbox: shared by warm mints; exclusive (and emptied) for a fresh one. The
-    sandbox is shared by every workspace of this machine, so a wait is announced, never silent."""
+    sandbox is shared by every workspace of this machine, so a wait is announced, never silent,
+    and timed: the context gives the seconds it waited (the mint's `wait` phase)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
     mode = fcntl.LOCK_EX if fresh else fcntl.LOCK_SH
+    waited = 0.0
     try:
         try:
             fcntl.flock(fd, mode | fcntl.LOCK_NB)
@@ -196,12 +201,14 @@ def _sandbox(path: Path, fresh: bool, progress: Callable[[str], None] | None = N
             if progress:
                 holder = "mints using it" if fresh else "a `mint --check` emptying it"
                 progress(f"waiting for the compile sandbox {path} ({holder})")
+            t = time.perf_counter()
             fcntl.flock(fd, mode)
+            waited = time.perf_counter() - t
         if fresh:
             shutil.rmtree(path, ignore_errors=True)
         for sub in ("tmp", "inductor", "triton"):
             (path / sub).mkdir(parents=True, exist_ok=True)
-        yield
+        yield lambda: waited
     finally:
         os.close(fd)
 
@@ -382,7 +389,7 @@ def mint(
         # beside the compile; a hold's only once a key needs it (its module costs memory and time)
         check = None if hold else _Stage("check", work, check_env, timeout)
         try:
-            with _sandbox(sandbox, bool(req.get("fresh")), progress):
+            with _sandbox(sandbox, bool(req.get("fresh")), progress) as waited:
                 compiling = _Stage("compile", work, env, timeout)
                 try:
                     if hold:
@@ -450,6 +457,7 @@ def mint(
             "verify": served["errors"],
             "served": served["served"],
             "phases": {
+                **({"wait": round(waited(), 3)} if waited() else {}),
                 **built["seconds"],
                 "verify": round(verify_s, 3),
                 **({"lanes": round(lanes_s, 3)} if lanes_block else {}),

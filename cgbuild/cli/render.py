@@ -69,7 +69,7 @@ def component_summary(name: str, comp: Any) -> str:
 
 
 # A mint worker's phases in the order they run (its result lists them sorted by name).
-PHASE_ORDER = ("export", "compile", "verify", "lanes", "seal", "total")
+PHASE_ORDER = ("wait", "export", "compile", "verify", "lanes", "seal", "adopt", "total")
 
 
 def phase_times(phases: dict[str, Any] | None) -> str:

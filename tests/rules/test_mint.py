@@ -8,10 +8,13 @@ dynamic-batch class, for routing in test_adopt) and the double mint of A in a fr
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -216,10 +219,18 @@ def test_double_mint_in_a_fresh_sandbox_is_byte_identical(
     mint_a: tuple[dict[str, Any], dict[str, Any]], tmp_path: Path
 ) -> None:
     req, first = mint_a
-    again = run_worker({**req, "out": str(tmp_path), "fresh": True, "compare_with": first["artifact"]})
+    # a fresh mint empties the sandbox, so it waits for the warm mint holding it: a timed phase
+    held = os.open(f"{req['sandbox']}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(held, fcntl.LOCK_SH)
+    threading.Timer(3.0, os.close, (held,)).start()
+    again = run_worker(
+        {**req, "id": "again", "out": str(tmp_path), "fresh": True, "compare_with": first["artifact"]}
+    )
     assert again["ok"], again
     assert again["differing"] == [] and again["reproducible"] is True
     assert again["sha256"] == first["sha256"]
+    assert again["phases"]["wait"] >= 2.0 and "wait" not in first["phases"]
+    assert ANNOUNCED["again"][0].startswith("waiting for the compile sandbox")
 
 
 # ---- refusals and failures: no compile ---------------------------------------------------------
