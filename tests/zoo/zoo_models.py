@@ -17,6 +17,13 @@ The heavy zoo (family `zoo-heavy`):
 - `gpt2`: a `transformers` GPT-2 causal LM with tied input/output embeddings;
 - `clip`: a `transformers` CLIP text encoder (a non-persistent `position_ids` buffer).
 
+The diffusion-transformer zoo (family `zoo-dit`), called with the keyword inputs the diffusers
+pipelines pass (`return_dict=False`, a tuple out):
+- `sd3`: a diffusers `SD3Transformer2DModel` (joint attention over latent patches and text;
+  batch 2, as classifier-free guidance calls it);
+- `wan`: a diffusers `WanTransformer3DModel` (video latents of two frames, rotary buffers,
+  RMS-normed q/k, cross-attention to the text).
+
 `zoo.random_buffer` (config) adds a buffer drawn at random on construction: a literal no live
 module reproduces, which adopt must refuse.
 """
@@ -198,6 +205,66 @@ class Rotary(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, s, d))
 
 
+SD3 = {
+    "sample_size": 8,
+    "patch_size": 2,
+    "in_channels": 4,
+    "out_channels": 4,
+    "num_layers": 1,
+    "num_attention_heads": 2,
+    "attention_head_dim": 16,
+    "joint_attention_dim": 32,
+    "caption_projection_dim": 32,
+    "pooled_projection_dim": 16,
+    "pos_embed_max_size": 8,
+}
+"""The tiny SD3 transformer's config: one joint block, 2 heads x 16 dims."""
+
+WAN = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 16,
+    "in_channels": 4,
+    "out_channels": 4,
+    "text_dim": 32,
+    "freq_dim": 32,
+    "ffn_dim": 32,
+    "num_layers": 1,
+    "eps": 1e-6,
+    "rope_max_seq_len": 32,
+}
+"""The tiny Wan transformer's config: one block, 2 heads x 16 dims."""
+
+
+def sd3(spec: dict[str, Any]) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    from diffusers import SD3Transformer2DModel
+
+    b, h, w, text = spec["batch"], spec["height"], spec["width"], spec["text_len"]
+    kwargs = {
+        "hidden_states": torch.randn(b, SD3["in_channels"], h, w),
+        "timestep": torch.rand(b) * 999,
+        "encoder_hidden_states": torch.randn(b, text, SD3["joint_attention_dim"]),
+        "pooled_projections": torch.randn(b, SD3["pooled_projection_dim"]),
+        "joint_attention_kwargs": None,
+        "return_dict": False,
+    }
+    return SD3Transformer2DModel(**SD3), (), kwargs
+
+
+def wan(spec: dict[str, Any]) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    from diffusers import WanTransformer3DModel
+
+    b, h, w, text = spec["batch"], spec["height"], spec["width"], spec["text_len"]
+    kwargs = {
+        "hidden_states": torch.randn(b, WAN["in_channels"], 2, h, w),
+        "timestep": torch.rand(b) * 999,
+        "encoder_hidden_states": torch.randn(b, text, WAN["text_dim"]),
+        "attention_kwargs": None,
+        "return_dict": False,
+    }
+    return WanTransformer3DModel(**WAN), (), kwargs
+
+
 def build(spec: dict[str, Any]) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     b, h, w = spec["batch"], spec["height"], spec["width"]
     name = spec["module"]
@@ -228,4 +295,8 @@ def build(spec: dict[str, Any]) -> tuple[nn.Module, tuple[Any, ...], dict[str, A
         return GPT2(), (torch.randint(0, 64, (b, w)),), {}
     if name == "clip":
         return CLIPText(), (torch.randint(0, 64, (b, w)),), {}
+    if name == "sd3":
+        return sd3(spec)
+    if name == "wan":
+        return wan(spec)
     raise ValueError(f"no zoo module {name!r}")

@@ -1,0 +1,70 @@
+"""The serving zoo (tests/zoo) as the tests use it: copied into a workspace, planned and minted
+through the CLI, its modules rebuilt the way a serving process builds them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cgbuild.config import cgfile
+from cgbuild.store.local import Store
+
+ZOO = Path(__file__).resolve().parents[1] / "zoo"
+
+
+def cli(ws: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True
+    )
+
+
+def minted(
+    factory: pytest.TempPathFactory, selector: str, labels: dict[str, str]
+) -> tuple[Path, dict[str, Any]]:
+    """(workspace, mint summary) after `cgbuild mint //SELECTOR:cpu` (a family, or `family/module`),
+    every target it selects planned first: exactly `labels`, each to be minted."""
+    ws = factory.mktemp(selector.replace("/", "-")) / "ws"
+    shutil.copytree(ZOO, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+    plan = json.loads(cli(ws, "plan", f"//{selector}", "--json").stdout)
+    assert {t["label"] for t in plan["targets"]} == set(labels.values())
+    assert all(t["status"] == "mint" for t in plan["targets"])
+    proc = cli(ws, "mint", f"//{selector}:cpu", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return ws, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def served_module(
+    ws: Path, label: str, seed: int = 7
+) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """The target's module and example call as a serving process holds them: built by the entry,
+    weights of its own (another seed than the mint's)."""
+    from cgbuild_rules import trace
+
+    from cgbuild.config.targets import expand
+    from cgbuild.protocol.trace import job_for
+
+    cg = cgfile.load(ws / "Cgfile")
+    target = next(t for t in expand(cg) if t.label == label)
+    torch.manual_seed(seed)
+    built = trace.build(trace.parse_job(job_for(cg, target).with_id(label).to_json()), "real")
+    return built.module, built.args, built.kwargs
+
+
+def artifact(ws: Path, label: str) -> Path:
+    """The stored artifact of a minted target (the plan must call it fresh)."""
+    plan = json.loads(cli(ws, "plan", label, "--json").stdout)
+    (target,) = plan["targets"]
+    assert target["status"] == "fresh", target
+    return Store(ws / ".cgbuild" / "store").resolve(target["key"]).path
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative RMS error (the mint's verify metric): ‖got − want‖ / ‖want‖."""
+    return float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
