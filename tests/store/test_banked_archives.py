@@ -1,0 +1,36 @@
+"""The H200 store archives committed under benchmarks/results/ are artifacts real serving processes
+adopted: every check of sealed metadata added since must still accept them, and they still
+resolve under the keys they were banked with. Adopting them needs an sm_90 GPU; on this machine
+adopt must refuse them for their sm alone, before loading anything."""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+
+import pytest
+from cgbuild_rules.adopt import load_artifact
+from torch import nn
+
+from cgbuild.store.local import Store
+from cgbuild.store.metadata import metadata_problem
+from cgbuild.store.seal import read_metadata
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+ARCHIVES = sorted(p.name for p in RESULTS.glob("gpu_sm90_store*.tgz"))
+
+
+@pytest.mark.parametrize("archive", ARCHIVES)
+def test_a_banked_archive_reads_resolves_and_is_refused_only_for_its_sm(archive: str, tmp_path: Path) -> None:
+    with tarfile.open(RESULTS / archive) as tar:
+        tar.extractall(tmp_path, filter="data")
+    store = Store(tmp_path / "store")
+    keys = list(store.ref_keys())
+    assert keys, archive
+    for key in keys:
+        path = store.resolve(key, verify=True).path  # re-hashed: the bytes banked are the bytes sealed
+        meta = read_metadata(path)
+        assert meta["key"] == key and metadata_problem(meta) is None, (archive, key, metadata_problem(meta))
+        art = load_artifact(key, nn.Linear(1, 1), store=store)
+        assert art.refusal is not None and art.refusal.code == "wrong-sm", art.refusal
+        assert art.unverified == ("config",)  # sealed before the configuration record
