@@ -7,7 +7,8 @@ something the package does not. `Watch` snapshots, at bind, what each of those r
 identity, and `moved()` answers in one pass over the bound tensors and the module tree:
 
 - per bound tensor (every name it has): the table entry (`_parameters`, `_buffers` or the
-  attribute) still holds the same tensor object, whose storage pointer is the bound one;
+  attribute) still holds the same tensor object, with the bound data pointer, shape and strides
+  (`.data =` a view of its own storage keeps the pointer, not the layout);
 - per submodule: its parent still holds it under that name, its class, `training` flag, number
   of children and whether it has forward hooks or an instance `forward` are as they were;
 - per submodule, every public attribute that is not a tensor or a module (a norm's `eps`, an
@@ -48,6 +49,8 @@ class Moved:
 
 _GONE = object()
 _data_ptr = torch.Tensor.data_ptr
+_size = operator.attrgetter("shape")
+_stride = torch.Tensor.stride
 _training = operator.attrgetter("training")
 
 
@@ -104,7 +107,7 @@ class Watch:
         self.root_class = type(module)
         self.root_training = module.training
         self.global_hooks = _global_hooks()
-        tensors: list[tuple[str, dict[str, Any], str, torch.Tensor, int]] = []
+        tensors: list[tuple[str, dict[str, Any], str, torch.Tensor, int, torch.Size, tuple[int, ...]]] = []
         for fqn in sorted(names):
             prefix, _, name = fqn.rpartition(".")
             try:
@@ -114,7 +117,7 @@ class Watch:
             table = _table(owner, name)
             t = table.get(name)
             if isinstance(t, torch.Tensor):
-                tensors.append((fqn, table, name, t, t.data_ptr()))
+                tensors.append((fqn, table, name, t, t.data_ptr(), t.shape, t.stride()))
         self.tensors = tensors
         edges: list[tuple[str, dict[str, Any], str, nn.Module, type, bool, int, tuple[int, int, bool]]] = []
         for fqn, parent in module.named_modules(remove_duplicate=False):
@@ -138,6 +141,8 @@ class Watch:
         self._tnames = [r[2] for r in self.tensors]
         self._tensors = [r[3] for r in self.tensors]
         self._ptrs = [r[4] for r in self.tensors]
+        self._sizes = [r[5] for r in self.tensors]
+        self._strides = [r[6] for r in self.tensors]
         self._kids = [r[1] for r in self.edges]
         self._knames = [r[2] for r in self.edges]
         self._children = [r[3] for r in self.edges]
@@ -164,6 +169,8 @@ class Watch:
         return (
             all(map(operator.is_, map(dict.get, self._tables, self._tnames), self._tensors))
             and list(map(_data_ptr, self._tensors)) == self._ptrs
+            and list(map(_size, self._tensors)) == self._sizes
+            and list(map(_stride, self._tensors)) == self._strides
             and all(map(operator.is_, map(dict.get, self._kids, self._knames), self._children))
             and list(map(type, self._children)) == self._classes
             and list(map(_training, self._children)) == self._modes
@@ -183,12 +190,16 @@ class Watch:
         """The first thing that differs from the snapshot, or None (the package may run)."""
         if self.unchanged():
             return None
-        for fqn, table, name, t, ptr in self.tensors:
+        for fqn, table, name, t, ptr, size, stride in self.tensors:
             held = table.get(name)
             if held is not t:
                 return Moved(fqn, "was replaced by another tensor" if held is not None else "was removed")
             if t.data_ptr() != ptr:
                 return Moved(fqn, "holds another storage (.data assigned, or moved to another device/dtype)")
+            if t.shape != size or t.stride() != stride:  # `.data =` a view of its own storage
+                return Moved(
+                    fqn, f"is now {list(t.shape)} with stride {list(t.stride())} over the bound storage"
+                )
         for where, kids, name, child, cls, training, n, hooks in self.edges:
             if (now := kids.get(name)) is not child:
                 how = "was removed" if now is None else f"was replaced by a {qualified(type(now))}"
