@@ -96,8 +96,8 @@ def device_sm(device: torch.device) -> str:
 def module_device(module: nn.Module) -> torch.device:
     for t in module.parameters():
         return t.device
-    for t in module.buffers():
-        return t.device
+    for b in module.buffers():
+        return b.device
     return torch.device("cpu")
 
 
@@ -201,9 +201,9 @@ def fit(
     positional = [i for i in inputs if not i.get("keyword")]
     keywords = {i["name"] for i in inputs if i.get("keyword")}
     if len(args) != len(positional) or set(kwargs) != keywords:
-        want = f"{len(positional)} positional + {sorted(keywords)}"
+        takes = f"{len(positional)} positional + {sorted(keywords)}"
         return Refusal(
-            "call-structure", f"call passes {len(args)} positional + {sorted(kwargs)}, artifact takes {want}"
+            "call-structure", f"call passes {len(args)} positional + {sorted(kwargs)}, artifact takes {takes}"
         ), []
     bounds = {s["name"]: (s.get("min"), s.get("max")) for s in contract.get("symbols") or []}
     bound: dict[str, int] = {}
@@ -700,8 +700,7 @@ class Adopted:
             if refusal is None:
                 self.counters["rebound"] += 1
             else:
-                self._hold(art, moved, refusal)
-                why = art.refusal
+                why = self._hold(art, moved, refusal)
         if art is not None and art.package is not None and art.refusal is None:
             try:
                 out = art.package.run_flat([x for x in leaves if isinstance(x, torch.Tensor)])
@@ -755,12 +754,13 @@ class Adopted:
             else:
                 self._hold(art, moved, refusal)
 
-    def _hold(self, art: Artifact, moved: Moved | None, refusal: Refusal) -> None:
+    def _hold(self, art: Artifact, moved: Moved | None, refusal: Refusal) -> Refusal:
         """Refuse `art` for what the module holds now, and watch the module as it is refused (it
-        is not retried until something in it moves)."""
+        is not retried until something in it moves). Returns the refusal it sets."""
         detail = f"{moved}; not re-bound: {refusal.code}: {refusal.detail}" if moved else refusal.detail
-        art.refusal = Refusal("module-changed", detail) if moved else refusal
+        art.refusal = held = Refusal("module-changed", detail) if moved else refusal
         art.watch = Watch(self.module, art.watch.names if art.watch else ())
+        return held
 
     def rebind(self) -> None:
         """Bind every artifact to the module's tensors again, re-arming those refused for what the

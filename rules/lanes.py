@@ -84,6 +84,9 @@ class LaneSwitch(nn.Module):
     against eager and against the reference before it may become a candidate.
     """
 
+    onehot: torch.Tensor
+    """The buffer of a switch of two or more values (`register_buffer`)."""
+
     def __init__(self, axis: str, values: Sequence[str]) -> None:
         super().__init__()
         values = tuple(values)

@@ -411,6 +411,7 @@ def mint(
                 except BaseException:
                     compiling.stop()
                     raise
+            assert check is not None  # a hold starts its check stage with its key
             phase = "verify"
             if progress:
                 progress(phase)
@@ -1166,7 +1167,12 @@ def _lane_verdict(
 
 def _stage_main(stage: str, work: Path, args: Sequence[str] = ()) -> int:
     req = json.loads((work / "request.json").read_text())
-    fn = {"compile": stage_compile, "check": stage_check, "serve": stage_serve}[stage]
+    stages: dict[str, Callable[..., dict[str, Any]]] = {
+        "compile": stage_compile,
+        "check": stage_check,
+        "serve": stage_serve,
+    }
+    fn = stages[stage]
     try:
         result = fn(req, work, *args)
     except MintFailure as e:

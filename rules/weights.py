@@ -116,7 +116,7 @@ def _read_span(
             n = min(size, span[1] - pos)
             if free[k] is not None:
                 free[k].synchronize()
-            view = memoryview(stages[k].numpy())[:n]
+            view = stages[k].numpy().data[:n]
             at = start + pos
             while view.nbytes:
                 got = os.preadv(fd, [view], at)

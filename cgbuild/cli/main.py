@@ -14,10 +14,14 @@ import importlib
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cgbuild import __version__
 from cgbuild.core.errors import UserError
 from cgbuild.protocol.spawn import Terminated, stop_children_on_signals
+
+if TYPE_CHECKING:
+    from cgbuild.plan.workspace import Workspace
 
 DESCRIPTION = (
     "Build compiled PyTorch graphs: plan what a Cgfile declares, mint what is missing with "
@@ -76,7 +80,7 @@ def add_workspace_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def workspace(args: argparse.Namespace):  # -> planner.Workspace (import deferred)
+def workspace(args: argparse.Namespace) -> Workspace:
     from cgbuild.config import cgfile
     from cgbuild.plan.workspace import Workspace
 
@@ -115,7 +119,7 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, ob
                 if exc.name != module_name:
                     raise
                 continue
-            module.add_arguments(p)  # type: ignore[attr-defined]
+            module.add_arguments(p)
             modules[name] = module
     return parser, modules
 

@@ -16,7 +16,7 @@ import argparse
 from cgbuild.cli.main import add_workspace_args, workspace
 from cgbuild.cli.render import console, print_json, progress_bar
 from cgbuild.config.labels import parse_selector
-from cgbuild.core.errors import UserError
+from cgbuild.core.errors import UserError, Where
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
 
     ws = workspace(args)
     selector = parse_selector(args.label)
-    where = {"field": "label"}
+    where: Where = {"field": "label"}
     families = sorted({t.id.family for t in select(ws.cg, expand(ws.cg), selector)})
     if not families:
         raise UserError(f"'{args.label}' selects no target: there is nothing to serve", **where)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cgbuild.cli.main import add_workspace_args, positive_int, workspace
@@ -21,6 +22,7 @@ from cgbuild.protocol.mint import PHASES
 if TYPE_CHECKING:
     from cgbuild.exec.fleet import Executor
     from cgbuild.exec.held import HeldTraces
+    from cgbuild.exec.mint import MintKey
     from cgbuild.plan.workspace import Workspace
 
 
@@ -179,7 +181,7 @@ class PhaseClock:
         return f"{done} → {phase}" if done else phase
 
 
-def _events(total: int):  # -> Callable[[MintKey, str], None]
+def _events(total: int) -> Callable[[MintKey, str], None]:
     """Per key: what it is doing, in execution order with each phase's seconds ("waiting for …"
     while it waits on a free slot or the compile sandbox's lock); an overall bar with ETA on a
     terminal, one line per event otherwise."""
@@ -272,7 +274,7 @@ def _check(args: argparse.Namespace, ws: Any, plan: dict[str, Any], refused: lis
             "nothing to check: no selected target has a stored artifact (mint it first)", field="label"
         )
     bad = 0
-    reports = []
+    reports: list[dict[str, Any]] = []
     for mk in keys:
         result = mint.remint_and_compare(ws, mk)
         same = bool(result.get("ok") and result.get("reproducible"))

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cgbuild.cli.main import add_workspace_args, positive_int, workspace
 from cgbuild.cli.render import STATUS_STYLE, console, progress_bar
 from cgbuild.config.labels import parse_selector
 from cgbuild.core.errors import UserError
+
+if TYPE_CHECKING:
+    from cgbuild.plan.memo import PlanOutput
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def compute(args: argparse.Namespace):  # -> memo.PlanOutput (import deferred)
+def compute(args: argparse.Namespace) -> PlanOutput:
     from cgbuild.plan.memo import plan_output
 
     ws = workspace(args)

@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 STATUS_STYLE = {"fresh": "green", "mint": "yellow", "trace": "cyan", "blocked": "red"}
 
 
-def console(stderr: bool = False):  # -> rich.console.Console
+def console(stderr: bool = False) -> Console:
     from rich.console import Console
 
     return Console(stderr=stderr, highlight=False, soft_wrap=True)

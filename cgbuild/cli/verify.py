@@ -97,10 +97,12 @@ def run(args: argparse.Namespace) -> int:
             elif args.run:
                 path = store.resolve(key, verify=False).path
                 components = plan["toolchains"][platform[key]]["components"]
-                ran = run_artifact(ws, key, path, names[0], components)
-                report["run"] = ran
-                if not ran.get("ok"):
-                    report.update(status="run-failed", detail=f"{ran.get('code')}: {ran.get('detail')}")
+                outcome = run_artifact(ws, key, path, names[0], components)
+                report["run"] = outcome
+                if not outcome.get("ok"):
+                    report.update(
+                        status="run-failed", detail=f"{outcome.get('code')}: {outcome.get('detail')}"
+                    )
         reports.append(report)
     bad = [r for r in reports if r["status"] != "ok"]
     if args.json:

@@ -14,7 +14,7 @@ from typing import Any
 
 from cgbuild.config.cgfile import Cgfile, Family, Module
 from cgbuild.config.labels import Selector, TargetId
-from cgbuild.core.errors import UserError
+from cgbuild.core.errors import UserError, Where
 from cgbuild.core.platform import device_of
 
 
@@ -87,7 +87,7 @@ def select(cg: Cgfile, targets: list[Target], selector: Selector) -> list[Target
     """Targets a selector names. A selector that names nothing is an error naming the closest
     existing values (a typo must not mint nothing and exit 0); only `//...` may select nothing."""
     sku_sm = {name: sku.sm for name, sku in cg.skus.items()}
-    where = {"file": str(cg.path), "field": "label"}
+    where: Where = {"file": str(cg.path), "field": "label"}
     if selector.path and selector.path[0] not in cg.families:
         raise UserError(
             f"no family '{selector.path[0]}' in the Cgfile{_closest(selector.path[0], cg.families)}", **where

@@ -7,6 +7,7 @@ user wrote should ever surface as a traceback.
 from __future__ import annotations
 
 import re
+from typing import TypedDict
 
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
@@ -20,6 +21,14 @@ def printable(text: str) -> str:
     """`text` with control characters and lone surrogates escaped: what a hostile file holds must
     not move the terminal's cursor or hide part of the message."""
     return _UNPRINTABLE.sub(_escape, text)
+
+
+class Where(TypedDict, total=False):
+    """Where bad input is: `UserError`'s keyword arguments, for a caller that raises several."""
+
+    file: str
+    line: int
+    field: str
 
 
 class UserError(Exception):

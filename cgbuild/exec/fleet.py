@@ -41,7 +41,7 @@ from cgbuild.core.codes import RETRYABLE
 from cgbuild.core.errors import UserError
 from cgbuild.core.fs import write_json
 from cgbuild.exec.mint import MintKey, mint_one
-from cgbuild.plan.planner import Workspace
+from cgbuild.plan.workspace import Workspace
 from cgbuild.store.s3 import RemoteError
 
 CONNECT_TIMEOUT_S = 5.0
@@ -113,7 +113,8 @@ def offered() -> dict[str, float]:
 
 def admission(keys: list[MintKey], resources: dict[str, float]) -> tuple[list[MintKey], list[dict[str, Any]]]:
     """Keys some node can mint, and a `refused` row per label of those none can (blocked now)."""
-    runnable, blocked = [], []
+    runnable: list[MintKey] = []
+    blocked: list[dict[str, Any]] = []
     sms = sorted(name for name in resources if name == "cpu" or name.startswith("sm_"))
     for mk in keys:
         sm = mk.target.id.sm

@@ -30,7 +30,8 @@ from cgbuild.protocol.trace import FACT_KEYS
 
 if TYPE_CHECKING:
     from cgbuild.config.targets import Target
-    from cgbuild.plan.planner import TraceUnit, Workspace
+    from cgbuild.plan.planner import TraceUnit
+    from cgbuild.plan.workspace import Workspace
 
 
 class Held:

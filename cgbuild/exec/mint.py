@@ -28,7 +28,7 @@ from cgbuild.core.errors import UserError
 from cgbuild.core.fs import write_json
 from cgbuild.core.platform import host_name
 from cgbuild.plan.diff import load_plan
-from cgbuild.plan.planner import Workspace
+from cgbuild.plan.workspace import Workspace
 from cgbuild.protocol.mint import MintRequest, run_worker
 from cgbuild.protocol.trace import job_for
 from cgbuild.store.local import Store, StoreError

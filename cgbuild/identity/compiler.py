@@ -23,6 +23,7 @@ import shutil
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from cgbuild.core import fs
 from cgbuild.core.platform import normalize_arch
@@ -76,7 +77,7 @@ def choose_cxx(override: str | None = None, search_path: str | None = None) -> s
     return os.path.abspath(found)
 
 
-def cxx_component(path: str) -> dict:
+def cxx_component(path: str) -> dict[str, Any]:
     """{"family", "version", "banner", "digest"} of the compiler at `path` (runs `--version`).
 
     Memoised per (path, mtime, size, inode) in this process; `cgbuild.identity.toolchain` also keeps it in
@@ -168,7 +169,9 @@ def torch_clamps_march(paths: list[str] | None = None) -> bool:
     return re.search(r"^\s+march\s*:", text, re.M) is not None
 
 
-def isa_component(machine: str | None = None, *, clamps: bool = True, host_level: str | None = None) -> dict:
+def isa_component(
+    machine: str | None = None, *, clamps: bool = True, host_level: str | None = None
+) -> dict[str, Any]:
     """{"arch", "level"}: the CLAMPED level host code is built for, independent of this host.
 
     A torch that cannot clamp (`clamps=False`) builds `-march=native`: then the level is KEYED
@@ -188,7 +191,9 @@ def _rank(level: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def isa_refusal(component: dict, host_level: str | None = None, machine: str | None = None) -> str | None:
+def isa_refusal(
+    component: dict[str, Any], host_level: str | None = None, machine: str | None = None
+) -> str | None:
     """Why this host cannot mint code for the ISA `component`, or None when it can.
 
     Below the clamp, Inductor's vec-ISA probe rejects the clamped ISA and falls back to scalar

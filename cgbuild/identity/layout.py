@@ -69,7 +69,7 @@ class QuantRule:
     def transforms(self) -> bool:
         """Whether the rule rewrites modules before the trace (every rule but `plain.*`): such a
         rule must have a transform in `cgbuild_rules.quant`, or it would key plain weights."""
-        return self.facts["eligible"] != "none"
+        return bool(self.facts["eligible"] != "none")
 
     @property
     def min_sm(self) -> str | None:

@@ -36,7 +36,7 @@ aside) with these two settings.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final
 
 from cgbuild.core.platform import normalize_arch
 
@@ -150,7 +150,7 @@ def _inductor(arch: str, clamps: bool = True) -> dict[str, bool | int | str]:
     return {**_INDUCTOR, "cpp.march": clamp["march"], "cpp.simdlen": clamp["simdlen"]}
 
 
-def settings_block(arch: str = "x86_64", *, clamps: bool = True) -> dict:
+def settings_block(arch: str = "x86_64", *, clamps: bool = True) -> dict[str, Any]:
     """The `settings` toolchain component: every declared knob and the mint environment.
 
     On an architecture with no declared clamp the block simply lacks the clamp knobs; such a host

@@ -34,7 +34,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from cgbuild.core import fs, jsonfile, statefile
 from cgbuild.core.canon import NotCanonical, canonical_json, digest
@@ -48,7 +48,7 @@ LOCK_SCHEMA = "cgbuild.toolchain-lock/1"
 FOLD_SCHEME = "cgbuild.toolchain-fold/1"
 CACHE_SCHEMA = "cgbuild.toolchain-cache/1"
 PLATFORMS = ("cpu", "cuda")
-ABSENT: dict = {"absent": True}
+ABSENT: dict[str, Any] = {"absent": True}
 
 TRITON_DISTS = ("triton", "pytorch-triton")
 TRACE_ONLY = ("diffusers", "peft", "transformers")
@@ -60,7 +60,7 @@ _CUDA_MEMBER = re.compile(r"(nvidia|cuda)-")
 _EXTRA_GATE = re.compile(r"""\bextra\s*==\s*["']([^"']+)["']""")
 _CACHE_ENTRIES = 8
 
-Components = dict[str, dict]
+Components = dict[str, dict[str, Any]]
 
 
 class ToolchainError(UserError):
@@ -128,7 +128,7 @@ class _Reader:
     def watch(self, path: str) -> None:
         self.stats[path] = _stat(path)
 
-    def wheel(self, dist: metadata.Distribution) -> tuple[dict, list[tuple[str, str]]]:
+    def wheel(self, dist: metadata.Distribution) -> tuple[dict[str, Any], list[tuple[str, str]]]:
         record = _distinfo(dist) / "RECORD"
         self.watch(str(record))
         try:
@@ -146,7 +146,7 @@ class _Reader:
         return _find(name, self.paths)
 
 
-def wheel_component(name: str, paths: Iterable[str] | None = None) -> dict:
+def wheel_component(name: str, paths: Iterable[str] | None = None) -> dict[str, Any]:
     """{"dist", "version", "digest"} of the installed distribution `name`, or {"absent": true}."""
     reader = _Reader([str(p) for p in (sys.path if paths is None else paths)])
     dist = reader.find(name)
@@ -213,7 +213,7 @@ def _ptxas(
     triton: metadata.Distribution,
     rows: list[tuple[str, str]],
     environ: Mapping[str, str],
-) -> dict:
+) -> dict[str, Any]:
     """triton's bundled ptxas binaries (their RECORD hash, already inside the triton digest, and
     their version), and any recorded override (`policy.PASS_RECORDED`) by its bytes."""
     bundled = {}
@@ -235,13 +235,13 @@ def _ptxas(
         overrides[var] = {"sha256": file_digest, "version": _tool_version(value)}
     if not bundled and not overrides:
         return dict(ABSENT)
-    block: dict = {"dist": "triton", "bundled": bundled}
+    block: dict[str, Any] = {"dist": "triton", "bundled": bundled}
     if overrides:
         block["override"] = overrides
     return block
 
 
-def _read_wheels(paths: list[str], environ: Mapping[str, str]) -> tuple[dict, dict]:
+def _read_wheels(paths: list[str], environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The expensive, cacheable part of a probe: wheel components and forensics."""
     reader = _Reader(paths)
     torch = reader.find("torch")
@@ -297,12 +297,12 @@ def _valid_cache(doc: Any) -> bool:
     return True
 
 
-def _load_cache(cache_path: str) -> dict:
+def _load_cache(cache_path: str) -> dict[str, Any]:
     doc = statefile.read_json(Path(cache_path), _valid_cache, "toolchain probe cache")
     return doc["entries"] if doc is not None else {}
 
 
-def _save_cache(cache_path: str, entries: dict) -> None:
+def _save_cache(cache_path: str, entries: dict[str, Any]) -> None:
     """Best effort, atomic: a cache that cannot be written only costs the next probe."""
     while len(entries) > _CACHE_ENTRIES:
         entries.pop(next(iter(entries)))
@@ -317,7 +317,7 @@ def probe(
     cache_path: str | None = None,
     environ: Mapping[str, str] | None = None,
     cpuinfo: str = "/proc/cpuinfo",
-) -> dict:
+) -> dict[str, Any]:
     """This environment's toolchain: {"cpu": {"components", "forensics"}, "cuda": {...}}.
 
     `cxx` is the Cgfile's `[toolchain] cxx` override (default: the distribution's g++, never
@@ -347,7 +347,7 @@ def probe(
     entry = entries.get(key)
     cached = None
     stats = entry.get("stats") if isinstance(entry, dict) else None
-    if isinstance(stats, dict) and all(_stat(p) == s for p, s in stats.items()):
+    if isinstance(entry, dict) and isinstance(stats, dict) and all(_stat(p) == s for p, s in stats.items()):
         cached = entry.get("result")
     if not (isinstance(cached, dict) and cached.keys() >= _CACHED):
         cxx_stat = _stat(cxx_path)
@@ -392,7 +392,7 @@ def fold(components: Mapping[str, Any]) -> str:
     return digest({"scheme": FOLD_SCHEME, "components": dict(components)})
 
 
-def platform_blocks(probe_result: Mapping[str, Any]) -> dict:
+def platform_blocks(probe_result: Mapping[str, Any]) -> dict[str, Any]:
     """{platform: {"fold", "components", ["forensics"]}}: the shape plans carry."""
     out = {}
     for name, block in probe_result.items():
@@ -402,7 +402,7 @@ def platform_blocks(probe_result: Mapping[str, Any]) -> dict:
     return out
 
 
-def lock_document(probe_result: Mapping[str, Any]) -> dict:
+def lock_document(probe_result: Mapping[str, Any]) -> dict[str, Any]:
     """A lock: components and fold per platform; forensics (paths, host level) left out."""
     return {
         "schema": LOCK_SCHEMA,
@@ -423,7 +423,7 @@ def write_lock(path: str, document: Mapping[str, Any]) -> None:
     fs.write_atomic(path, lock_text(document))
 
 
-def read_lock(path: str) -> dict:
+def read_lock(path: str) -> dict[str, Any]:
     """Read and check a lock; raises ToolchainError naming the file and the field at fault.
 
     A recorded fold must match the components (a hand edit of one without the other is refused);
@@ -460,7 +460,7 @@ def read_lock(path: str) -> dict:
             raise fail(f"{where}.{extra[0]}", "unknown field")
         components = block.get("components")
         check_components(fail, f"{where}.components", components)
-        computed = fold(components)
+        computed = fold(cast(dict[str, Any], components))
         if "fold" in block and block["fold"] != computed:
             raise fail(f"{where}.fold", "does not match the components (edited by hand?); re-lock")
         out[name] = {"fold": computed, "components": components}
@@ -504,7 +504,7 @@ def resolve(
     cxx: str | None = None,
     cache: str | os.PathLike[str] | None = None,
     paths: Iterable[str] | None = None,
-) -> tuple[dict, str]:
+) -> tuple[dict[str, Any], str]:
     """(toolchains, source) by precedence: `--toolchain LOCK` > the Cgfile's lock > probing.
 
     `probe` is a probe result or a callable producing one; without it this environment is probed
@@ -514,6 +514,7 @@ def resolve(
     for lock in (cli_lock, cgfile_lock):
         if lock:
             return read_lock(str(lock))["platforms"], f"lock:{lock}"
+    result: Mapping[str, Any]
     if probe is None:
         result = _probe_environment(cxx, paths=paths, cache_path=str(cache) if cache else None)
     else:
@@ -527,7 +528,7 @@ def torch_version(platform_block: Mapping[str, Any]) -> str | None:
     that would trace: different means the graph is unknown."""
     comp = platform_block.get("components", {}).get("torch")
     if isinstance(comp, dict) and isinstance(comp.get("version"), str):
-        return comp["version"]
+        return cast(str, comp["version"])
     return None
 
 
@@ -574,7 +575,7 @@ def _show(value: Any) -> str:
     return value if isinstance(value, str) else canonical_json(value)
 
 
-def _leaf_diff(old: dict, new: dict) -> tuple[str, str]:
+def _leaf_diff(old: dict[str, Any], new: dict[str, Any]) -> tuple[str, str]:
     """The changed leaves of two blocks, at most three, as "key=value"; a changed list of names
     (e.g. the scrubbed environment) as what was added and removed."""
     a, b = _leaves(old), _leaves(new)

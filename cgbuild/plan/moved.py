@@ -118,7 +118,7 @@ class Movement:
             changes = toolchain.component_changes(old_comp, new_comp)
             return [
                 why.axis_moved(name, str(before), str(after), root=True, component=comp)
-                for comp, before, after in changes or [("fold", old.get("fold"), new.identity["fold"])]
+                for comp, before, after in changes or [("fold", str(old.get("fold")), new.identity["fold"])]
             ]
         # the graph, and a topology read from the trace, move because the trace inputs did
         traced = name == "graph" or new.readable.get("topology_source") == "trace"

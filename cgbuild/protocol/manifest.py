@@ -85,7 +85,13 @@ def _entry(row: Any, where: str) -> Entry:
             continue
         if not isinstance(value, str) or not value:
             raise BadManifest(f"{where}.{name}: must be a non-empty string")
-    return Entry(**{f: row.get(f) for f in _FIELDS})
+    return Entry(
+        graph_class=row["graph_class"],
+        key=row["key"],
+        layout=row["layout"],
+        sm=row["sm"],
+        stamp=row.get("stamp"),
+    )
 
 
 def build(family: str, targets: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

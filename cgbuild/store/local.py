@@ -44,7 +44,7 @@ import shutil
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, cast
 
 from cgbuild.core import fs
 from cgbuild.core.canon import NotCanonical, canonical_json, file_digest
@@ -405,7 +405,7 @@ class Store:
 
     def quarantine_record(self, key: str) -> dict[str, Any] | None:
         try:
-            return json.loads(self.quarantine_path(validated_key(key)).read_bytes())
+            return cast(dict[str, Any], json.loads(self.quarantine_path(validated_key(key)).read_bytes()))
         except FileNotFoundError:
             return None
 
@@ -444,7 +444,7 @@ class Store:
                 done = f"not quarantined ({err.strerror or err})"
             return Verdict(key, "malformed-ref", f"{e.detail}: {done}")
         except StoreError as e:
-            return Verdict(key, e.code, e.detail)  # type: ignore[arg-type]
+            return Verdict(key, e.code, e.detail)
         return Verdict(key, "ok")
 
     def sealed_problem(self, ref: Ref) -> tuple[str, str] | None:

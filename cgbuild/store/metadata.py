@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from cgbuild.lanes import combinations
 
@@ -33,7 +33,7 @@ def _obj(value: Any, where: str, *, optional: bool = False) -> dict[str, Any]:
     if value is None and optional:
         return {}
     _need(isinstance(value, dict), where, "not an object")
-    return value
+    return cast(dict[str, Any], value)
 
 
 def _list(value: Any, where: str, item: Callable[[Any, str], None], *, optional: bool = True) -> None:

@@ -125,7 +125,7 @@ def seal(
 class _Budget(io.RawIOBase):
     """The decompressed tar stream, refused past `limit` bytes: a gzip bomb stops there."""
 
-    def __init__(self, inner: IO[bytes], limit: int, artifact: object) -> None:
+    def __init__(self, inner: io.BufferedIOBase, limit: int, artifact: object) -> None:
         self.inner, self.limit, self.used, self.artifact = inner, limit, 0, artifact
 
     def readable(self) -> bool:
@@ -227,16 +227,16 @@ def _recorded(meta: Any, artifact: object) -> dict[str, Any] | None:
         return None
     sizes = block.get("members") if isinstance(block, dict) else None
     package = block.get("package") if isinstance(block, dict) else None
-    ok = (
-        isinstance(sizes, dict)
+    if not (
+        isinstance(block, dict)
+        and isinstance(sizes, dict)
         and isinstance(package, dict)
         and PACKAGE in sizes
         and set(sizes) <= set(MEMBER_ORDER[1:])
         and all(
             type(v) is int and v >= 0 for v in (*sizes.values(), package.get("entries"), package.get("bytes"))
         )
-    )
-    if not ok:
+    ):
         raise SealError(f"{artifact}: malformed '{SEALED}' block in {METADATA}", "bad-metadata")
     for name, size in sizes.items():
         if size > MAX_MEMBER_BYTES[name]:

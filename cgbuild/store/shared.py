@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from cgbuild.core import fs
 from cgbuild.core.canon import canonical_json, file_digest
@@ -120,7 +120,7 @@ class SharedStore:
             self.remote.seen = self.remote.list_keys()
             self.remote.listed = True
             self._save_seen(started)
-        return self.remote.seen
+        return cast(set[str], self.remote.seen)  # `listed`: `seen` is that listing
 
     def seen_keys(self) -> set[str]:
         """Keys the remembered listing (younger than `SEEN_TTL_S`) or this cache's publishes saw,
