@@ -44,6 +44,7 @@ from cgbuild_rules.bound import (
 )
 from cgbuild_rules.lanes import bindings, device_memory_bytes
 from cgbuild_rules.loader import Package, host_runtime, same_view, state_tensors
+from cgbuild_rules.weights import ALIGN
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -60,10 +61,6 @@ from cgbuild.store.seal import LITERALS, PACKAGE, SealError, read_metadata, unse
 from cgbuild.store.shared import SharedStore
 
 log = logging.getLogger("cgbuild.adopt")
-
-ALIGN = 16
-"""Bytes an input's start must be aligned to: compiled kernels may assume it (Triton's pointer
-divisibility), and every traced input was so aligned."""
 
 
 class AdoptRefused(RuntimeError):
@@ -295,9 +292,9 @@ class Artifact:
     baseline: Structure | None = None
     """The module tree as first bound: a re-arm requires the live tree to be it again."""
     unverified: tuple[str, ...] = ()
+    """Checks this artifact cannot support (`config`: sealed before the configuration record)."""
     check_config: bool = True
     """False for a checkpoint's tensors: no model code, so no configuration beside the program's."""
-    """Checks this artifact cannot support (`config`: sealed before the configuration record)."""
     reload: Callable[[nn.Module], Artifact] | None = None
     """Load it again (an artifact refused before its package was loaded is re-armed so)."""
 
@@ -522,16 +519,24 @@ def _arm(
             "constant-table-mismatch", f"package binds {extra[:3]} that the sealed table does not describe"
         )
         return
+    if refusal := _bind_live(art, package, module, device):
+        art.refusal = refusal
+        return
+    art.package = package
+    art.baseline = structure(module)
+
+
+def _bind_live(art: Artifact, package: Package, module: nn.Module, device: torch.device) -> Refusal | None:
+    """Bind `package` to the live module's tensors and watch them, when they and the module's
+    configuration match the artifact; else the first reason they do not (an unfused adapter named)."""
     bound, refusal = _bindings(art, package, module, device)
     if refusal is None and art.check_config:
         refusal = config_refusal(art.metadata, module)
-    if refusal:
-        art.refusal = Refusal(refusal.code, f"{refusal.detail}{_adapter_hint(module)}")
-        return
+    if refusal is not None:
+        return Refusal(refusal.code, f"{refusal.detail}{_adapter_hint(module)}")
     package.bind(bound)
-    art.package = package
     art.watch = _watch(art, module, bound)
-    art.baseline = structure(module)
+    return None
 
 
 def _watch(art: Artifact, module: nn.Module, bound: Collection[str]) -> Watch:
@@ -729,14 +734,10 @@ class Adopted:
         if art.baseline is not None and (moved := structure_moved(art.baseline, module)) is not None:
             return Refusal("module-changed", f"{moved}{_adapter_hint(module)}")
         refusal = layout_refusal(art.metadata, module)
-        if refusal is None:
-            bound, refusal = _bindings(art, art.package, module, module_device(module))
-        if refusal is None and art.check_config:
-            refusal = config_refusal(art.metadata, module)
         if refusal is not None:
             return Refusal(refusal.code, f"{refusal.detail}{_adapter_hint(module)}")
-        art.package.bind(bound)
-        art.watch = _watch(art, module, bound)
+        if refusal := _bind_live(art, art.package, module, module_device(module)):
+            return refusal
         art.refusal = None
         return None
 

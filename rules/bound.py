@@ -120,7 +120,10 @@ class Watch:
                 tensors.append((fqn, table, name, t, t.data_ptr(), t.shape, t.stride()))
         self.tensors = tensors
         edges: list[tuple[str, dict[str, Any], str, nn.Module, type, bool, int, tuple[int, int, bool]]] = []
-        for fqn, parent in module.named_modules(remove_duplicate=False):
+        values: list[tuple[str, dict[str, Any], str, Any]] = []
+        for fqn, parent in module.named_modules(remove_duplicate=False):  # one walk for both
+            for name, value in settings(parent):
+                values.append((f"{fqn}.{name}" if fqn else name, parent.__dict__, name, value))
             for name, child in parent._modules.items():
                 if child is None:
                     continue
@@ -128,10 +131,6 @@ class Watch:
                 state = (type(child), child.training, len(child._modules), _hook_counts(child))
                 edges.append((where, parent._modules, name, child, *state))
         self.edges = edges
-        values: list[tuple[str, dict[str, Any], str, Any]] = []
-        for fqn, m in module.named_modules(remove_duplicate=False):
-            for name, value in settings(m):
-                values.append((f"{fqn}.{name}" if fqn else name, m.__dict__, name, value))
         self.values = values
         self._columns()
 
@@ -228,24 +227,32 @@ class Watch:
         return Moved("", "changed since it was bound")  # `unchanged` saw what the walk above did not
 
 
-Structure = dict[str, tuple[type, bool, tuple[int, int, bool]]]
+@dataclass(frozen=True)
+class Structure:
+    """The module tree by FQN, without object references: per submodule (class, training, hook
+    counts; the root's own hooks excluded: they run around both paths alike), and whether torch's
+    global forward hooks were set."""
+
+    modules: dict[str, tuple[type, bool, tuple[int, int, bool]]]
+    global_hooks: bool
 
 
 def structure(module: nn.Module) -> Structure:
-    """FQN → (class, training, hook counts) of every submodule (the root's own hooks excluded: they
-    run around both paths alike)."""
-    out: Structure = {}
-    for fqn, m in module.named_modules(remove_duplicate=False):
-        out[fqn] = (type(m), m.training, _hook_counts(m) if fqn else (0, 0, False))
-    return out
+    modules = {
+        fqn: (type(m), m.training, _hook_counts(m) if fqn else (0, 0, False))
+        for fqn, m in module.named_modules(remove_duplicate=False)
+    }
+    return Structure(modules, _global_hooks())
 
 
 def structure_moved(baseline: Structure, module: nn.Module) -> Moved | None:
     """The first submodule whose class, mode or hooks differ from `baseline`, or that one side
     lacks; None when the live tree is the bound one again."""
     live = structure(module)
-    for fqn in sorted(set(baseline) | set(live)):
-        was, now = baseline.get(fqn), live.get(fqn)
+    if live.global_hooks is not baseline.global_hooks:
+        return Moved("", "sees torch's global forward hooks changed since it was adopted")
+    for fqn in sorted(set(baseline.modules) | set(live.modules)):
+        was, now = baseline.modules.get(fqn), live.modules.get(fqn)
         if now is None:
             return Moved(fqn, "is gone")
         if was is None:

@@ -284,3 +284,30 @@ def test_malformed_records_are_refused_as_bad_metadata(
     bad = edited(art, tmp_path / "bad.tar.gz", edit)
     (refusal,) = adopt(bad, tiny(tmp_path_factory)).refusals.values()
     assert refusal.code == "bad-metadata" and field in refusal.detail
+
+
+def test_traced_strides_this_call_cannot_evaluate_are_refused(art: Path) -> None:
+    """A recorded stride naming a symbol the call does not bind has no layout to copy into."""
+    contract = read_metadata(art)["graph"]["contract"]
+    contract["inputs"][0]["leaves"][0]["stride"] = ["S9", 64, 1]
+    why, _ = fit(contract, (torch.randn(1, 8, 64),), {})
+    assert why is not None and why.code == "stride" and "['S9', 64, 1] are not checkable" in why.detail
+
+
+def test_a_global_forward_hook_is_refused_until_removed(
+    art: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """torch's process-wide module hooks run in every submodule's eager call, never in the package."""
+    m = tiny(tmp_path_factory)
+    served = adopt(art, m)
+    x = torch.randn(1, 8, 64)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda _m, _i, out: out)
+    try:
+        with torch.no_grad():
+            close(served(x), m(x))
+        assert served.last_reason is not None and "global forward hooks" in served.last_reason.detail
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        close(served(x), m(x))
+    assert served.counters == {"eager:module-changed": 1, "rebound": 1, "compiled": 1}
