@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cgbuild.core.codes import Code
 from cgbuild.core.entry import entry_files
 from cgbuild.core.errors import UserError
 from cgbuild.core.platform import device_of, sm_number
@@ -308,7 +309,7 @@ def choose(measured: Sequence[Measured], memory_bytes: int) -> Choice:
 
     fitting = [m for m in measured if fits(m.peak_bytes, memory_bytes)]
     if not fitting:
-        return Choice(min(measured, key=by_peak).lane, "no-fit")
+        return Choice(min(measured, key=by_peak).lane, Code.NO_FIT)
     fastest = min(fitting, key=lambda m: (m.median_ns, order[m.lane]))
     tied = [m for m in fitting if in_tie_band(m.median_ns, fastest.median_ns)]
     winner = min(tied, key=by_peak) if len(tied) > 1 else fastest
@@ -316,7 +317,7 @@ def choose(measured: Sequence[Measured], memory_bytes: int) -> Choice:
     if not fits(overall.peak_bytes, memory_bytes) and overall.median_ns < winner.median_ns:
         binding = "fit"
     elif winner is not fastest:
-        binding = "tie-peak"
+        binding = Code.TIE_PEAK
     else:
         binding = "speed"
     return Choice(winner.lane, binding)
@@ -371,7 +372,7 @@ class Refit:
     """Adopt's lane for this device and why: a typed `code` and a sentence."""
 
     lane: str
-    code: str
+    code: Code
     """`lane-adopted` (the recorded winner fits), `lane-refit` (the next recorded lane in fallback
     order that fits), `lane-refit-no-fit` (nothing fits: smallest recorded peak),
     `lane-unverified` (no recorded peaks: the recorded winner, unchecked), `lane-pinned`."""
@@ -385,15 +386,17 @@ def refit(verdict: Mapping[str, Any], memory_bytes: int) -> Refit:
     mem = f"{memory_bytes / GIB:.1f} GiB"
     if not peaks:
         why = verdict.get("binding")
-        return Refit(winner, "lane-unverified", f"{winner}: the artifact records no measured peaks ({why})")
+        return Refit(
+            winner, Code.LANE_UNVERIFIED, f"{winner}: the artifact records no measured peaks ({why})"
+        )
     need = required_bytes(peaks[winner])
     if need <= memory_bytes:
-        return Refit(winner, "lane-adopted", f"{winner} needs {need / GIB:.1f} GiB of {mem}")
+        return Refit(winner, Code.LANE_ADOPTED, f"{winner} needs {need / GIB:.1f} GiB of {mem}")
     for lane in verdict.get("fallback") or []:
         if lane != winner and lane in peaks and fits(peaks[lane], memory_bytes):
             return Refit(
                 lane,
-                "lane-refit",
+                Code.LANE_REFIT,
                 f"{winner} needs {need / GIB:.1f} GiB, more than {mem}; "
                 f"{lane} needs {required_bytes(peaks[lane]) / GIB:.1f} GiB",
             )
@@ -401,7 +404,7 @@ def refit(verdict: Mapping[str, Any], memory_bytes: int) -> Refit:
     smallest = min(peaks, key=lambda lane: (peaks[lane], order.index(lane) if lane in order else len(order)))
     return Refit(
         smallest,
-        "lane-refit-no-fit",
+        Code.LANE_REFIT_NO_FIT,
         f"no recorded lane fits {mem}; {smallest} has the smallest peak "
         f"({peaks[smallest] / GIB:.2f} GiB recorded)",
     )

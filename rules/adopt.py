@@ -49,6 +49,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from cgbuild import lanes
+from cgbuild.core.codes import Code
 from cgbuild.identity import compiler
 from cgbuild.identity.layout import safetensors_dtype
 from cgbuild.lanes import Refit
@@ -75,7 +76,7 @@ class AdoptRefused(RuntimeError):
 class Refusal:
     """Why an artifact (or one call) is served eager: a stable `code` and a sentence."""
 
-    code: str
+    code: Code
     detail: str
 
 
@@ -111,30 +112,30 @@ def torch_compiler_family() -> str | None:
 def host_refusal(meta: Mapping[str, Any], device: torch.device) -> Refusal | None:
     """The first recorded fact this host or device contradicts, checked before any load."""
     if meta.get("kind") != "aot-inductor":
-        return Refusal("bad-artifact", f"kind {meta.get('kind')!r} is not an AOTInductor artifact")
+        return Refusal(Code.BAD_ARTIFACT, f"kind {meta.get('kind')!r} is not an AOTInductor artifact")
     here = device_sm(device)
     if meta.get("sm") != here:
-        return Refusal("wrong-sm", f"artifact is for {meta.get('sm')}, the module is on {device} ({here})")
+        return Refusal(Code.WRONG_SM, f"artifact is for {meta.get('sm')}, the module is on {device} ({here})")
     if meta.get("torch") != torch.__version__:
         return Refusal(
-            "torch-version",
+            Code.TORCH_VERSION,
             f"artifact was built with torch {meta.get('torch')}, "
             f"this process runs {torch.__version__} (packages are ABI-locked)",
         )
     host = meta.get("host") or {}
     isa = compiler.isa_refusal(host.get("isa") or {})
     if isa:
-        return Refusal("host-isa", isa)
+        return Refusal(Code.HOST_ISA, isa)
     family = (host.get("cxx") or {}).get("family")
     built_with = torch_compiler_family()
     if family and built_with and family != built_with:
-        return Refusal("compiler-family", f"package built with {family}, torch with {built_with}")
+        return Refusal(Code.COMPILER_FAMILY, f"package built with {family}, torch with {built_with}")
     provided = host_runtime()
     for name, need in (host.get("runtime") or {}).items():
         want = tuple(int(x) for x in need.split("."))
         if name in provided and provided[name] < want:
             have = ".".join(map(str, provided[name]))
-            return Refusal("host-runtime", f"package needs {name}_{need}, this host provides {have}")
+            return Refusal(Code.HOST_RUNTIME, f"package needs {name}_{need}, this host provides {have}")
     return None
 
 
@@ -200,7 +201,8 @@ def fit(
     if len(args) != len(positional) or set(kwargs) != keywords:
         takes = f"{len(positional)} positional + {sorted(keywords)}"
         return Refusal(
-            "call-structure", f"call passes {len(args)} positional + {sorted(kwargs)}, artifact takes {takes}"
+            Code.CALL_STRUCTURE,
+            f"call passes {len(args)} positional + {sorted(kwargs)}, artifact takes {takes}",
         ), []
     bounds = {s["name"]: (s.get("min"), s.get("max")) for s in contract.get("symbols") or []}
     bound: dict[str, int] = {}
@@ -215,35 +217,35 @@ def fit(
         want = spec.get("leaves") or []
         if len(got) != len(want):
             return Refusal(
-                "call-structure", f"{spec['name']}: {len(got)} leaves, artifact takes {len(want)}"
+                Code.CALL_STRUCTURE, f"{spec['name']}: {len(got)} leaves, artifact takes {len(want)}"
             ), []
         for j, (g, w) in enumerate(zip(got, want, strict=True)):
             where = f"{spec['name']}" + (f"[{j}]" if len(want) > 1 else "")
             if not isinstance(w, dict):
                 if isinstance(g, torch.Tensor) or g != w:
-                    return Refusal("constant-arg", f"{where}: {g!r} where the program baked {w!r}"), []
+                    return Refusal(Code.CONSTANT_ARG, f"{where}: {g!r} where the program baked {w!r}"), []
                 leaves.append(g)
                 continue
             if not isinstance(g, torch.Tensor):
-                return Refusal("not-a-tensor", f"{where}: {type(g).__name__}, artifact takes a tensor"), []
+                return Refusal(Code.NOT_A_TENSOR, f"{where}: {type(g).__name__}, artifact takes a tensor"), []
             dtype = str(g.dtype).removeprefix("torch.")
             if dtype != w["dtype"]:
-                return Refusal("dtype", f"{where}: {dtype}, artifact takes {w['dtype']}"), []
+                return Refusal(Code.DTYPE, f"{where}: {dtype}, artifact takes {w['dtype']}"), []
             if g.device.type != w["device"]:
-                return Refusal("device", f"{where}: on {g.device.type}, artifact takes {w['device']}"), []
+                return Refusal(Code.DEVICE, f"{where}: on {g.device.type}, artifact takes {w['device']}"), []
             if g.dim() != len(w["shape"]):
-                return Refusal("shape", f"{where}: rank {g.dim()}, artifact takes {len(w['shape'])}"), []
+                return Refusal(Code.SHAPE, f"{where}: rank {g.dim()}, artifact takes {len(w['shape'])}"), []
             for axis, (size, dim) in enumerate(zip(g.shape, w["shape"], strict=True)):
                 if isinstance(dim, int):
                     if size != dim:
-                        return Refusal("shape", f"{where} dim {axis}: {size}, artifact takes {dim}"), []
+                        return Refusal(Code.SHAPE, f"{where} dim {axis}: {size}, artifact takes {dim}"), []
                 elif dim in bounds:
                     lo, hi = bounds[dim]
                     if bound.setdefault(dim, size) != size:
-                        return Refusal("shape", f"{where} dim {axis}: {size}, but {dim} = {bound[dim]}"), []
+                        return Refusal(Code.SHAPE, f"{where} dim {axis}: {size}, but {dim} = {bound[dim]}"), []
                     if (lo is not None and size < lo) or (hi is not None and size > hi):
                         return Refusal(
-                            "symbol-range", f"{where} dim {axis}: {size} outside {dim} ∈ [{lo}, {hi}]"
+                            Code.SYMBOL_RANGE, f"{where} dim {axis}: {size} outside {dim} ∈ [{lo}, {hi}]"
                         ), []
                 else:
                     pending.append((f"{where} dim {axis}", dim, size))
@@ -253,18 +255,18 @@ def fit(
     for where, expr, size in pending:
         value = _dim_value(expr, bound)
         if value is None:
-            return Refusal("shape", f"{where}: size {expr!r} is not checkable here"), []
+            return Refusal(Code.SHAPE, f"{where}: size {expr!r} is not checkable here"), []
         if value != size:
-            return Refusal("shape", f"{where}: {size}, artifact takes {expr} = {value}"), []
+            return Refusal(Code.SHAPE, f"{where}: {size}, artifact takes {expr} = {value}"), []
     for i, (where, g, w) in enumerate(tensors):
         recorded = w.get("stride")
         shape = list(g.shape)
         want = _contiguous(shape) if recorded is None else [_dim_value(str(d), bound) for d in recorded]
         if any(d is None for d in want) or len(want) != g.dim():
-            return Refusal("stride", f"{where}: traced strides {recorded} are not checkable here"), []
+            return Refusal(Code.STRIDE, f"{where}: traced strides {recorded} are not checkable here"), []
         laid = _as_traced(g, want)  # type: ignore[arg-type]
         if laid is None:
-            return Refusal("stride", f"{where}: cannot lay out {shape} with traced strides {want}"), []
+            return Refusal(Code.STRIDE, f"{where}: cannot lay out {shape} with traced strides {want}"), []
         if laid is not g:
             leaves[positions[i]] = laid
             if restrided is not None:
@@ -326,29 +328,29 @@ def _weights(
             continue
         t = live.get(fqn)
         if t is None:
-            return {}, Refusal("weights-missing", f"the module has no tensor {fqn!r}")
+            return {}, Refusal(Code.WEIGHTS_MISSING, f"the module has no tensor {fqn!r}")
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype != row["dtype"]:
-            return {}, Refusal("weights-mismatch", f"{fqn}: dtype {dtype}, artifact takes {row['dtype']}")
+            return {}, Refusal(Code.WEIGHTS_MISMATCH, f"{fqn}: dtype {dtype}, artifact takes {row['dtype']}")
         if list(t.shape) != row["shape"]:
             return {}, Refusal(
-                "weights-mismatch", f"{fqn}: shape {list(t.shape)}, artifact takes {row['shape']}"
+                Code.WEIGHTS_MISMATCH, f"{fqn}: shape {list(t.shape)}, artifact takes {row['shape']}"
             )
         if list(t.stride()) != row["stride"]:
             return {}, Refusal(
-                "weights-mismatch",
+                Code.WEIGHTS_MISMATCH,
                 f"{fqn}: stride {list(t.stride())}, artifact takes {row['stride']} (never repacked silently)",
             )
         if t.device.type != device.type:
             return {}, Refusal(
-                "weights-mismatch", f"{fqn}: on {t.device}, the artifact runs on {device.type}"
+                Code.WEIGHTS_MISMATCH, f"{fqn}: on {t.device}, the artifact runs on {device.type}"
             )
         for alias in row.get("aliases", []):
             other = live.get(alias)
             if other is None or not same_view(t, other):
                 held = "no such tensor" if other is None else "a separate tensor"
                 return {}, Refusal(
-                    "weights-untied",
+                    Code.WEIGHTS_UNTIED,
                     f"{alias} was tied to {fqn} at mint and the program reads it through {fqn}; "
                     f"the module holds {held}",
                 )
@@ -391,7 +393,7 @@ def _literals(
         same_value = t.dtype == value.dtype and t.shape == value.shape
         if not same_value or not torch.equal(t.detach().to(value.device), value):
             return {}, Refusal(
-                "literal-mismatch",
+                Code.LITERAL_MISMATCH,
                 f"{fqn}: the module holds another value than the one the program was traced with "
                 f"({str(t.dtype).removeprefix('torch.')}{list(t.shape)})",
             )
@@ -419,7 +421,7 @@ def config_refusal(meta: Mapping[str, Any], module: nn.Module) -> Refusal | None
     if not isinstance(recorded, Mapping):
         return None
     why = configured.drift(recorded, module)
-    return Refusal("config-drift", why) if why else None
+    return Refusal(Code.CONFIG_DRIFT, why) if why else None
 
 
 def layout_refusal(meta: Mapping[str, Any], module: nn.Module) -> Refusal | None:
@@ -444,12 +446,12 @@ def layout_refusal(meta: Mapping[str, Any], module: nn.Module) -> Refusal | None
     for name, dtype, shape in sorted(rows):
         t = live.get(name)
         if t is None:
-            return Refusal("layout-mismatch", f"{stamp}: the module has no tensor {name!r}{hint}")
+            return Refusal(Code.LAYOUT_MISMATCH, f"{stamp}: the module has no tensor {name!r}{hint}")
         have = safetensors_dtype(str(t.dtype).removeprefix("torch."))
         if have != dtype or list(t.shape) != list(shape):
             here, there = f"{have}{list(t.shape)}", f"{dtype}{list(shape)}"
             return Refusal(
-                "layout-mismatch", f"{stamp}: {name} is {here} in the module, {there} in the layout{hint}"
+                Code.LAYOUT_MISMATCH, f"{stamp}: {name} is {here} in the module, {there} in the layout{hint}"
             )
     return None
 
@@ -473,7 +475,7 @@ def choose_lane(
     if pin is not None:
         if pin not in carried:
             raise ValueError(f"lane {pin!r} is not in this artifact (it carries {', '.join(carried)})")
-        choice = Refit(pin, "lane-pinned", f"{pin}: pinned by the caller")
+        choice = Refit(pin, Code.LANE_PINNED, f"{pin}: pinned by the caller")
     else:
         memory = memory_bytes if memory_bytes is not None else device_memory_bytes(device)
         choice = lanes.refit(block["verdict"], memory)
@@ -494,7 +496,7 @@ def _arm(
         try:
             art.literals = {k: v.to(device) for k, v in load_file(str(files[LITERALS])).items()}
         except Exception as e:  # safetensors' own error type: the literals file is not one
-            art.refusal = Refusal("bad-literals", f"{LITERALS}: {type(e).__name__}: {e}")
+            art.refusal = Refusal(Code.BAD_LITERALS, f"{LITERALS}: {type(e).__name__}: {e}")
             return
     art.lane, switch = choose_lane(art.metadata, device, memory_bytes=memory_bytes, pin=pin)
     art.literals.update(switch)  # bound with the rest below: before the first call, kept by rebind
@@ -503,7 +505,7 @@ def _arm(
     try:
         package = Package(files[PACKAGE], device_index=device.index if device.index is not None else -1)
     except Exception as e:
-        art.refusal = Refusal("load-failed", f"{type(e).__name__}: {e}")
+        art.refusal = Refusal(Code.LOAD_FAILED, f"{type(e).__name__}: {e}")
         return
     table = {
         r["fqn"]
@@ -516,7 +518,7 @@ def _arm(
     extra = sorted(set(package.constant_fqns) - table)
     if extra:
         art.refusal = Refusal(
-            "constant-table-mismatch", f"package binds {extra[:3]} that the sealed table does not describe"
+            Code.CONSTANT_TABLE_MISMATCH, f"package binds {extra[:3]} that the sealed table does not describe"
         )
         return
     if refusal := _bind_live(art, package, module, device):
@@ -577,16 +579,16 @@ def load_artifact(
             path = store.resolve(key, verify=True).path
         meta = read_metadata(path)
     except (StoreError, RemoteError, SealError, OSError, ValueError) as e:
-        code = getattr(e, "code", "bad-artifact")
+        code = getattr(e, "code", Code.BAD_ARTIFACT)
         return Artifact(
             key, label or key[:12], {}, refusal=Refusal(code, str(e)), seconds=time.perf_counter() - t
         )
     art = Artifact(str(meta.get("key")), label or str(meta.get("key", ""))[:12], meta)
     if problem := metadata_problem(meta):
-        art.refusal = Refusal("bad-metadata", f"{path}: {problem}")
+        art.refusal = Refusal(Code.BAD_METADATA, f"{path}: {problem}")
     elif store is not None and art.key != key:
         art.refusal = Refusal(
-            "key-mismatch", f"store key {key[:12]} holds an artifact that says {art.key[:12]}"
+            Code.KEY_MISMATCH, f"store key {key[:12]} holds an artifact that says {art.key[:12]}"
         )
     else:
         art.refusal = host_refusal(meta, device) or layout_refusal(meta, module)
@@ -612,7 +614,7 @@ def load_artifact(
         except SealError as e:  # a member, or an entry of the package, that must not be unpacked
             art.refusal = Refusal(e.code, str(e))
         except (RuntimeError, OSError) as e:  # constants the package would not take
-            art.refusal = Refusal("load-failed", f"{type(e).__name__}: {e}")
+            art.refusal = Refusal(Code.LOAD_FAILED, f"{type(e).__name__}: {e}")
         finally:
             shutil.rmtree(scratch, ignore_errors=True)  # the loader has its own copy by now
     art.seconds = time.perf_counter() - t
@@ -621,13 +623,13 @@ def load_artifact(
 
 REARMABLE = frozenset(
     {
-        "module-changed",
-        "config-drift",
-        "layout-mismatch",
-        "weights-missing",
-        "weights-mismatch",
-        "weights-untied",
-        "literal-mismatch",
+        Code.MODULE_CHANGED,
+        Code.CONFIG_DRIFT,
+        Code.LAYOUT_MISMATCH,
+        Code.WEIGHTS_MISSING,
+        Code.WEIGHTS_MISMATCH,
+        Code.WEIGHTS_UNTIED,
+        Code.LITERAL_MISMATCH,
     }
 )
 """Refusals for what the live module holds: `rebind()` (or, once the package is loaded, the
@@ -677,11 +679,11 @@ class Adopted:
 
     def route(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any], restrided: list[str] | None = None
-    ) -> tuple[Artifact | None, list[Any], Refusal]:
+    ) -> tuple[Artifact | None, list[Any], Refusal | None]:
         """The artifact this call runs on (with its leaves), or None and the reason it runs eager."""
         armed = self.armed
         if not armed:
-            first = next(iter(self.refusals.values()), Refusal("no-artifact", "no artifact adopted"))
+            first = next(iter(self.refusals.values()), Refusal(Code.NO_ARTIFACT, "no artifact adopted"))
             return None, [], first
         closest: Refusal | None = None
         for art in armed:
@@ -690,7 +692,7 @@ class Adopted:
             if why is None:
                 if restrided is not None:
                     restrided.extend(copied)
-                return art, leaves, Refusal("", "")
+                return art, leaves, None
             if closest is None:
                 closest = Refusal(why.code, f"{art.label}: {why.detail}")
         assert closest is not None
@@ -714,9 +716,10 @@ class Adopted:
                     self.counters["restrided"] += 1
                 return out
             except Exception as e:  # a compiled failure disarms the artifact and serves eager
-                art.refusal = Refusal("compiled-error", f"{type(e).__name__}: {e}")
+                art.refusal = Refusal(Code.COMPILED_ERROR, f"{type(e).__name__}: {e}")
                 art.package = None
                 why = art.refusal
+        assert why is not None  # no artifact, or one refused on the way: each says why
         if self.strict:
             raise AdoptRefused(why)
         self.counters[f"eager:{why.code}"] += 1
@@ -732,7 +735,7 @@ class Adopted:
         assert art.package is not None
         module = self.module
         if art.baseline is not None and (moved := structure_moved(art.baseline, module)) is not None:
-            return Refusal("module-changed", f"{moved}{_adapter_hint(module)}")
+            return Refusal(Code.MODULE_CHANGED, f"{moved}{_adapter_hint(module)}")
         refusal = layout_refusal(art.metadata, module)
         if refusal is not None:
             return Refusal(refusal.code, f"{refusal.detail}{_adapter_hint(module)}")
@@ -759,7 +762,7 @@ class Adopted:
         """Refuse `art` for what the module holds now, and watch the module as it is refused (it
         is not retried until something in it moves). Returns the refusal it sets."""
         detail = f"{moved}; not re-bound: {refusal.code}: {refusal.detail}" if moved else refusal.detail
-        art.refusal = held = Refusal("module-changed", detail) if moved else refusal
+        art.refusal = held = Refusal(Code.MODULE_CHANGED, detail) if moved else refusal
         art.watch = Watch(self.module, art.watch.names if art.watch else ())
         return held
 
@@ -928,7 +931,7 @@ def _manifest_artifacts(
     rows = [r for r in rows if r.sm in (None, here)]
     if not rows:
         detail = f"the manifest serves {name} on {', '.join(sms) or 'nothing'}, the module is on {here}"
-        return [_refused(name, "wrong-sm", detail)]
+        return [_refused(name, Code.WRONG_SM, detail)]
     by_layout: dict[str | None, list[ManifestEntry]] = {}
     for r in rows:
         by_layout.setdefault(r.layout, []).append(r)
@@ -951,13 +954,15 @@ def _manifest_artifacts(
         return [
             _refused(
                 name,
-                "layout-ambiguous",
+                Code.LAYOUT_AMBIGUOUS,
                 f"layouts {', '.join(map(str, fits))} all match the module's tensors: {hint}",
             )
         ]
     tried = "; ".join(f"{lay}: {why}" for lay, why in misfit.items())
     return [
-        _refused(name, "layout-mismatch", f"no layout of the manifest matches the module ({tried}); {hint}")
+        _refused(
+            name, Code.LAYOUT_MISMATCH, f"no layout of the manifest matches the module ({tried}); {hint}"
+        )
     ]
 
 
@@ -989,6 +994,6 @@ def _layout_misfit(arts: list[Artifact], module: nn.Module) -> str | None:
     return None
 
 
-def _refused(name: str, code: str, detail: str) -> Artifact:
+def _refused(name: str, code: Code, detail: str) -> Artifact:
     """A stand-in for a module the manifest cannot serve here: the module serves eager, named."""
     return Artifact("", name, {}, refusal=Refusal(code, detail))

@@ -49,6 +49,7 @@ from torch.export.graph_signature import (
 from torch.utils._pytree import TreeSpec
 
 from cgbuild.core.canon import canonical_json, digest
+from cgbuild.core.codes import Code
 
 SCHEME = "cgbuild.graph/1"
 """Version of the render. Bump it whenever a rendering rule changes: every graph digest moves."""
@@ -57,9 +58,9 @@ SCHEME = "cgbuild.graph/1"
 class TraceError(Exception):
     """A typed failure of a trace job; `code` is the result line's `code` field."""
 
-    code = "trace-failed"
+    code = Code.TRACE_FAILED
 
-    def __init__(self, detail: str, code: str | None = None) -> None:
+    def __init__(self, detail: str, code: Code | None = None) -> None:
         super().__init__(detail)
         if code is not None:
             self.code = code
@@ -71,7 +72,7 @@ class LiteralHidden(TraceError):
     Hashing its shape alone would let two programs that differ only in a baked table share a key.
     """
 
-    code = "literal-hidden"
+    code = Code.LITERAL_HIDDEN
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ override), `out` (folder for `<key>.tar.gz`),
 Result: `{"id", "ok": true, "key", "artifact", "sha256", "size", "members": {name: sha256},
 "verify": [{"output", "dtype", "rel_rms", "tolerance", "max_abs", "lane"?}] (from the serve stage),
 "served": [{"lane"?, "counters", "seconds"}], "phases": {"wait"? (for the compile sandbox),
-"export", "compile", "verify", "lanes"?, "seal", "adopt", "total"}, "lane_evidence"?: {raw
+"export", "compile", "verify", "lanes"?, "seal", "serve", "total"}, "lane_evidence"?: {raw
 timings, samples, peaks, device, numerics, verdict}}` (the
 engine files the evidence beside the artifact, never in it) or `{"id", "ok": false, "code",
 "retryable", "phase", "detail", ...}` with `old`/`new`
@@ -112,13 +112,22 @@ from typing import Any
 
 import cgbuild
 from cgbuild.core import fs
-from cgbuild.core.codes import RETRYABLE
+from cgbuild.core.codes import Code
 from cgbuild.core.platform import normalize_arch
 from cgbuild.identity import compiler, policy
 from cgbuild.identity.layout import QUANT_RULES
 from cgbuild.identity.toolchain import TRACE_ONLY
 from cgbuild.protocol import spawn
-from cgbuild.protocol.mint import HOLD_SCHEMA, BadRequest, MintHold, MintRequest
+from cgbuild.protocol.mint import (
+    HOLD_SCHEMA,
+    BadRequest,
+    Minted,
+    MintFailed,
+    MintHold,
+    MintOutcome,
+    MintRequest,
+    Phase,
+)
 from cgbuild.protocol.trace import FACT_KEYS
 from cgbuild.store.seal import LITERALS, PACKAGE, compare_artifacts, member_digests, read_metadata, seal
 
@@ -136,47 +145,39 @@ TOLERANCE = {"float32": "1e-4", "float64": "1e-9", "float16": "1e-2", "bfloat16"
 
 
 class MintFailure(Exception):
-    """A typed mint failure; `extra` carries fields like `old`/`new` for drift."""
+    """A typed mint failure raised where it is found; `extra` carries the facts its code names
+    (`old`/`new` of a drift, a `signal`)."""
 
-    def __init__(self, code: str, detail: str, **extra: Any) -> None:
+    def __init__(self, code: Code, detail: str, **extra: Any) -> None:
         super().__init__(f"{code}: {detail}")
-        self.code = code
+        self.code = Code(code)  # a stage's code read back: an unregistered one is `mint-error`
         self.detail = detail
         self.extra = extra
 
-    def result(self, job_id: Any, phase: str) -> dict[str, Any]:
-        return {
-            "id": job_id,
-            "ok": False,
-            "code": self.code,
-            "retryable": self.code in RETRYABLE,
-            "phase": phase,
-            "detail": self.detail,
-            **self.extra,
-        }
+    def result(self, job_id: str | None, phase: Phase) -> MintFailed:
+        return MintFailed(self.code, phase, self.detail, self.extra, job_id)
 
 
 # ---- the worker (no torch) ---------------------------------------------------------------------
-def _check_request(req: Any) -> MintHold | None:
-    """Validate a request, or a hold (returned: the worker then waits for its key's request)."""
+def _check_request(req: Any) -> MintRequest | MintHold:
+    """The request validated: a key's, or a hold's (the worker then waits for its key's request)."""
     try:
         if isinstance(req, dict) and req.get("schema") == HOLD_SCHEMA:
             return MintHold.from_json(req)
-        MintRequest.from_json(req)
+        return MintRequest.from_json(req)
     except BadRequest as e:
-        raise MintFailure("bad-request", str(e)) from None
-    return None
+        raise MintFailure(Code.BAD_REQUEST, str(e)) from None
 
 
-def _admitted(hold: MintHold, raw: Any) -> dict[str, Any]:
+def _admitted(hold: MintHold, raw: Any) -> MintRequest:
     """The key's request a held worker was handed, if it may mint it (else `bad-request`)."""
     try:
-        why = hold.admits(MintRequest.from_json(raw))
+        request = MintRequest.from_json(raw)
     except BadRequest as e:
-        why = str(e)
-    if why is not None:
-        raise MintFailure("bad-request", why)
-    return dict(raw)
+        raise MintFailure(Code.BAD_REQUEST, str(e)) from None
+    if (why := hold.admits(request)) is not None:
+        raise MintFailure(Code.BAD_REQUEST, why)
+    return request
 
 
 class _NotNeeded(Exception):
@@ -279,7 +280,7 @@ class _Stage:
                 self._died(name)
             if time.monotonic() > deadline:
                 self.stop()
-                raise MintFailure("timeout", f"{name} stage: no result within {self.timeout_s:.0f} s")
+                raise MintFailure(Code.TIMEOUT, f"{name} stage: no result within {self.timeout_s:.0f} s")
             time.sleep(POLL_S)
         return _stage_result(result_path)
 
@@ -287,7 +288,7 @@ class _Stage:
         self.thread.join()
         _echo(self.work / f"{self.name}.log", self.name)
         if self.error is not None:
-            raise MintFailure("worker-killed", f"{name} stage did not start: {self.error}")
+            raise MintFailure(Code.WORKER_KILLED, f"{name} stage did not start: {self.error}")
         if (self.work / f"{self.name}.json").exists():
             _stage_result(self.work / f"{self.name}.json")  # raises the failure the stage reported
         assert self.ended is not None
@@ -311,7 +312,7 @@ class _Stage:
 
 
 def _metadata(
-    req: Mapping[str, Any], built: Mapping[str, Any], lanes_block: dict[str, Any] | None = None
+    req: MintRequest, built: Mapping[str, Any], lanes_block: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The sealed metadata: discrete facts only (no clocks, no paths, no measured errors)."""
     components = built["toolchain"]["components"]
@@ -320,13 +321,13 @@ def _metadata(
         **extra,
         "schema": ARTIFACT_SCHEMA,
         "kind": ARTIFACT_KIND,
-        "key": req["key"],
-        "axes": req.get("axes") or {},
+        "key": req.key,
+        "axes": req.axes or {},
         "graph": {"digest": built["graph_digest"], "contract": built["contract"], "nodes": built["nodes"]},
-        "facets": req.get("facets") or [],
-        "stamp": req.get("stamp"),
-        "sm": req["sm"],
-        "device": req["job"]["spec"]["device"],
+        "facets": req.facets or [],
+        "stamp": req.stamp,
+        "sm": req.sm,
+        "device": req.job.spec["device"],
         "toolchain": built["toolchain"],
         "policy": built["policy"],
         "host": {
@@ -340,162 +341,182 @@ def _metadata(
         "constants": built["constants"],
         "layout": built.get("layout"),
         "module": built.get("module"),
-        "verify": {"metric": "rel-rms", "tolerance": TOLERANCE, **_rule_tolerance(req["job"]["quant"])},
+        "verify": {"metric": "rel-rms", "tolerance": TOLERANCE, **_rule_tolerance(req.job.quant)},
         "forensics": built["forensics"],
     }
 
 
 def mint(
-    req: dict[str, Any],
+    raw: dict[str, Any],
     progress: Callable[[str], None] | None = None,
     next_request: Callable[[dict[str, Any]], Any] | None = None,
-) -> dict[str, Any] | None:
-    """Run one mint request to its result line (never raises for the key's own failure).
+) -> MintOutcome | None:
+    """Run one mint request to its outcome (never raises for the key's own failure).
 
     `progress` hears each phase as it starts, so the engine can show it. A hold (`MintHold`)
     hands `next_request` its trace (the facts, or the trace's failure) and mints the key's
     request it returns; None from it, or a failed trace, ends the hold without a result.
     """
-    start = time.perf_counter()
-    phase = "request"
+    job_id = raw.get("id") if isinstance(raw, dict) else None
+    clock = _Clock(Phase.REQUEST, progress)
+    work: Path | None = None
     try:
-        hold = _check_request(req)
-        key = req["id"] if hold else req["key"]
-        out = Path(req["out"])
+        asked = _check_request(raw)
+        out = Path(asked.out)
         out.mkdir(parents=True, exist_ok=True)
-        work = out / f".mint-{key[:16]}-{os.getpid()}"
+        work = out / f".mint-{(asked.key if isinstance(asked, MintRequest) else asked.id)[:16]}-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
-        sandbox = Path(req.get("sandbox") or DEFAULT_SANDBOX)
-        cxx = compiler.choose_cxx(req.get("cxx"))
-        env = policy.mint_environment(
-            os.environ,
-            {
-                "TMPDIR": str(sandbox / "tmp"),
-                "TORCHINDUCTOR_CACHE_DIR": str(sandbox / "inductor"),
-                "TRITON_CACHE_DIR": str(sandbox / "triton"),
-            },
-        )
-        env["CXX"] = cxx
-
-        def staged(r: Mapping[str, Any]) -> dict[str, Any]:
-            """The request as the stages read it (`request.json`, and the go of each part)."""
-            return {**r, "cxx_path": cxx, "sandbox": str(sandbox)}
-
-        (work / "request.json").write_text(json.dumps(staged(req)))
-        timeout = float(req.get("timeout_s") or 3600)
-        (work / "tmp").mkdir()
-        check_env = {**env, "TMPDIR": str(work / "tmp")}
-        # beside the compile; a hold's only once a key needs it (its module costs memory and time)
-        check = None if hold else _Stage("check", work, check_env, timeout)
-        try:
-            with _sandbox(sandbox, bool(req.get("fresh")), progress) as waited:
-                compiling = _Stage("compile", work, env, timeout)
-                try:
-                    if hold:
-                        phase = "trace"
-                        assert next_request is not None
-                        req = _held_request(hold, compiling, next_request)
-                        key, phase = req["key"], "compile"
-                        start = time.perf_counter()  # its total counts from the key; the trace was the plan's
-                        check = _Stage("check", work, check_env, timeout)
-                        if progress:
-                            progress(phase)
-                    else:
-                        phase = "compile"
-                        if progress:
-                            progress(phase)  # the sandbox is held: the compile stage starts now
-                        compiling.part("trace")  # the stage checks the digest against the key's
-                    built = compiling.part("compile", {"request": staged(req)})
-                    compiling.finish()
-                except BaseException:
-                    compiling.stop()
-                    raise
-            assert check is not None  # a hold starts its check stage with its key
-            phase = "verify"
-            if progress:
-                progress(phase)
-            t = time.perf_counter()
-            checked = check.part("verify", {"request": staged(req)})
-            verify_s = time.perf_counter() - t  # from the package's end: load, eager, compare
-            phase = "lanes"
-            t = time.perf_counter()
-            lanes_block, evidence = _lane_verdict(req, built, checked, check, progress)
-            lanes_s = time.perf_counter() - t
-            phase = "seal"
-            if progress:
-                progress(phase)
-            t = time.perf_counter()
-            members = {PACKAGE: work / PACKAGE}
-            if (work / LITERALS).exists():
-                members[LITERALS] = work / LITERALS
-            packed = work / f"{key}.tar.gz"
-            sha = seal(packed, _metadata(req, built, lanes_block), members)
-            if read_metadata(packed)["key"] != key:
-                raise MintFailure("seal-failed", "sealed metadata does not read back with its key")
-            seal_s = time.perf_counter() - t
-            phase = "adopt"
-            if progress:
-                progress(phase)
-            t = time.perf_counter()
-            served = check.part("serve", {"artifact": str(packed)})
-            adopt_s = time.perf_counter() - t
-            check.finish()
-        except BaseException:
-            if check is not None:
-                check.stop()
-            raise
-        artifact = out / f"{key}.tar.gz"
-        os.replace(packed, artifact)  # only an artifact a serving process adopted leaves the mint
-        result: dict[str, Any] = {
-            "id": req["id"],
-            "ok": True,
-            "key": key,
-            "artifact": str(artifact),
-            "sha256": sha,
-            "size": artifact.stat().st_size,
-            "members": member_digests(artifact),
-            "verify": served["errors"],
-            "served": served["served"],
-            "phases": {
-                **({"wait": round(waited(), 3)} if waited() else {}),
-                **built["seconds"],
-                "verify": round(verify_s, 3),
-                **({"lanes": round(lanes_s, 3)} if lanes_block else {}),
-                "seal": round(seal_s, 3),
-                "adopt": round(adopt_s, 3),
-                "total": round(time.perf_counter() - start, 3),
-            },
-        }
-        if evidence is not None:
-            result["lane_evidence"] = evidence
-        if req.get("compare_with"):
-            result.update(compare_artifacts(req["compare_with"], artifact))
-        shutil.rmtree(work, ignore_errors=True)
-        return result
+        minted = _minted(asked, work, clock, next_request)
+        shutil.rmtree(work, ignore_errors=True)  # a failed mint keeps its stage logs there
+        return minted
     except _NotNeeded:
-        shutil.rmtree(work, ignore_errors=True)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
         return None
     except MintFailure as e:
-        return e.result(req.get("id") if isinstance(req, dict) else None, phase)
+        return e.result(job_id, clock.phase)
     except compiler.CompilerError as e:
-        return MintFailure("wrong-host", str(e)).result(req.get("id"), phase)
-
+        return MintFailure(Code.WRONG_HOST, str(e)).result(job_id, clock.phase)
     except Exception as e:  # the worker must answer, whatever broke
-        return MintFailure("mint-error", f"{type(e).__name__}: {e}").result(
-            req.get("id") if isinstance(req, dict) else None, phase
-        )
+        return MintFailure(Code.MINT_ERROR, f"{type(e).__name__}: {e}").result(job_id, clock.phase)
+
+
+class _Clock:
+    """The worker's phase: announced as it starts, timed until the next (the result's `phases`;
+    the compile stage times its own `export` and `compile`), and named in a failure."""
+
+    TIMED = (Phase.VERIFY, Phase.LANES, Phase.SEAL, Phase.SERVE)
+
+    def __init__(self, phase: Phase, progress: Callable[[str], None] | None) -> None:
+        self.phase, self.progress = phase, progress
+        self.seconds: dict[str, float] = {}
+        self.start = self._since = time.perf_counter()
+
+    def enter(self, phase: Phase, *, announce: bool = True) -> None:
+        self._close()
+        self.phase, self._since = phase, time.perf_counter()
+        if announce and self.progress:
+            self.progress(phase)
+
+    def restart(self) -> None:
+        """A hold's clock counts from its key's request: its trace was the plan's."""
+        self.start = self._since = time.perf_counter()
+
+    def _close(self) -> None:
+        if self.phase in self.TIMED:
+            self.seconds[self.phase] = round(time.perf_counter() - self._since, 3)
+
+    def total(self) -> float:
+        self._close()
+        return round(time.perf_counter() - self.start, 3)
+
+
+def _minted(
+    asked: MintRequest | MintHold,
+    work: Path,
+    clock: _Clock,
+    next_request: Callable[[dict[str, Any]], Any] | None,
+) -> Minted:
+    """The mint itself: trace and compile under the sandbox, then verify, lanes, seal, serve."""
+    hold = asked if isinstance(asked, MintHold) else None
+    sandbox = Path(asked.sandbox or DEFAULT_SANDBOX)
+    cxx = compiler.choose_cxx(asked.cxx)
+    env = policy.mint_environment(
+        os.environ,
+        {
+            "TMPDIR": str(sandbox / "tmp"),
+            "TORCHINDUCTOR_CACHE_DIR": str(sandbox / "inductor"),
+            "TRITON_CACHE_DIR": str(sandbox / "triton"),
+        },
+    )
+    env["CXX"] = cxx
+
+    def staged(r: MintRequest | MintHold) -> dict[str, Any]:
+        """The request as the stages read it (`request.json`, and the go of each part)."""
+        return {**r.to_json(), "cxx_path": cxx, "sandbox": str(sandbox)}
+
+    (work / "request.json").write_text(json.dumps(staged(asked)))
+    timeout = float(asked.timeout_s or 3600)
+    (work / "tmp").mkdir()
+    check_env = {**env, "TMPDIR": str(work / "tmp")}
+    # beside the compile; a hold's only once a key needs it (its module costs memory and time)
+    check = None if hold else _Stage("check", work, check_env, timeout)
+    try:
+        fresh = isinstance(asked, MintRequest) and bool(asked.fresh)
+        with _sandbox(sandbox, fresh, clock.progress) as waited:
+            compiling = _Stage("compile", work, env, timeout)
+            try:
+                if hold:
+                    clock.enter(Phase.TRACE, announce=False)
+                    assert next_request is not None
+                    req = _held_request(hold, compiling, next_request)
+                    clock.restart()
+                    check = _Stage("check", work, check_env, timeout)
+                    clock.enter(Phase.COMPILE)
+                else:
+                    assert isinstance(asked, MintRequest)
+                    req = asked
+                    clock.enter(Phase.COMPILE)  # the sandbox is held: the compile stage starts now
+                    compiling.part("trace")  # the stage checks the digest against the key's
+                built = compiling.part("compile", {"request": staged(req)})
+                compiling.finish()
+            except BaseException:
+                compiling.stop()
+                raise
+        assert check is not None  # a hold starts its check stage with its key
+        clock.enter(Phase.VERIFY)  # from the package's end: load, eager, compare
+        checked = check.part("verify", {"request": staged(req)})
+        clock.enter(Phase.LANES, announce=False)
+        lanes_block, evidence = _lane_verdict(req, built, checked, check, clock.progress)
+        clock.enter(Phase.SEAL)
+        members = {PACKAGE: work / PACKAGE}
+        if (work / LITERALS).exists():
+            members[LITERALS] = work / LITERALS
+        packed = work / f"{req.key}.tar.gz"
+        sha = seal(packed, _metadata(req, built, lanes_block), members)
+        if read_metadata(packed)["key"] != req.key:
+            raise MintFailure(Code.SEAL_FAILED, "sealed metadata does not read back with its key")
+        clock.enter(Phase.SERVE)
+        served = check.part("serve", {"artifact": str(packed)})
+        total = clock.total()
+        check.finish()
+    except BaseException:
+        if check is not None:
+            check.stop()
+        raise
+    artifact = work.parent / f"{req.key}.tar.gz"
+    os.replace(packed, artifact)  # only an artifact a serving process adopted leaves the mint
+    seconds = {k: v for k, v in clock.seconds.items() if k != Phase.LANES or lanes_block}
+    return Minted(
+        id=req.id,
+        key=req.key,
+        artifact=str(artifact),
+        sha256=sha,
+        size=artifact.stat().st_size,
+        members=member_digests(artifact),
+        verify=served["errors"],
+        served=served["served"],
+        phases={
+            **({"wait": round(waited(), 3)} if waited() else {}),
+            **built["seconds"],
+            **seconds,
+            "total": total,
+        },
+        lane_evidence=evidence,
+        compared=compare_artifacts(req.compare_with, artifact) if req.compare_with else None,
+    )
 
 
 def _held_request(
     hold: MintHold, compiling: _Stage, next_request: Callable[[dict[str, Any]], Any]
-) -> dict[str, Any]:
+) -> MintRequest:
     """A hold's trace, handed to the engine; then the key's request it answers with (the
     stages get it with their go). A failed trace is the engine's to report, as the trace rule's."""
     try:
         traced = compiling.part("trace")
     except MintFailure as e:
-        next_request(e.result(hold.id, "trace"))
+        next_request(e.result(hold.id, Phase.TRACE).to_json())
         raise _NotNeeded() from None
     raw = next_request(traced)
     if raw is None:
@@ -530,11 +551,14 @@ def _device_refusal(device: str, sm: str, here: str | None) -> None:
         return
     if here is None:
         raise MintFailure(
-            "wrong-device", f"key needs {sm} (cuda); this machine has no CUDA device", needed=sm, found="cpu"
+            Code.WRONG_DEVICE,
+            f"key needs {sm} (cuda); this machine has no CUDA device",
+            needed=sm,
+            found="cpu",
         )
     if here != sm:
         raise MintFailure(
-            "wrong-device", f"key needs {sm}; this machine's device is {here}", needed=sm, found=here
+            Code.WRONG_DEVICE, f"key needs {sm}; this machine's device is {here}", needed=sm, found=here
         )
 
 
@@ -549,7 +573,7 @@ def _toolchain(req: Mapping[str, Any]) -> dict[str, Any]:
         changes = toolchain.component_changes(expected.get("components") or {}, here["components"])
         lines = [toolchain.format_change(c) for c in changes] or ["components unknown to the request"]
         raise MintFailure(
-            "toolchain-drift",
+            Code.TOOLCHAIN_DRIFT,
             f"toolchain {plat} moved: {'; '.join(lines)}",
             old=expected["fold"],
             new=here["fold"],
@@ -557,7 +581,7 @@ def _toolchain(req: Mapping[str, Any]) -> dict[str, Any]:
         )
     refusal = compiler.isa_refusal(here["components"]["isa"])
     if refusal:
-        raise MintFailure("wrong-host", refusal)
+        raise MintFailure(Code.WRONG_HOST, refusal)
     return here
 
 
@@ -565,7 +589,7 @@ def _check_clamp(text: str, march: str | None) -> None:
     """Every compile command Inductor recorded must carry the policy's -march (never native)."""
     flags = {tok for tok in text.split() if tok.startswith("-march=")}
     if march is not None and flags and flags != {f"-march={march}"}:
-        raise MintFailure("clamp-not-applied", f"compile used {sorted(flags)}, policy says -march={march}")
+        raise MintFailure(Code.CLAMP_NOT_APPLIED, f"compile used {sorted(flags)}, policy says -march={march}")
 
 
 def _strip_cpp(text: str, sandbox: str) -> str:
@@ -656,7 +680,7 @@ def _constants_table(ep: Any, bound: Sequence[str]) -> dict[str, list[dict[str, 
         table[group].append(row)
     if wanted:
         raise MintFailure(
-            "constant-table-mismatch",
+            Code.CONSTANT_TABLE_MISMATCH,
             f"the package binds constants the exported program does not lift: {sorted(wanted)[:5]}",
         )
     return {g: sorted(rows, key=lambda r: r["fqn"]) for g, rows in table.items()}
@@ -672,14 +696,14 @@ def _quant_floor(quant: str, device: str, sm: str) -> None:
 
     rule = layout.QUANT_RULES.get(quant)
     if rule is None:
-        raise MintFailure("layout-drift", f"this worker has no quant rule {quant!r}")
+        raise MintFailure(Code.LAYOUT_DRIFT, f"this worker has no quant rule {quant!r}")
     floor = layout.floor_refusal(rule, sm, torch.__version__)
     if floor is not None:
         raise MintFailure(floor[0], floor[1])
     if device == "cuda":
         ok, why = quant_rules.probe(quant, torch.device("cuda"))
         if not ok:
-            raise MintFailure("layout-toolchain-unsupported", why)
+            raise MintFailure(Code.LAYOUT_TOOLCHAIN_UNSUPPORTED, why)
 
 
 def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] | None:
@@ -700,7 +724,7 @@ def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] |
 
     rule = layout.QUANT_RULES.get(want["quant"])
     if rule is None:
-        raise MintFailure("layout-drift", f"this worker has no quant rule {want['quant']!r}")
+        raise MintFailure(Code.LAYOUT_DRIFT, f"this worker has no quant rule {want['quant']!r}")
     rows = layout.from_trace(traced)
     here = layout.layout_identity(layout.topology_digest(rows), rule)
     asked = {"topology": want.get("topology"), "quant": want.get("quant_digest")}
@@ -713,10 +737,10 @@ def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] |
             except UserError:
                 mismatch = None
             if mismatch:
-                raise MintFailure("layout-topology-mismatch", mismatch)
+                raise MintFailure(Code.LAYOUT_TOPOLOGY_MISMATCH, mismatch)
         moved = [k for k in ("topology", "quant") if here[k] != asked[k]]
         raise MintFailure(
-            "layout-drift",
+            Code.LAYOUT_DRIFT,
             f"layout {', '.join(moved)} moved: {str(asked[moved[0]])[:12]} → {here[moved[0]][:12]}",
             old=asked,
             new=here,
@@ -762,7 +786,7 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     tc = _toolchain(req)
     if facts["graph_digest"] != req["graph_digest"]:
         raise MintFailure(
-            "graph-drift",
+            Code.GRAPH_DRIFT,
             f"graph digest {req['graph_digest'][:12]} → {facts['graph_digest'][:12]}: "
             "this machine traces a different program than the key was built for",
             old=req["graph_digest"],
@@ -781,9 +805,9 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
     try:
         torch._inductor.aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=configs)
     except MemoryError as e:
-        raise MintFailure("oom", f"compile ran out of memory: {e}") from None
+        raise MintFailure(Code.OOM, f"compile ran out of memory: {e}") from None
     except Exception as e:
-        raise MintFailure("compile-failed", f"{type(e).__name__}: {trace._one_line(str(e))}") from None
+        raise MintFailure(Code.COMPILE_FAILED, f"{type(e).__name__}: {trace._one_line(str(e))}") from None
     clamp = policy.isa_clamp(arch)
     march = str(clamp["march"]) if clamp and clamps else None
     aoti = normalize_package(raw, work / PACKAGE, req["sandbox"], march)
@@ -838,23 +862,24 @@ def compare_outputs(got: Any, want: Any, tolerance: str | None = None) -> list[d
     got_leaves, got_spec = pytree.tree_flatten(got)
     want_leaves, want_spec = pytree.tree_flatten(want)
     if got_spec != want_spec:
-        raise MintFailure("verify-mismatch", f"output structure {got_spec} differs from eager {want_spec}")
+        raise MintFailure(Code.VERIFY_MISMATCH, f"output structure {got_spec} differs from eager {want_spec}")
     errors = []
     for i, (g, w) in enumerate(zip(got_leaves, want_leaves, strict=True)):
         if not isinstance(w, torch.Tensor):
             continue
         if g.shape != w.shape or g.dtype != w.dtype:
             raise MintFailure(
-                "verify-mismatch", f"output {i}: {g.dtype}{list(g.shape)} vs eager {w.dtype}{list(w.shape)}"
+                Code.VERIFY_MISMATCH,
+                f"output {i}: {g.dtype}{list(g.shape)} vs eager {w.dtype}{list(w.shape)}",
             )
         tol = float(tolerance or TOLERANCE.get(str(w.dtype).removeprefix("torch."), "1e-2"))
         finite = torch.isfinite(w)
         if not torch.equal(torch.isfinite(g), finite):
-            raise MintFailure("verify-mismatch", f"output {i}: non-finite values differ from eager")
+            raise MintFailure(Code.VERIFY_MISMATCH, f"output {i}: non-finite values differ from eager")
         err = _rel_rms(g[finite], w[finite]) if finite.any() else 0.0
         if err > tol:
             raise MintFailure(
-                "verify-mismatch", f"output {i}: relative RMS error {err:.3g} > {tol:g} ({w.dtype})"
+                Code.VERIFY_MISMATCH, f"output {i}: relative RMS error {err:.3g} > {tol:g} ({w.dtype})"
             )
         errors.append(
             {
@@ -910,7 +935,7 @@ def _verify(req: Mapping[str, Any], work: Path, c: _Checked) -> dict[str, Any]:
     missing = sorted(set(c.package.constant_fqns) - set(live))
     if missing:
         raise MintFailure(
-            "constant-table-mismatch", f"the package needs constants the module lacks: {missing[:5]}"
+            Code.CONSTANT_TABLE_MISMATCH, f"the package needs constants the module lacks: {missing[:5]}"
         )
     c.bound = {fqn: live[fqn] for fqn in c.package.constant_fqns}
     c.package.bind(c.bound)
@@ -1013,7 +1038,7 @@ def _serve(req: Mapping[str, Any], job: Any, built: Any, artifact: str) -> dict[
         counters = dict(adopted.counters)
         if counters != {"compiled": 1}:
             why = adopted.last_reason
-            code, detail = (why.code, why.detail) if why else ("verify-failed", f"counters {counters}")
+            code, detail = (why.code, why.detail) if why else (Code.VERIFY_FAILED, f"counters {counters}")
             raise MintFailure(code, f"adopted, but the entry's own call was served eager: {detail}")
         tag = {} if lane is None else {"lane": lane}
         errors += [{**e, **tag} for e in compare_outputs(got, want, _tol(job.quant))]
@@ -1033,7 +1058,7 @@ def _lane_rows(req: Mapping[str, Any], job: Any, module: Any) -> list[dict[str, 
     try:
         return lane_rt.lane_rows(module, declared, job.spec.get("lanes") or {})
     except ValueError as e:
-        raise MintFailure("entry-error", str(e)) from None
+        raise MintFailure(Code.ENTRY_ERROR, str(e)) from None
 
 
 def _verify_lanes(
@@ -1100,7 +1125,7 @@ def _measure(req: Mapping[str, Any], c: _Checked, candidates: Sequence[str]) -> 
 
 
 def _lane_verdict(
-    req: Mapping[str, Any],
+    req: MintRequest,
     built: Mapping[str, Any],
     checked: Mapping[str, Any],
     check: _Stage,
@@ -1113,7 +1138,7 @@ def _lane_verdict(
     """
     from cgbuild import lanes
 
-    want = req.get("lanes")
+    want = req.lanes
     if not want:
         check.part("measure", {"candidates": []})
         return None, None
@@ -1125,11 +1150,11 @@ def _lane_verdict(
     numerics = {
         a: {v: bool(r["ok"]) for v, r in vals.items()} for a, vals in checked["lanes"]["numerics"].items()
     }
-    excluded = lanes.exclusions(want["axes"], needs, req["sm"], triton)
+    excluded = lanes.exclusions(want["axes"], needs, req.sm, triton)
     excluded.update(
         {f"{a}.{v}": "numerics" for a, vals in numerics.items() for v, ok in vals.items() if not ok}
     )
-    candidates = lanes.candidates(declared, needs, req["sm"], triton, numerics)
+    candidates = lanes.candidates(declared, needs, req.sm, triton, numerics)
     runs: dict[str, Any] = {}
     if candidates and progress:
         progress(f"lanes: measuring {', '.join(candidates)}")
@@ -1143,7 +1168,7 @@ def _lane_verdict(
         verdict = lanes.decide(measured, sku["name"], sku["memory_bytes"])
     elif rows:  # one combination survives capability: nothing to choose, nothing measured
         surviving = [(r["axis"], [v for v in r["values"] if numerics[r["axis"]][v]]) for r in rows]
-        verdict = lanes.unmeasured(lanes.combinations(surviving)[0], "one-candidate")
+        verdict = lanes.unmeasured(lanes.combinations(surviving)[0], Code.ONE_CANDIDATE)
     else:  # this module uses none of the declared axes
         verdict = None
     block = {
@@ -1154,7 +1179,7 @@ def _lane_verdict(
     }
     evidence = {
         "schema": "cgbuild.lane-evidence-run/1",
-        "sm": req["sm"],
+        "sm": req.sm,
         "sku": want["sku"],
         "candidates": candidates,
         "measured": runs,
@@ -1178,12 +1203,14 @@ def _stage_main(stage: str, work: Path, args: Sequence[str] = ()) -> int:
     except MintFailure as e:
         result = {"ok": False, "code": e.code, "detail": e.detail, **e.extra}
     except MemoryError as e:
-        result = {"ok": False, "code": "oom", "detail": f"{stage}: {e}"}
+        result = {"ok": False, "code": Code.OOM, "detail": f"{stage}: {e}"}
     except Exception as e:
         from cgbuild_rules.digest import TraceError
 
-        failed = {"compile": "compile-failed", "check": "check-failed", "serve": "serve-failed"}[stage]
-        code = getattr(e, "code", "trace-failed") if isinstance(e, TraceError) else failed
+        failed = {"compile": Code.COMPILE_FAILED, "check": Code.CHECK_FAILED, "serve": Code.SERVE_FAILED}[
+            stage
+        ]
+        code = getattr(e, "code", Code.TRACE_FAILED) if isinstance(e, TraceError) else failed
         result = {
             "ok": False,
             "code": code,
@@ -1202,12 +1229,12 @@ def main(argv: list[str] | None = None) -> int:
     proto = os.fdopen(os.dup(1), "w", encoding="ascii")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    result: dict[str, Any] | None
+    result: MintOutcome | None
     try:
         req = json.loads(sys.stdin.readline())
     except ValueError as e:
         req = None
-        result = MintFailure("bad-request", f"not JSON: {e}").result(None, "request")
+        result = MintFailure(Code.BAD_REQUEST, f"not JSON: {e}").result(None, Phase.REQUEST)
     if req is not None:
 
         def say(message: Mapping[str, Any]) -> None:
@@ -1223,14 +1250,15 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 raw = json.loads(line)
             except ValueError as e:
-                raise MintFailure("bad-request", f"not JSON: {e}") from None
+                raise MintFailure(Code.BAD_REQUEST, f"not JSON: {e}") from None
             if not isinstance(raw, dict):
-                raise MintFailure("bad-request", f"the key's request is not a JSON object: {line[:80]!r}")
+                raise MintFailure(Code.BAD_REQUEST, f"the key's request is not a JSON object: {line[:80]!r}")
             return raw
 
         result = mint(req, lambda phase: say({"progress": phase}), next_request)
     if result is not None:
-        proto.write(json.dumps(result, sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n")
+        line = json.dumps(result.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        proto.write(line + "\n")
         proto.flush()
     return 0
 

@@ -53,10 +53,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
 from torch.utils._pytree import tree_map
 
+from cgbuild.core.codes import Code
 from cgbuild.identity.layout import QUANT_RULES
 from cgbuild.protocol.trace import FACT_KEYS, REQUEST_SCHEMA, SPEC_KEYS, BadJob, TraceJob
 
-CODES = ("no-cuda-torch", "entry-error", "trace-failed", "literal-hidden")
+CODES = (Code.NO_CUDA_TORCH, Code.ENTRY_ERROR, Code.TRACE_FAILED, Code.LITERAL_HIDDEN)
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -69,13 +70,13 @@ MODES: tuple[str, ...] = ("fake", "empty", "real")
 class EntryError(TraceError):
     """The entry could not be imported, raised inside build(), or returned the wrong shape."""
 
-    code = "entry-error"
+    code = Code.ENTRY_ERROR
 
 
 class NoCudaTorch(TraceError):
     """A CUDA target asked of a CPU-only torch build: refused before any attempt."""
 
-    code = "no-cuda-torch"
+    code = Code.NO_CUDA_TORCH
 
 
 # -- quant layouts ---------------------------------------------------------------------------------
@@ -425,7 +426,7 @@ def run_job(job: Mapping[str, Any]) -> dict[str, Any]:
         return {
             "id": job_id,
             "ok": False,
-            "code": "trace-failed",
+            "code": Code.TRACE_FAILED,
             "detail": _one_line(f"{type(e).__name__}: {e}"),
         }
     return {
@@ -464,7 +465,7 @@ def main() -> int:
         line = (
             run_job(job)
             if isinstance(job, dict)
-            else {"id": None, "ok": False, "code": "trace-failed", "detail": "bad job: not an object"}
+            else {"id": None, "ok": False, "code": Code.TRACE_FAILED, "detail": "bad job: not an object"}
         )
         proto.write(_result_json(line) + "\n")
         proto.flush()

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             f"kept {report.objects_kept}"
         )
         if build:
-            print(f"{verb} {len(build)} leftover(s) of killed mints in {ws.state / 'build'}")
+            print(f"{verb} {len(build)} leftover(s) of killed mints in {ws.state.build}")
         for key in report.refs_quarantined:
             print(f"bad ref of {key[:12]} {'would be ' if report.dry_run else ''}quarantined")
     return 0

@@ -13,6 +13,7 @@ from typing import Any
 
 from cgbuild.cli.main import add_workspace_args, workspace
 from cgbuild.cli.render import component_summary, console, phase_times, print_json
+from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
 
 
@@ -58,14 +59,14 @@ def run(args: argparse.Namespace) -> int:
             "state": "fresh (re-hashed now)",
             "ref": resolved.ref.to_json(),
         }
-        rec = ws.state / "mint" / f"{key}.json"
+        rec = ws.state.record(key)
         record = json.loads(rec.read_text()) if rec.exists() else None
         # with a shared store: every card's runs published beside the artifact, not this host's only
         evidence = (ws.shared(store) or store).read_evidence(key)
     try:
         meta, members = read_metadata(path), member_digests(path)
         if problem := metadata_problem(meta):  # the fields adopt and this summary read, as adopt checks them
-            raise SealError(problem, "bad-metadata")
+            raise SealError(problem, Code.BAD_METADATA)
     except SealError as e:  # a crafted or broken archive: what adopt would refuse, named
         if args.json:
             print_json({"artifact": str(path), "refusal": {"code": e.code, "detail": e.detail}})

@@ -17,7 +17,7 @@ from cgbuild.cli.main import add_workspace_args, positive_int, workspace
 from cgbuild.cli.render import console, key_line, phase_times, print_json, progress_bar
 from cgbuild.config.labels import Selector, parse_selector
 from cgbuild.core.errors import UserError
-from cgbuild.protocol.mint import PHASES
+from cgbuild.protocol.mint import PHASES, Minted, MintFailed
 
 if TYPE_CHECKING:
     from cgbuild.exec.fleet import Executor
@@ -109,7 +109,7 @@ def _mint(
     shared = ws.shared()
     if shared is not None:
         shared.save_seen()  # the keys published here: the next plan need not list them
-    record_minted(ws, {mk.key for mk in results if mk.result.get("ok")})
+    record_minted(ws, {mk.key for mk in results if mk.minted})
     summary = _summary(results, refused, published, fresh, time.perf_counter() - started)
     if args.json:
         print_json(summary)
@@ -120,7 +120,7 @@ def _mint(
 
 
 def _summary(
-    results: list[Any],
+    results: list[MintKey],
     refused: list[dict[str, Any]],
     published: list[dict[str, Any]],
     fresh: int,
@@ -130,23 +130,21 @@ def _summary(
     return {
         "schema": "cgbuild.mint-summary/1",
         "minted": [
-            {
-                "key": mk.key,
-                "labels": mk.labels,
-                "admission": mk.result.get("admission"),
-                "phases": mk.result.get("phases"),
-            }
+            {"key": mk.key, "labels": mk.labels, "admission": r.admission, "phases": r.phases}
             for mk in results
-            if mk.result.get("ok")
+            if isinstance(r := mk.result, Minted)
         ],
         "failed": [
             {
                 "key": mk.key,
                 "labels": mk.labels,
-                **{k: mk.result.get(k) for k in ("code", "retryable", "phase", "detail")},
+                "code": r.code,
+                "retryable": r.retryable,
+                "phase": r.phase,
+                "detail": r.detail,
             }
             for mk in results
-            if not mk.result.get("ok")
+            if isinstance(r := mk.result, MintFailed)
         ],
         "refused": refused,
         "published": published,
@@ -277,21 +275,22 @@ def _check(args: argparse.Namespace, ws: Any, plan: dict[str, Any], refused: lis
     reports: list[dict[str, Any]] = []
     for mk in keys:
         result = mint.remint_and_compare(ws, mk)
-        same = bool(result.get("ok") and result.get("reproducible"))
+        same = result.reproducible
         bad += not same
-        moved = result.get("verdict_moved")
-        if moved:
-            measured = (result.get("lane_evidence") or {}).get("measured") or {}
+        compared = (result.compared if isinstance(result, Minted) else None) or {}
+        moved = compared.get("verdict_moved")
+        if moved and isinstance(result, Minted):
+            measured = (result.lane_evidence or {}).get("measured") or {}
             moved = {**moved, "measured_ns": {lane: run["median_ns"] for lane, run in measured.items()}}
         reports.append(
             {
                 "key": mk.key,
                 "labels": mk.labels,
                 "reproducible": same,
-                "differing": result.get("differing"),
-                "fields": result.get("fields"),
+                "differing": compared.get("differing"),
+                "fields": compared.get("fields"),
                 "verdict_moved": moved,
-                "error": None if result.get("ok") else result,
+                "error": result.to_json() if isinstance(result, MintFailed) else None,
             }
         )
     if args.json:

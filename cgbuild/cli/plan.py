@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from cgbuild.cli.main import add_workspace_args, positive_int, workspace
 from cgbuild.cli.render import STATUS_STYLE, console, progress_bar
 from cgbuild.config.labels import parse_selector
+from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
 
 if TYPE_CHECKING:
@@ -140,7 +141,7 @@ def cause_lines(targets: list[dict[str, Any]]) -> list[str]:
     cutoffs: Counter[str] = Counter()
     for t in targets:
         family = t["family"]
-        if any(r["code"] == "early-cutoff" for r in t["reasons"]):
+        if any(r["code"] == Code.EARLY_CUTOFF for r in t["reasons"]):
             cutoffs[family] += 1
         if t["status"] == "fresh":
             continue
@@ -151,7 +152,7 @@ def cause_lines(targets: list[dict[str, Any]]) -> list[str]:
         lines.append(f"[bold]{escape(family)}[/]")
         causes = groups.get(family, Counter())
         for (status, roots), n in sorted(causes.items(), key=lambda kv: (ORDER[kv[0][0]], -kv[1], kv[0][1])):
-            new = status == "mint" and all(code == "new-target" for code, _ in roots)
+            new = status == "mint" and all(code == Code.NEW_TARGET for code, _ in roots)
             verb = "mint" if new else VERB[status]
             named = "; ".join(detail for _, detail in roots[:NAMED_CAUSES]) + (
                 f"; and {len(roots) - NAMED_CAUSES} more" if len(roots) > NAMED_CAUSES else ""

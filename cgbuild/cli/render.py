@@ -71,15 +71,15 @@ def component_summary(name: str, comp: Any) -> str:
     return toolchain.summary(name, comp)
 
 
-# A mint worker's phases in the order they run (its result lists them sorted by name).
-PHASE_ORDER = ("wait", "export", "compile", "verify", "lanes", "seal", "adopt", "total")
-
-
 def phase_times(phases: dict[str, Any] | None) -> str:
-    """A mint's phase seconds in execution order (phases this list does not know: before total)."""
+    """A mint's phase seconds in execution order (its result lists them sorted by name; phases
+    the worker does not announce: before total)."""
+    from cgbuild.protocol.mint import PHASES
+
+    order = ("wait", "export", *PHASES, "total")
     items = [(k, v) for k, v in (phases or {}).items() if isinstance(v, int | float)]
-    rank = {name: float(i) for i, name in enumerate(PHASE_ORDER)}
-    items.sort(key=lambda kv: (rank.get(kv[0], len(PHASE_ORDER) - 1.5), kv[0]))
+    rank = {name: float(i) for i, name in enumerate(order)}
+    items.sort(key=lambda kv: (rank.get(kv[0], len(order) - 1.5), kv[0]))
     return ", ".join(f"{k} {v:.1f}s" for k, v in items)
 
 

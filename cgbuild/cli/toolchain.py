@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     from cgbuild.plan.planner import resolve_toolchains
 
     ws = workspace(args)
-    toolchains, source = resolve_toolchains(ws, ws.state / "cache")
+    toolchains, source = resolve_toolchains(ws, ws.state.cache)
     if args.action == "lock":
         sys.stdout.write(toolchain.lock_text(toolchain.lock_document(toolchains)))
         return 0

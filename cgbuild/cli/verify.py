@@ -19,6 +19,7 @@ from typing import Any
 from cgbuild.cli.main import add_workspace_args, workspace
 from cgbuild.cli.render import console, print_json
 from cgbuild.config.labels import parse_selector
+from cgbuild.core.codes import Code
 from cgbuild.protocol.spawn import spawn
 
 
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
                 report["run"] = outcome
                 if not outcome.get("ok"):
                     report.update(
-                        status="run-failed", detail=f"{outcome.get('code')}: {outcome.get('detail')}"
+                        status=Code.RUN_FAILED, detail=f"{outcome.get('code')}: {outcome.get('detail')}"
                     )
         reports.append(report)
     bad = [r for r in reports if r["status"] != "ok"]

@@ -37,11 +37,12 @@ from typing import Any
 from cgbuild.config import cgfile
 from cgbuild.config.targets import expand
 from cgbuild.core.canon import sha256_file
-from cgbuild.core.codes import RETRYABLE
+from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
 from cgbuild.core.fs import write_json
 from cgbuild.exec.mint import MintKey, mint_one
 from cgbuild.plan.workspace import Workspace
+from cgbuild.protocol.mint import BadResult, MintFailed, Phase, outcome_from_json
 from cgbuild.store.s3 import RemoteError
 
 CONNECT_TIMEOUT_S = 5.0
@@ -126,7 +127,7 @@ def admission(keys: list[MintKey], resources: dict[str, float]) -> tuple[list[Mi
             f"(nodes offer: {', '.join(sms) or 'no sm'}; start one with "
             f"`ray start --resources '{{\"{sm}\": 1}}'`)"
         )
-        blocked.extend({"label": label, "code": "no-node-for-sm", "detail": detail} for label in mk.labels)
+        blocked.extend({"label": label, "code": Code.NO_NODE_FOR_SM, "detail": detail} for label in mk.labels)
     return runnable, blocked
 
 
@@ -146,9 +147,9 @@ def order_for(ws: Workspace, mk: MintKey) -> Order:
     return Order(str(path), sha256_file(str(path)), mk.key, mk.entries, mk.toolchain)
 
 
-def _failure(code: str, detail: str, *, phase: str = "fleet") -> dict[str, Any]:
-    """A failed key's result; `retryable` from its code alone (docs/architecture.md)."""
-    return {"ok": False, "code": code, "retryable": code in RETRYABLE, "phase": phase, "detail": detail}
+def _failure(code: Code, detail: str, *, phase: Phase = Phase.FLEET) -> dict[str, Any]:
+    """A failed key's last word as the node's stream carries it."""
+    return {"result": MintFailed(code, phase, detail).to_json()}
 
 
 @dataclass
@@ -185,8 +186,8 @@ class Fleet:
                 num_returns="streaming",
                 name=f"mint {mk.labels[0]}",
             ).remote(order_for(ws, mk))
-            no_result = _failure("fleet-error", "the node returned no result")
-            return _Followed(mk, gen, time.monotonic(), {"result": no_result})
+            no_result = _failure(Code.FLEET_ERROR, "the node returned no result")
+            return _Followed(mk, gen, time.monotonic(), no_result)
 
         live = {f.gen: f for f in map(submit, keys)}
         checked = time.monotonic()
@@ -214,7 +215,7 @@ class Fleet:
         except StopIteration:
             return f.final
         except ray.exceptions.RayError as exc:
-            return {"result": _failure("fleet-error", f"{type(exc).__name__}: {exc}")}
+            return _failure(Code.FLEET_ERROR, f"{type(exc).__name__}: {exc}")
         if "phase" not in message:
             f.final = message
             return None
@@ -244,7 +245,7 @@ class Fleet:
             ray.cancel(f.gen, force=True)
             del live[f.gen]
             detail = f"no live node offers {sm!r} any more (the node minting it was lost)"
-            self._finish(ws, f.mk, {"result": _failure("fleet-node-lost", detail)}, on_event)
+            self._finish(ws, f.mk, _failure(Code.FLEET_NODE_LOST, detail), on_event)
 
     def _finish(
         self,
@@ -254,21 +255,23 @@ class Fleet:
         on_event: Callable[[MintKey, str], None] | None,
     ) -> None:
         """Take the key's result and keep its record on the driver too."""
-        mk.result = final["result"]
+        try:
+            mk.result = outcome_from_json(final.get("result"))
+        except BadResult as e:
+            detail = f"the node's result is not a mint result: {e}"
+            mk.result = MintFailed(Code.FLEET_ERROR, Phase.FLEET, detail)
         settle_visibility(ws, mk, final.get("node", {}).get("host", "?"))
         if "record" in final:
-            write_json(
-                ws.state / "mint" / f"{mk.key}.json", {**final["record"], "node": final["node"]}, indent=1
-            )
+            write_json(ws.state.record(mk.key), {**final["record"], "node": final["node"]}, indent=1)
         if on_event:
-            on_event(mk, "done" if mk.result.get("ok") else "failed")
+            on_event(mk, "done" if mk.minted else "failed")
 
 
 def settle_visibility(ws: Workspace, mk: MintKey, host: str) -> None:
     """A key minted on a node counts only once this driver can serve it: from its own store (a
     workspace on a shared filesystem) or from the shared remote the node published to. Else the
     artifact sits on one node's disk where no plan will find it, so the key fails, named."""
-    if not mk.result.get("ok"):
+    if not mk.minted:
         return
     remote = ws.remote
     try:
@@ -277,20 +280,20 @@ def settle_visibility(ws: Workspace, mk: MintKey, host: str) -> None:
             remote is not None and remote.get_json(remote.ref_name(mk.key)) is not None
         )
     except RemoteError as exc:
-        mk.result = _failure(exc.code, exc.detail, phase="admit")
+        mk.result = MintFailed(Code(exc.code), Phase.ADMIT, exc.detail)
         return
     if not visible:
-        mk.result = _failure(
-            "not-visible",
+        mk.result = MintFailed(
+            Code.NOT_VISIBLE,
+            Phase.ADMIT,
             f"node {host} minted {mk.key[:12]} into a store this driver cannot read: declare a shared "
             "remote store (docs/store.md) or keep the workspace on a filesystem every node shares",
-            phase="admit",
         )
 
 
 # ---- node ---------------------------------------------------------------------------------------
 class _Refusal(Exception):
-    def __init__(self, code: str, detail: str) -> None:
+    def __init__(self, code: Code, detail: str) -> None:
         super().__init__(detail)
         self.code, self.detail = code, detail
 
@@ -303,11 +306,11 @@ def _workspace_here(order: Order) -> tuple[Workspace, MintKey]:
         here = sha256_file(str(path))
     except OSError as exc:
         raise _Refusal(
-            "workspace-missing", f"node {host} cannot read the workspace's Cgfile {path}: {exc.strerror}"
+            Code.WORKSPACE_MISSING, f"node {host} cannot read the workspace's Cgfile {path}: {exc.strerror}"
         ) from None
     if here != order.cgfile_sha256:
         raise _Refusal(
-            "workspace-drift",
+            Code.WORKSPACE_DRIFT,
             f"node {host} has a different Cgfile at {path} (sha256 {here[:12]}, the driver's "
             f"{order.cgfile_sha256[:12]}): run one checkout of the workspace on every node",
         )
@@ -328,8 +331,8 @@ def mint_on_node(order: Order) -> Iterator[dict[str, Any]]:
     try:
         ws, mk = _workspace_here(order)
     except (_Refusal, UserError) as exc:
-        code = exc.code if isinstance(exc, _Refusal) else "workspace-drift"
-        yield {"result": _failure(code, str(exc), phase="workspace")}
+        code = exc.code if isinstance(exc, _Refusal) else Code.WORKSPACE_DRIFT
+        yield _failure(code, str(exc))
         return
     events: queue.Queue[str | None] = queue.Queue()
     raised: list[BaseException] = []
@@ -350,5 +353,6 @@ def mint_on_node(order: Order) -> Iterator[dict[str, Any]]:
     worker.join()
     if raised:
         raise raised[0]
-    record = json.loads((ws.state / "mint" / f"{mk.key}.json").read_text())
-    yield {"result": mk.result, "record": record, "node": {"id": node, "host": host}}
+    record = json.loads(ws.state.record(mk.key).read_text())
+    assert mk.result is not None  # mint_one always ends with one
+    yield {"result": mk.result.to_json(), "record": record, "node": {"id": node, "host": host}}

@@ -21,10 +21,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cgbuild.protocol.mint import MintHold, run_worker
+from cgbuild.core.codes import Code
+from cgbuild.protocol.mint import MintFailed, MintHold, MintOutcome, Phase, run_worker
 from cgbuild.protocol.spawn import Channel, kill_group
 from cgbuild.protocol.trace import FACT_KEYS
 
@@ -47,7 +49,7 @@ class Held:
         self.sm: str | None = None
         self.ok = False
         self.claimed = False
-        self.final: dict[str, Any] = {}
+        self.final: MintOutcome | None = None
         self.on_progress: Callable[[str], None] | None = None
         self._on_trace: Callable[[dict[str, Any]], None] | None = None
         self.pid: int | None = None
@@ -66,7 +68,7 @@ class Held:
         if result.get("ok") is True and lacking:
             result = {
                 "ok": False,
-                "code": "trace-failed",
+                "code": Code.TRACE_FAILED,
                 "detail": f"the worker's trace lacks {lacking[0]!r}",
             }
         self.ok = result.get("ok") is True
@@ -90,8 +92,8 @@ class Held:
                 started=self._started,
             )
         except BaseException as e:  # spawn refused to start (cgbuild is stopping)
-            self.final = {"ok": False, "code": "worker-killed", "detail": f"mint worker did not start: {e}"}
-        self._trace(self.final)  # ended before its trace (a refusal, a death): that is the trace's
+            self.final = MintFailed(Code.WORKER_KILLED, Phase.WORKER, f"mint worker did not start: {e}")
+        self._trace(self.final.to_json())  # ended before its trace (a refusal, a death): the trace's
 
     def _started(self, pid: int) -> None:
         self.pid = pid
@@ -100,15 +102,16 @@ class Held:
         """Whether this worker can mint `target`'s key: it traced its unit, on its sm."""
         return self.ok and target.label in self.labels and self.sm == target.id.sm
 
-    def complete(self, request: dict[str, Any], on_progress: Callable[[str], None] | None) -> dict[str, Any]:
+    def complete(self, request: dict[str, Any], on_progress: Callable[[str], None] | None) -> MintOutcome:
         """Hand the worker its key's request; its result line, or its typed end."""
         self.on_progress = on_progress
         self.channel.send(request)
         self.thread.join()
-        detail = str(self.final.get("detail", ""))
-        if self.log != self._started_log and detail:  # a typed end names the log where it is now
-            return {**self.final, "detail": detail.replace(str(self._started_log), str(self.log))}
-        return self.final
+        final = self.final
+        assert final is not None  # the thread always ends with one
+        if isinstance(final, MintFailed) and self.log != self._started_log:  # named where the log is now
+            return replace(final, detail=final.detail.replace(str(self._started_log), str(self.log)))
+        return final
 
     def stop(self) -> None:
         """No key for it: its input ends, it stops its stages and exits without a result; one
@@ -123,8 +126,8 @@ class HeldTraces:
     """The plan's tracer for `cgbuild mint` on this machine (the planner's `hold`)."""
 
     def __init__(self, ws: Workspace, limit: int) -> None:
-        self.out = ws.state / "build"
-        self.logs = ws.state / "mint"
+        self.out = ws.state.build
+        self.logs = ws.state.mints
         self.cxx = ws.cg.cxx
         self.limit = max(1, limit)
         self.held: list[Held] = []

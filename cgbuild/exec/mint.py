@@ -18,18 +18,18 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cgbuild.config.targets import Target, expand
-from cgbuild.core.codes import RETRYABLE
+from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
 from cgbuild.core.fs import write_json
 from cgbuild.core.platform import host_name
 from cgbuild.plan.diff import load_plan
-from cgbuild.plan.workspace import Workspace
-from cgbuild.protocol.mint import MintRequest, run_worker
+from cgbuild.plan.workspace import StateDir, Workspace
+from cgbuild.protocol.mint import Minted, MintFailed, MintOutcome, MintRequest, Phase, run_worker
 from cgbuild.protocol.trace import job_for
 from cgbuild.store.local import Store, StoreError
 from cgbuild.store.s3 import RemoteError
@@ -50,7 +50,12 @@ class MintKey:
     entries: list[dict[str, Any]]
     target: Target
     toolchain: dict[str, Any]
-    result: dict[str, Any] = field(default_factory=dict)
+    result: MintOutcome | None = None
+    """its outcome, once minted"""
+
+    @property
+    def minted(self) -> bool:
+        return self.result is not None and self.result.ok
 
     @property
     def labels(self) -> list[str]:
@@ -98,14 +103,14 @@ def recorded_plan_keys(path: str) -> dict[str, str]:
     return {t["label"]: t["key"] for t in plan["targets"] if t.get("status") == "mint" and t.get("key")}
 
 
-def _evidence_run(result: dict[str, Any], how: str) -> dict[str, Any]:
+def _evidence_run(result: Minted, how: str) -> dict[str, Any]:
     """One measured run for `<store>/evidence/<key>/<host>.json`: raw timings never sealed."""
     return {
         "how": how,
         "recorded": int(time.time()),
-        "artifact_sha256": result.get("sha256"),
-        "reproducible": result.get("reproducible"),
-        **result["lane_evidence"],
+        "artifact_sha256": result.sha256,
+        "reproducible": (result.compared or {}).get("reproducible"),
+        **(result.lane_evidence or {}),
     }
 
 
@@ -183,9 +188,8 @@ def mint_one(
     the node that holds the key's sm. A worker `held` from the plan's trace mints it when one
     traced its unit here (cgbuild.exec.held).
     """
-    records = ws.state / "mint"
-    record_path = records / f"{mk.key}.json"
-    log = records / f"{mk.key}.log"
+    record_path = ws.state.record(mk.key)
+    log = ws.state.log(mk.key)
     worker = None
     record = {
         "schema": RECORD_SCHEMA,
@@ -209,64 +213,60 @@ def mint_one(
         store.heal(mk.key)  # a malformed ref is quarantined before the compile, not after it
         if shared is not None:
             shared.check_publishable()  # before the compile: an unpublishable mint is wasted
-        request = request_for(ws, mk, ws.state / "build")
+        request = request_for(ws, mk, ws.state.build)
         worker = held.claim(mk.target, log) if held is not None else None  # after the refusals above
         result = worker.complete(request, progress) if worker else run_worker(request, log, progress)
-        if result.get("ok"):
+        if isinstance(result, Minted):
             if on_event:
                 on_event(mk, "admitting")
-            _admit(mk, result, store, shared)
+            result = _admit(mk, result, store, shared)
     except StoreError as e:  # PublishRefused (no signing key, no create-only writes), local refusals
-        phase = "publish" if isinstance(e, PublishRefused) else "admit"
-        result = {"ok": False, "code": e.code, "phase": phase, "detail": e.detail}
+        phase = Phase.PUBLISH if isinstance(e, PublishRefused) else Phase.ADMIT
+        result = MintFailed(Code(e.code), phase, e.detail)
     except RemoteError as e:
-        result = {"ok": False, "code": e.code, "phase": "publish", "detail": e.detail}
+        result = MintFailed(Code(e.code), Phase.PUBLISH, e.detail)
     except OSError as e:  # the state folder or the build folder refused a write: this key fails
-        result = {"ok": False, "code": "io-error", "phase": "admit", "detail": str(e)}
-    if not result.get("ok"):
-        result["retryable"] = result.get("code") in RETRYABLE  # from the code alone, whoever failed
+        result = MintFailed(Code.IO_ERROR, Phase.ADMIT, str(e))
     mk.result = result
     record.update(
         traced_here=worker is not None,  # the plan's trace of it was this mint's own
-        state="ok" if result.get("ok") else "failed",
+        state="ok" if result.ok else "failed",
         finished=time.time(),
-        result={k: v for k, v in result.items() if k not in ("members", "lane_evidence")},
+        result={k: v for k, v in result.to_json().items() if k not in ("members", "lane_evidence")},
     )
     write_json(record_path, record, indent=1)
     if on_event:
-        on_event(mk, "done" if result.get("ok") else "failed")
+        on_event(mk, "done" if result.ok else "failed")
     return mk
 
 
-def _admit(mk: MintKey, result: dict[str, Any], store: Store, shared: SharedStore | None) -> None:
+def _admit(mk: MintKey, result: Minted, store: Store, shared: SharedStore | None) -> MintOutcome:
     """Admit a sealed artifact: locally, and with a remote also signed and published (mint-once
     across machines: a conflict names the artifact that stands, and this mint is told)."""
     labels = {"labels": mk.labels}
     where = "the store"
     try:
         if shared is None:
-            admission = store.admit(mk.key, result["artifact"], metadata=labels)
+            admission = store.admit(mk.key, result.artifact, metadata=labels)
         else:
             where = f"the shared store {shared.remote.url}"
-            admission = shared.admit(mk.key, result["artifact"], metadata=labels)
-        result["admission"] = admission.status
-        if admission.ok and result.get("lane_evidence"):
+            admission = shared.admit(mk.key, result.artifact, metadata=labels)
+        if admission.status == "conflict":
+            detail = (
+                f"{where} already holds a different artifact for {mk.key[:12]} "
+                f"({admission.existing}); it stands (mint-once)"
+            )
+            return MintFailed(Code.CONFLICT, Phase.ADMIT, detail, {"standing": admission.existing}, result.id)
+        evidence = None
+        if admission.ok and result.lane_evidence:
             run = _evidence_run(result, "mint")
             if shared is None:
                 store.add_evidence(mk.key, host_name(), run)
             elif (why := shared.add_evidence(mk.key, run)) is not None:
-                result["evidence"] = f"kept on this machine only: {why}"
-        if admission.status == "conflict":
-            result.update(
-                ok=False,
-                code="conflict",
-                phase="admit",
-                standing=admission.existing,
-                detail=f"{where} already holds a different artifact for {mk.key[:12]} "
-                f"({admission.existing}); it stands (mint-once)",
-            )
+                evidence = f"kept on this machine only: {why}"
+        return result.admitted(admission.status, evidence)
     finally:
-        Path(result["artifact"]).unlink(missing_ok=True)
+        Path(result.artifact).unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:
@@ -290,13 +290,13 @@ def _pid_of(name: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
-def _live_mint(state: Path, entry: Path) -> bool:
+def _live_mint(state: StateDir, entry: Path) -> bool:
     """Whether a build entry may still be in use: its worker (by the pid in its name) runs, or,
     for a sealed `<key>.tar.gz` awaiting admission, the key's record is `running` under a live
     cgbuild. A reused pid only keeps an entry longer, never removes a live one."""
     if entry.name.endswith(".tar.gz"):
         try:
-            record = json.loads((state / "mint" / f"{entry.name.removesuffix('.tar.gz')}.json").read_bytes())
+            record = json.loads(state.record(entry.name.removesuffix(".tar.gz")).read_bytes())
         except (OSError, ValueError):
             return False
         pid = record.get("pid") if isinstance(record, dict) else None
@@ -305,12 +305,12 @@ def _live_mint(state: Path, entry: Path) -> bool:
     return pid is not None and _alive(pid)
 
 
-def sweep_build(state: Path, grace_s: float, *, dry_run: bool = False) -> list[str]:
+def sweep_build(state: StateDir, grace_s: float, *, dry_run: bool = False) -> list[str]:
     """Remove what killed mints left in `<state>/build` (work folders `.mint-*`, sealed
     `*.tar.gz` never admitted, `*.tmp` seal temps) once older than `grace_s` seconds and no
     live mint's; returns their names. A mint always cleans up after itself, so anything here
     past the grace period belongs to a mint that was killed."""
-    build = state / "build"
+    build = state.build
     if not build.is_dir():
         return []
     removed: list[str] = []
@@ -377,22 +377,16 @@ def mint_keys(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def remint_and_compare(ws: Workspace, mk: MintKey) -> dict[str, Any]:
+def remint_and_compare(ws: Workspace, mk: MintKey) -> MintOutcome:
     """Re-mint a stored key in a fresh sandbox and compare with the stored artifact, member by member."""
     store = Store(ws.cg.store_dir)
     resolved = store.resolve(mk.key, verify=True)
     if (bad := store.check_sealed_key(mk.key)) is not None:  # another key's object: quarantined
-        return {
-            "ok": False,
-            "code": bad.status,
-            "retryable": bad.status in RETRYABLE,
-            "phase": "check",
-            "detail": bad.detail,
-        }
+        return MintFailed(Code(bad.status), Phase.CHECK, bad.detail or "")
     with tempfile.TemporaryDirectory(prefix="cgbuild-check-") as tmp:
         req = request_for(ws, mk, Path(tmp), fresh=True, compare_with=str(resolved.path))
-        result = run_worker(req, ws.state / "mint" / f"{mk.key}.check.log")
-        if result.get("ok") and result.get("lane_evidence"):
+        result = run_worker(req, ws.state.log(mk.key, "check"))
+        if isinstance(result, Minted) and result.lane_evidence:
             store.add_evidence(mk.key, host_name(), _evidence_run(result, "check"))
         shutil.rmtree(tmp, ignore_errors=True)
     return result

@@ -18,39 +18,50 @@ from cgbuild.core.canon import canonical_json
 
 KEY_SCHEME = "cgbuild.key/1"
 _SCHEME_JSON = f'"{KEY_SCHEME}"'
-AXES = ("graph", "sm", "toolchain", "layout")
-# Which fields of each axis's readable block are its identity (what `why` and `diff` compare).
-IDENTITY_FIELDS = {
-    "graph": ("digest",),
-    "sm": ("sm",),
-    "toolchain": ("platform", "fold"),
-    "layout": ("topology", "quant"),
-}
 
 
-def identity_of(name: str, readable: dict[str, Any]) -> dict[str, Any]:
-    """The identity fields of axis `name` read from its readable block (a recorded plan's)."""
-    return {f: readable.get(f) for f in IDENTITY_FIELDS[name]}
+@dataclass(frozen=True)
+class AxisKind:
+    """One key axis: its name and the fields of its readable block that are its identity.
+
+    The identity is projected from the readable block by these fields, so what is hashed, what
+    `plan`, `why` and `diff` compare and what a recorded plan must hold cannot disagree."""
+
+    name: str
+    fields: tuple[str, ...]
+
+    def axis(self, readable: dict[str, Any]) -> Axis:
+        return Axis({f: readable[f] for f in self.fields}, readable)
+
+    def identity(self, readable: dict[str, Any]) -> dict[str, Any]:
+        """The identity read from a readable block (a recorded plan's)."""
+        return {f: readable.get(f) for f in self.fields}
+
+    def moved(self, old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+        """Every identity field that differs between two readable blocks: the one comparison
+        `plan`, `why` and `diff` make."""
+        return [(f, old.get(f), new.get(f)) for f in self.fields if old.get(f) != new.get(f)]
+
+    def move_text(self, old: dict[str, Any], new: dict[str, Any]) -> tuple[str, str]:
+        """(before, after) of a move as a person reads it: the sm itself; a layout's stamp with
+        each moved digest; otherwise each moved field's digest, shortened."""
+        fields = self.moved(old, new) or [(f, old.get(f), new.get(f)) for f in self.fields]
+        if self is SM:
+            return str(old.get("sm")), str(new.get("sm"))
+
+        def side(block: dict[str, Any], values: list[Any]) -> str:
+            moved = ", ".join(f"{f} {str(v)[:12]}" for (f, *_), v in zip(fields, values, strict=True))
+            return f"{block.get('stamp')} ({moved})" if self is LAYOUT else moved
+
+        return side(old, [o for _, o, _ in fields]), side(new, [n for _, _, n in fields])
 
 
-def moved_fields(name: str, old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """Every identity field of axis `name` that differs between two readable blocks: the one
-    comparison `plan`, `why` and `diff` make."""
-    return [(f, old.get(f), new.get(f)) for f in IDENTITY_FIELDS[name] if old.get(f) != new.get(f)]
-
-
-def move_text(name: str, old: dict[str, Any], new: dict[str, Any]) -> tuple[str, str]:
-    """(before, after) of one axis move as a person reads it: the sm itself; a layout's stamp
-    with each moved digest; otherwise each moved field's digest, shortened."""
-    fields = moved_fields(name, old, new) or [(f, old.get(f), new.get(f)) for f in IDENTITY_FIELDS[name]]
-    if name == "sm":
-        return str(old.get("sm")), str(new.get("sm"))
-
-    def side(block: dict[str, Any], values: list[Any]) -> str:
-        moved = ", ".join(f"{f} {str(v)[:12]}" for (f, *_), v in zip(fields, values, strict=True))
-        return f"{block.get('stamp')} ({moved})" if name == "layout" else moved
-
-    return side(old, [o for _, o, _ in fields]), side(new, [n for _, _, n in fields])
+GRAPH = AxisKind("graph", ("digest",))
+SM = AxisKind("sm", ("sm",))
+TOOLCHAIN = AxisKind("toolchain", ("platform", "fold"))
+LAYOUT = AxisKind("layout", ("topology", "quant"))
+KINDS = {kind.name: kind for kind in (GRAPH, SM, TOOLCHAIN, LAYOUT)}
+AXES = tuple(KINDS)
 
 
 @dataclass(frozen=True)
@@ -65,15 +76,15 @@ class Axis:
 
 
 def graph_axis(graph_digest: str, *, torch: str, nodes: int | None) -> Axis:
-    return Axis({"digest": graph_digest}, {"digest": graph_digest, "traced_with": torch, "nodes": nodes})
+    return GRAPH.axis({"digest": graph_digest, "traced_with": torch, "nodes": nodes})
 
 
 def sm_axis(sm: str) -> Axis:
-    return Axis({"sm": sm}, {"sm": sm})
+    return SM.axis({"sm": sm})
 
 
 def toolchain_axis(platform: str, fold: str, source: str) -> Axis:
-    return Axis({"platform": platform, "fold": fold}, {"platform": platform, "fold": fold, "source": source})
+    return TOOLCHAIN.axis({"platform": platform, "fold": fold, "source": source})
 
 
 def key_of(axes: dict[str, Axis]) -> str:

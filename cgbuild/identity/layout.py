@@ -31,8 +31,10 @@ from typing import Any
 
 from cgbuild.core import fs
 from cgbuild.core.canon import digest
+from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
 from cgbuild.core.platform import device_of, sm_number
+from cgbuild.identity.keys import LAYOUT, Axis
 
 TOPOLOGY_SCHEME = 1
 QUANT_SCHEME = "cgbuild.quant/2"
@@ -247,7 +249,7 @@ def scaled_mm_rowwise(torch_version: str, sm: str) -> tuple[bool, str]:
 CAPABILITIES = {"scaled_mm-rowwise": scaled_mm_rowwise}
 
 
-def floor_refusal(rule: QuantRule, sm: str, torch_version: str | None) -> tuple[str, str] | None:
+def floor_refusal(rule: QuantRule, sm: str, torch_version: str | None) -> tuple[Code, str] | None:
     """(reason code, detail) when a target of this rule on this sm must not be minted, else None.
 
     `layout-below-sm-floor`: the device kind or the sm is below what the rule's matmul needs (a
@@ -257,18 +259,18 @@ def floor_refusal(rule: QuantRule, sm: str, torch_version: str | None) -> tuple[
     """
     device = device_of(sm)
     if device not in rule.devices:
-        return "layout-below-sm-floor", (
+        return Code.LAYOUT_BELOW_SM_FLOOR, (
             f"{rule.display} runs only on {' and '.join(rule.devices)}; {sm} targets are never minted"
         )
     floor = rule.min_sm
     number, need = sm_number(sm), sm_number(floor) if floor else None
     if need is not None and number is not None and number < need:
-        return "layout-below-sm-floor", f"{rule.display} needs {floor} or newer; {sm} is below its floor"
+        return Code.LAYOUT_BELOW_SM_FLOOR, f"{rule.display} needs {floor} or newer; {sm} is below its floor"
     check = CAPABILITIES.get(rule.facts.get("capability") or "")
     if check is not None and torch_version is not None:
         ok, why = check(torch_version, sm)
         if not ok:
-            return "layout-toolchain-unsupported", f"{rule.display}: {why}"
+            return Code.LAYOUT_TOOLCHAIN_UNSUPPORTED, f"{rule.display}: {why}"
     return None
 
 
@@ -581,15 +583,13 @@ def layout_stamp(family: str, component: str, quant: QuantRule) -> str:
     return f"{family}.{component}@{TOPOLOGY_SCHEME}+{quant.display}"
 
 
-def layout_axis(
-    family: str, component: str, quant: QuantRule, topology: str, source: str
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(identity, readable) blocks of the layout axis; identity holds digests only."""
-    identity = layout_identity(topology, quant)
-    readable = {
-        **identity,
-        "stamp": layout_stamp(family, component, quant),
-        "topology_source": source,
-        "quant_rule": quant.display,
-    }
-    return identity, readable
+def layout_axis(family: str, component: str, quant: QuantRule, topology: str, source: str) -> Axis:
+    """The layout axis; its identity holds digests only."""
+    return LAYOUT.axis(
+        {
+            **layout_identity(topology, quant),
+            "stamp": layout_stamp(family, component, quant),
+            "topology_source": source,
+            "quant_rule": quant.display,
+        }
+    )

@@ -16,7 +16,7 @@ from cgbuild.core import jsonfile
 from cgbuild.core.errors import UserError, printable
 from cgbuild.core.platform import device_of
 from cgbuild.identity import toolchain
-from cgbuild.identity.keys import AXES, move_text, moved_fields
+from cgbuild.identity.keys import AXES, KINDS
 
 
 def load_plan(path: str) -> dict[str, Any]:
@@ -86,7 +86,7 @@ def _moved_axes(base: dict[str, Any], head: dict[str, Any]) -> list[str]:
         a, b = (base.get("axes") or {}).get(axis), (head.get("axes") or {}).get(axis)
         if a is None or b is None:
             continue
-        if moved_fields(axis, a, b):
+        if KINDS[axis].moved(a, b):
             moved.append(axis)
     return moved
 
@@ -183,7 +183,7 @@ def _moved(
         if axis == "toolchain":
             details.append(_toolchain_detail(comp_changes[device_of(h["sm"])]))
         else:
-            old, new = move_text(axis, b["axes"][axis], h["axes"][axis])
+            old, new = KINDS[axis].move_text(b["axes"][axis], h["axes"][axis])
             details.append(f"{axis}: {old} → {new}")
     return {
         "label": label,

@@ -6,7 +6,10 @@ warm plan reads no source it has read before.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,43 @@ def _valid_cache(doc: Any) -> bool:
         and isinstance(v[3], str)
         for v in doc.values()
     )
+
+
+def family_files(cg: Cgfile, fam: Family) -> set[Path]:
+    """The files a family's code is made of: its `sources` globs and its entry's own module files
+    (always, globs or not: a missed input is a wrong key). The trace-input digest hashes them and
+    the plan memo stats them: one list, so the two cannot disagree."""
+    files: set[Path] = set()
+    for pattern in fam.sources:
+        files.update(p for p in cg.root.glob(pattern) if p.is_file())
+    files.update(entry_files(cg.root, fam.entry))
+    return files
+
+
+@dataclass(frozen=True)
+class FamilyInputs:
+    """A family's trace inputs as read once: the record its digest is computed from is the
+    snapshot a later plan names moves from, so a move is never keyed without being named."""
+
+    entry: str
+    config: Mapping[str, Any]
+    lanes: list[list[Any]]
+    files: dict[str, str]
+    """relative path → sha256"""
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """Over entry, config (floats exact) and files; lanes key through the snapshot's id."""
+        return digest({"entry": self.entry, "config": hexfloats(self.config), "files": self.files})
+
+    @property
+    def snapshot(self) -> dict[str, Any]:
+        return {"entry": self.entry, "config": self.config, "lanes": self.lanes, "files": self.files}
+
+    @property
+    def id(self) -> str:
+        """The snapshot's name in a recorded plan."""
+        return digest([self.digest, self.lanes])[:16]
 
 
 class SourceHasher:
@@ -47,17 +87,11 @@ class SourceHasher:
         self._dirty = True
         return sha
 
-    def family_inputs(self, cg: Cgfile, fam: Family) -> tuple[str, dict[str, str]]:
-        """(digest, {relative path: sha256}) over entry, config and the family's source files.
-
-        The entry's own module file is always included, globs or not: a missed input is a wrong key.
-        """
-        files: set[Path] = set()
-        for pattern in fam.sources:
-            files.update(p for p in cg.root.glob(pattern) if p.is_file())
-        files.update(entry_files(cg.root, fam.entry))
-        shas = {p.relative_to(cg.root).as_posix(): self.file_digest(p) for p in sorted(files)}
-        return digest({"entry": fam.entry, "config": hexfloats(fam.config), "files": shas}), shas
+    def family_inputs(self, cg: Cgfile, fam: Family) -> FamilyInputs:
+        files = sorted(family_files(cg, fam))
+        shas = {p.relative_to(cg.root).as_posix(): self.file_digest(p) for p in files}
+        lanes = [[axis, list(values)] for axis, values in fam.lanes]
+        return FamilyInputs(fam.entry, fam.config, lanes, shas)
 
     def save(self) -> None:
         if not self._dirty:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from cgbuild.core import fs, statefile
 from cgbuild.core.canon import NotCanonical, canonical_json
 from cgbuild.core.statefile import is_str_map
-from cgbuild.identity.keys import IDENTITY_FIELDS
+from cgbuild.identity.keys import KINDS
 
 if TYPE_CHECKING:
     from cgbuild.plan.moved import Snapshots
@@ -29,7 +29,8 @@ def _axes(value: Any) -> bool:
     for name, block in value.items():
         if block is None:
             continue
-        if not isinstance(block, dict) or not all(f in block for f in IDENTITY_FIELDS.get(name, ())):
+        fields = KINDS[name].fields if name in KINDS else ()
+        if not isinstance(block, dict) or not all(f in block for f in fields):
             return False
     return True
 

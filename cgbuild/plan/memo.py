@@ -31,13 +31,14 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cgbuild.core import fs
 from cgbuild.core.errors import UserError
+from cgbuild.plan.workspace import StateDir
 from cgbuild.store import refs
 
 if TYPE_CHECKING:
@@ -82,19 +83,16 @@ def request_of(cg: Cgfile, selector: str, toolchain_lock: str | None, run_traces
 
 def input_stamps(cg: Cgfile, toolchain_lock: str | None) -> dict[str, list[int] | None]:
     """path → stat stamp of every file the plan reads (see the module's docstring)."""
-    from cgbuild.core.entry import entry_files
+    from cgbuild.plan.inputs import family_files
 
     paths: list[str] = [str(cg.path)]
     paths += [str(p) for p in (cg.toolchain_lock, toolchain_lock) if p]
     paths += [entry or "." for entry in sys.path]
-    state = cg.state_dir
-    paths += [str(state / name) for name in ("last-plan.json", "traces.sqlite", "traces.sqlite-wal")]
-    paths += _probe_inputs(state / "cache" / "toolchain.json")
+    state = StateDir(cg.state_dir)
+    paths += [str(p) for p in state.planned_from()]
+    paths += _probe_inputs(state.cache / "toolchain.json")
     for fam in cg.families.values():
-        files: set[Path] = set(entry_files(cg.root, fam.entry))
-        for pattern in fam.sources:
-            files.update(p for p in cg.root.glob(pattern) if p.is_file())
-        paths += [str(p) for p in files]
+        paths += [str(p) for p in family_files(cg, fam)]
     for lay in cg.layouts.values():
         if lay.reference is not None:
             paths += _tree(str(lay.reference))
@@ -140,7 +138,7 @@ class StoreCheck:
 
     @classmethod
     def of(
-        cls, store_root: Path, states: dict[str, str], remote: tuple[float | None, set[str]] | None = None
+        cls, store_root: Path, states: Mapping[str, str], remote: tuple[float | None, set[str]] | None = None
     ) -> StoreCheck | None:
         """The rows for `states` (key → ref state), or None when a key is neither fresh nor
         missing, or the store no longer reads as it did (then nothing is memoised).
@@ -238,7 +236,7 @@ class Memo:
 
     @staticmethod
     def folder(cg: Cgfile) -> Path:
-        return cg.state_dir / "cache" / "plans"
+        return StateDir(cg.state_dir).plans
 
     @classmethod
     def load(cls, ws: Workspace, request: Request, stamps: dict[str, list[int] | None]) -> Memo | None:

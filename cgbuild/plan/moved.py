@@ -13,12 +13,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from cgbuild.config.cgfile import Cgfile
 from cgbuild.config.targets import Target
 from cgbuild.core.canon import digest
+from cgbuild.core.codes import Code
 from cgbuild.identity import toolchain
-from cgbuild.identity.keys import AXES, Axis, identity_of, move_text
+from cgbuild.identity.keys import AXES, GRAPH, KINDS, Axis
 from cgbuild.plan import reasons as why
+from cgbuild.plan.inputs import FamilyInputs
 from cgbuild.plan.reasons import Reason
 from cgbuild.plan.tracecache import TRACE_RULE_VERSION
 
@@ -36,23 +37,11 @@ class Snapshots:
     families: dict[str, dict[str, Any]]
 
     @classmethod
-    def of(
-        cls, cg: Cgfile, fam_inputs: dict[str, tuple[str, dict[str, str]]], dists: dict[str, str], env: str
-    ) -> Snapshots:
+    def of(cls, fam_inputs: dict[str, FamilyInputs], dists: dict[str, str], env: str) -> Snapshots:
         python = f"{sys.version_info.major}.{sys.version_info.minor}"
         env_block = {"dists": dists, "rule": TRACE_RULE_VERSION, "python": python}
-        fam_ids: dict[str, str] = {}
-        families: dict[str, dict[str, Any]] = {}
-        for name, (fam_digest, files) in fam_inputs.items():
-            fam = cg.families[name]
-            snap = {
-                "entry": fam.entry,
-                "config": fam.config,
-                "lanes": [[axis, list(values)] for axis, values in fam.lanes],
-                "files": files,
-            }
-            fam_ids[name] = digest([fam_digest, snap["lanes"]])[:16]
-            families[fam_ids[name]] = snap
+        fam_ids = {name: inputs.id for name, inputs in fam_inputs.items()}
+        families = {inputs.id: inputs.snapshot for inputs in fam_inputs.values()}
         return cls(digest([env, TRACE_RULE_VERSION, python])[:16], env_block, fam_ids, families)
 
 
@@ -87,23 +76,25 @@ class Movement:
     ) -> list[Reason]:
         """What moved since the target's recorded reference `last`, root causes first."""
         if last is None:
-            return [Reason("new-target", "new target: not in this workspace's recorded plans", True)]
+            return [Reason(Code.NEW_TARGET, "new target: not in this workspace's recorded plans", True)]
         out: list[Reason] = []
         if last.get("new"):  # never fresh since first seen
-            out.append(Reason("new-target", "new target: not minted since it first appeared in a plan", True))
+            out.append(
+                Reason(Code.NEW_TARGET, "new target: not minted since it first appeared in a plan", True)
+            )
         trace_moved = last.get("trace_inputs") != inputs
         if not trace_moved and key is not None and last.get("key") == key:
             return out  # the warm path: nothing this target depends on moved
         last_axes = last.get("axes", {})
         new_graph, old_graph = axes.get("graph"), last_axes.get("graph")
         cutoff = trace_moved and new_graph is not None and old_graph is not None
-        cutoff = cutoff and identity_of("graph", old_graph) == new_graph.identity  # type: ignore[union-attr]
+        cutoff = cutoff and GRAPH.identity(old_graph) == new_graph.identity  # type: ignore[union-attr]
         if trace_moved:
             new_torch = new_graph.readable.get("traced_with") if new_graph is not None else None
             out.extend(self._inputs_moved(t.id.family, last, new_torch, root=not cutoff))
         for name in AXES:
             new, old = axes.get(name), last_axes.get(name)
-            if new is not None and old is not None and identity_of(name, old) != new.identity:
+            if new is not None and old is not None and KINDS[name].identity(old) != new.identity:
                 out.extend(self._axis_moved(t, name, old, new, trace_moved=trace_moved))
         if cutoff:
             out.append(why.early_cutoff())
@@ -123,7 +114,7 @@ class Movement:
         # the graph, and a topology read from the trace, move because the trace inputs did
         traced = name == "graph" or new.readable.get("topology_source") == "trace"
         root = not (trace_moved and traced)
-        before, after = move_text(name, old, new.readable)
+        before, after = KINDS[name].move_text(old, new.readable)
         return [why.axis_moved(name, before, after, root=root)]
 
     def _inputs_moved(

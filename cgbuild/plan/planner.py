@@ -31,17 +31,19 @@ from cgbuild.config.cgfile import Cgfile
 from cgbuild.config.labels import Selector
 from cgbuild.config.targets import Target, expand, select
 from cgbuild.core.canon import digest
+from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
 from cgbuild.identity import layout, toolchain
 from cgbuild.identity.keys import Axis, graph_axis, key_of, sm_axis, toolchain_axis
 from cgbuild.plan import environment, laststate
-from cgbuild.plan.inputs import SourceHasher
+from cgbuild.plan.inputs import FamilyInputs, SourceHasher
 from cgbuild.plan.moved import Movement, Snapshots
-from cgbuild.plan.reasons import TRUST_CODES, Reason, trace_refused
+from cgbuild.plan.reasons import TRUST_CODES, Reason, Status, trace_refused
 from cgbuild.plan.tracecache import TraceCache, trace_inputs
 from cgbuild.plan.workspace import Workspace
 from cgbuild.protocol.trace import FACT_KEYS, TraceJob, job_for, request, target_lanes
 from cgbuild.store.local import Store
+from cgbuild.store.refs import RefState
 
 if TYPE_CHECKING:
     from cgbuild.store.shared import SharedStore
@@ -114,7 +116,7 @@ class PlanContext:
     local_torch: dict[str, Any] | None = None
     toolchains: dict[str, Any] = field(default_factory=dict)
     tc_source: str = ""
-    fam_inputs: dict[str, tuple[str, dict[str, str]]] = field(default_factory=dict)
+    fam_inputs: dict[str, FamilyInputs] = field(default_factory=dict)
     now: Snapshots | None = None
     # units
     units: dict[str, TraceUnit] = field(default_factory=dict)
@@ -134,7 +136,7 @@ class PlanContext:
     graph_axes: dict[str, Axis] = field(default_factory=dict)  # by trace inputs
     layout_axes: dict[_LayoutOf, tuple[Axis | None, str | None]] = field(default_factory=dict)
     references: dict[tuple[str, str], tuple[Any, str]] = field(default_factory=dict)
-    ref_states: dict[str, str] = field(default_factory=dict)
+    ref_states: dict[str, RefState | Code] = field(default_factory=dict)
     refusals: dict[str, str] = field(default_factory=dict)  # key → why its remote ref is untrusted
 
     @property
@@ -143,7 +145,7 @@ class PlanContext:
 
     @property
     def cache_dir(self) -> Path:
-        return self.ws.state / "cache"
+        return self.ws.state.cache
 
 
 def resolve_toolchains(ws: Workspace, cache_dir: Path) -> tuple[dict[str, Any], str]:
@@ -198,13 +200,13 @@ def plan_in_full(ctx: PlanContext, selector: Selector, *, record: bool) -> dict[
     plan = _plan_document(ctx, [_plan_target(ctx, t) for t in ctx.targets])
     if record:
         assert ctx.now is not None
-        laststate.record(ws.state / "last-plan.json", plan, ctx.last, ctx.now)
+        laststate.record(ws.state.last_plan, plan, ctx.last, ctx.now)
     return plan
 
 
 def record_minted(ws: Workspace, keys: set[str]) -> None:
     """A minted key is fresh: its targets' references become what they were planned as."""
-    laststate.record_minted(ws.state / "last-plan.json", keys)
+    laststate.record_minted(ws.state.last_plan, keys)
 
 
 def _resolve_inputs(ctx: PlanContext) -> None:
@@ -220,7 +222,7 @@ def _resolve_inputs(ctx: PlanContext) -> None:
         name: hasher.family_inputs(cg, fam) for name, fam in cg.families.items() if name in selected
     }
     hasher.save()
-    ctx.now = Snapshots.of(cg, ctx.fam_inputs, ctx.dists, ctx.env_digest)
+    ctx.now = Snapshots.of(ctx.fam_inputs, ctx.dists, ctx.env_digest)
 
 
 def _group_units(ctx: PlanContext) -> None:
@@ -239,7 +241,7 @@ def _group_units(ctx: PlanContext) -> None:
         if not inputs:
             job = job_for(ctx.cg, t, tc_block.get("components"))
             inputs = trace_inputs(
-                family_inputs=ctx.fam_inputs[t.id.family][0],
+                family_inputs=ctx.fam_inputs[t.id.family].digest,
                 module=t.id.module,
                 spec=dict(job.spec),
                 quant=job.quant,
@@ -289,11 +291,11 @@ def _traceable(ctx: PlanContext, unit: TraceUnit) -> bool:
     local_version = local["version"] if local else None
     if local is None:
         ctx.unknown[unit.inputs] = Reason(
-            "graph-unknown", "torch is not installed here: cannot trace", root=True
+            Code.GRAPH_UNKNOWN, "torch is not installed here: cannot trace", root=True
         )
     elif tc_torch != local_version:
         ctx.unknown[unit.inputs] = Reason(
-            "graph-unknown",
+            Code.GRAPH_UNKNOWN,
             f"toolchain torch {tc_torch} differs from the tracing torch {local_version}; "
             "no trace under that torch is cached",
             True,
@@ -303,13 +305,13 @@ def _traceable(ctx: PlanContext, unit: TraceUnit) -> bool:
         )
     elif device == "cuda" and not local["cuda"]:
         ctx.blocked[unit.inputs] = Reason(
-            "no-cuda-torch",
+            Code.NO_CUDA_TORCH,
             f"torch {local_version} is a CPU-only build: CUDA graphs "
             "trace only with a CUDA build of torch (no GPU needed)",
             root=True,
         )
     elif not ctx.run_traces:
-        ctx.unknown[unit.inputs] = Reason("graph-unknown", "not traced yet (tracing disabled)", root=True)
+        ctx.unknown[unit.inputs] = Reason(Code.GRAPH_UNKNOWN, "not traced yet (tracing disabled)", root=True)
     else:
         return True
     return False
@@ -317,7 +319,7 @@ def _traceable(ctx: PlanContext, unit: TraceUnit) -> bool:
 
 def _trace_cache(ctx: PlanContext) -> contextlib.closing[TraceCache]:
     """The workspace's trace cache, open for one stage and closed after it."""
-    return contextlib.closing(TraceCache(ctx.ws.state / "traces.sqlite"))
+    return contextlib.closing(TraceCache(ctx.ws.state.traces))
 
 
 def _plan_document(ctx: PlanContext, targets: list[dict[str, Any]]) -> dict[str, Any]:
@@ -335,7 +337,7 @@ def _plan_document(ctx: PlanContext, targets: list[dict[str, Any]]) -> dict[str,
 def _references(ctx: PlanContext) -> None:
     """The last plan's references, and the store the keys are looked up in."""
     assert ctx.now is not None
-    ctx.last = laststate.load(ctx.ws.state / "last-plan.json")
+    ctx.last = laststate.load(ctx.ws.state.last_plan)
     ctx.movement = Movement(ctx.last, ctx.now, ctx.toolchains)
     ctx.store = ctx.shared or ctx.ws.store()
 
@@ -350,9 +352,9 @@ def _plan_target(ctx: PlanContext, t: Target) -> dict[str, Any]:
     last = ctx.last.get("targets", {}).get(t.label)
     assert ctx.movement is not None
     moved = ctx.movement.since(t, key, axes, inputs, last)
-    if status == "fresh":
+    if status is Status.FRESH:
         reasons = [r.propagated() for r in reasons + moved]
-    elif status in ("blocked", "trace"):  # its one root cause is what stops it, moved or not
+    elif status in (Status.BLOCKED, Status.TRACE):  # its one root cause is what stops it, moved or not
         reasons += [r.propagated() for r in moved]
     else:
         reasons += moved
@@ -425,12 +427,12 @@ def _layout_of(
             topo = layout.topology_from_reference(lay.reference, component, lay.reading(component))
             ctx.references[ref_key] = (topo, layout.topology_digest(topo))
         topo, topo_digest = ctx.references[ref_key]
-        axis = Axis(*layout.layout_axis(t.id.family, component, quant, topo_digest, "reference"))
+        axis = layout.layout_axis(t.id.family, component, quant, topo_digest, "reference")
         if fact is not None:
             mismatch = layout.topology_mismatch(topo, layout.from_trace(fact["topology"]))
     elif fact is not None:
         topo_digest = layout.topology_digest(layout.from_trace(fact["topology"]))
-        axis = Axis(*layout.layout_axis(t.id.family, component, quant, topo_digest, "trace"))
+        axis = layout.layout_axis(t.id.family, component, quant, topo_digest, "trace")
     ctx.layout_axes[memo_key] = (axis, mismatch)
     return axis, mismatch
 
@@ -442,19 +444,19 @@ def _status_of(
     fact: dict[str, Any] | None,
     axes: dict[str, Axis | None],
     mismatch: str | None,
-) -> tuple[str, str | None, list[Reason]]:
+) -> tuple[Status, str | None, list[Reason]]:
     """(status, key, reasons): the first thing that stops the target decides, with its reason."""
     stop = ctx.floors.get(t.label) or ctx.blocked.get(inputs)
     if stop is not None:
-        return "blocked", None, [stop]
+        return Status.BLOCKED, None, [stop]
     if mismatch is not None:
         detail = f"reference checkpoint of '{t.module.component}' and the traced module disagree: {mismatch}"
-        return "blocked", None, [Reason("layout-topology-mismatch", detail, root=True)]
+        return Status.BLOCKED, None, [Reason(Code.LAYOUT_TOPOLOGY_MISMATCH, detail, root=True)]
     if fact is None:
         return (
-            "trace",
+            Status.TRACE,
             None,
-            [ctx.unknown.get(inputs) or Reason("graph-unknown", "graph not traced", root=True)],
+            [ctx.unknown.get(inputs) or Reason(Code.GRAPH_UNKNOWN, "graph not traced", root=True)],
         )
     key = key_of({name: axis for name, axis in axes.items() if axis is not None})
     state = ctx.ref_states.get(key)
@@ -468,31 +470,31 @@ def _status_of(
             state = ctx.store.ref_state(key)
         ctx.ref_states[key] = state
     if state == "fresh":
-        return "fresh", key, []
+        return Status.FRESH, key, []
     if state in TRUST_CODES:
         detail = f"the shared store's ref is not trusted: {ctx.refusals[key]}"
-        return "mint", key, [Reason(state, detail, root=True)]
+        return Status.MINT, key, [Reason(Code(state), detail, root=True)]
     last = ctx.last.get("targets", {}).get(t.label)
-    return "mint", key, [_store_reason(state, key, last)]
+    return Status.MINT, key, [_store_reason(state, key, last)]
 
 
 def _store_reason(state: str, key: str, last: dict[str, Any] | None) -> Reason:
     """Why a known key must be minted, by what the store holds for it."""
     if state == "quarantined":
         return Reason(
-            "quarantined",
+            Code.QUARANTINED,
             "the stored artifact failed verification and was quarantined; a new verified mint repairs it",
             root=True,
         )
     if state == "malformed":
         return Reason(
-            "malformed-ref",
+            Code.MALFORMED_REF,
             "the store's ref for this key is not a ref; the next command that writes "
             "the store (mint, verify, gc, fetch) quarantines it",
             root=True,
         )
     return Reason(
-        "missing-from-store",
+        Code.MISSING_FROM_STORE,
         "no verified ref for this key in the store",
         root=last is not None and not last.get("new") and last.get("key") == key,
     )

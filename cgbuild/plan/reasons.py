@@ -10,44 +10,60 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
 from typing import Any
 
-# Stable reason codes (documented in docs/plan.md).
-REASON_CODES = (
-    "new-target",
-    "axis-moved",
-    "missing-from-store",
-    "malformed-ref",
-    "quarantined",
-    "trace-input-moved",
-    "early-cutoff",
-    "graph-unknown",
-    "no-cuda-torch",
-    "trace-failed",
-    "entry-error",
-    "literal-hidden",
-    "wrong-host",
-    "wrong-device",
-    "mint-error",
-    "worker-crashed",
-    "worker-killed",
-    "worker-signal",
-    "oom",
-    "timeout",
-    "layout-below-sm-floor",
-    "layout-toolchain-unsupported",
-    "layout-topology-mismatch",
-    "unsigned",
-    "unknown-signer",
-    "bad-signature",
+from cgbuild.core.codes import Code
+
+
+class Status(StrEnum):
+    """A target's plan status: what the next `mint` does with it."""
+
+    FRESH = "fresh"
+    MINT = "mint"
+    TRACE = "trace"
+    """its graph is not known yet: a trace decides its key"""
+    BLOCKED = "blocked"
+
+
+# The codes a plan reason may carry (documented in docs/plan.md).
+REASON_CODES = frozenset(
+    {
+        Code.NEW_TARGET,
+        Code.AXIS_MOVED,
+        Code.MISSING_FROM_STORE,
+        Code.MALFORMED_REF,
+        Code.QUARANTINED,
+        Code.TRACE_INPUT_MOVED,
+        Code.EARLY_CUTOFF,
+        Code.GRAPH_UNKNOWN,
+        Code.NO_CUDA_TORCH,
+        Code.TRACE_FAILED,
+        Code.ENTRY_ERROR,
+        Code.LITERAL_HIDDEN,
+        Code.WRONG_HOST,
+        Code.WRONG_DEVICE,
+        Code.MINT_ERROR,
+        Code.WORKER_CRASHED,
+        Code.WORKER_KILLED,
+        Code.WORKER_SIGNAL,
+        Code.OOM,
+        Code.TIMEOUT,
+        Code.LAYOUT_BELOW_SM_FLOOR,
+        Code.LAYOUT_TOOLCHAIN_UNSUPPORTED,
+        Code.LAYOUT_TOPOLOGY_MISMATCH,
+        Code.UNSIGNED,
+        Code.UNKNOWN_SIGNER,
+        Code.BAD_SIGNATURE,
+    }
 )
 
 # `plan --verify`: a key the shared store lists whose ref's signature fails (cgbuild/store/trust.py).
-TRUST_CODES = frozenset({"unsigned", "unknown-signer", "bad-signature"})
+TRUST_CODES = frozenset({Code.UNSIGNED, Code.UNKNOWN_SIGNER, Code.BAD_SIGNATURE})
 
 # Blocked because of this machine, not the declaration: a CPU CI box blocks every GPU target
 # this way, so `plan --exit-code` does not count them.
-ENVIRONMENT_CODES = frozenset({"no-cuda-torch", "layout-below-sm-floor"})
+ENVIRONMENT_CODES = frozenset({Code.NO_CUDA_TORCH, Code.LAYOUT_BELOW_SM_FLOOR})
 
 
 @dataclass(frozen=True)
@@ -57,7 +73,7 @@ class Reason:
     `component` names the moved thing within its kind: a toolchain component, a file relative to
     the Cgfile, a config key path (`family.toy.config.hidden`), a distribution, `trace-rule`."""
 
-    code: str
+    code: Code
     detail: str
     root: bool
     axis: str | None = None
@@ -66,8 +82,8 @@ class Reason:
     new: str | None = None
 
     def __post_init__(self) -> None:
-        if self.code not in REASON_CODES:
-            raise ValueError(f"unknown reason code {self.code!r}")
+        if not isinstance(self.code, Code) or self.code not in REASON_CODES:
+            raise ValueError(f"not a plan reason code: {self.code!r}")
 
     def propagated(self) -> Reason:
         return self if not self.root else replace(self, root=False)
@@ -84,7 +100,7 @@ def _value(v: Any) -> str:
 def file_moved(path: str, old: str | None, new: str | None, *, root: bool) -> Reason:
     what = "added" if old is None else "removed" if new is None else "changed"
     return Reason(
-        "trace-input-moved",
+        Code.TRACE_INPUT_MOVED,
         f"{path} {what}",
         root,
         component=path,
@@ -98,7 +114,7 @@ def setting_moved(path: str, old: Any, new: Any, *, root: bool) -> Reason:
     before = "absent" if old is None else _value(old)
     after = "absent" if new is None else _value(new)
     return Reason(
-        "trace-input-moved",
+        Code.TRACE_INPUT_MOVED,
         f"{path} changed ({before} → {after})",
         root,
         component=path,
@@ -111,17 +127,17 @@ def version_moved(name: str, old: str | None, new: str | None, *, root: bool) ->
     """A distribution, the tracing torch, Python or the trace rule moved from one version to another."""
     before, after = old or "absent", new or "absent"
     return Reason(
-        "trace-input-moved", f"{name} {before} → {after}", root, component=name, old=before, new=after
+        Code.TRACE_INPUT_MOVED, f"{name} {before} → {after}", root, component=name, old=before, new=after
     )
 
 
 def more_moved(n: int, kind: str, *, root: bool) -> Reason:
-    return Reason("trace-input-moved", f"and {n} more {kind} moved", root)
+    return Reason(Code.TRACE_INPUT_MOVED, f"and {n} more {kind} moved", root)
 
 
 def unnamed_inputs_moved(*, root: bool) -> Reason:
     return Reason(
-        "trace-input-moved",
+        Code.TRACE_INPUT_MOVED,
         "trace inputs moved, none of them recorded by name (the module's spec or the quant rule's facts)",
         root,
     )
@@ -130,13 +146,19 @@ def unnamed_inputs_moved(*, root: bool) -> Reason:
 def axis_moved(axis: str, old: str, new: str, *, root: bool, component: str | None = None) -> Reason:
     what = f"{component} " if component else ""
     return Reason(
-        "axis-moved", f"{axis}: {what}{old} → {new}", root, axis=axis, component=component, old=old, new=new
+        Code.AXIS_MOVED,
+        f"{axis}: {what}{old} → {new}",
+        root,
+        axis=axis,
+        component=component,
+        old=old,
+        new=new,
     )
 
 
 def early_cutoff() -> Reason:
     return Reason(
-        "early-cutoff", "re-traced: the graph digest did not move (early cutoff)", False, axis="graph"
+        Code.EARLY_CUTOFF, "re-traced: the graph digest did not move (early cutoff)", False, axis="graph"
     )
 
 
@@ -144,8 +166,8 @@ def trace_refused(result: dict[str, Any]) -> Reason:
     """A failed trace's result line as the target's blocking reason, keeping the code its worker
     typed (a held worker's `wrong-host` stays `wrong-host`); only a code no plan reason has is
     read as `trace-failed`, its own code kept in the detail."""
-    code = str(result.get("code") or "trace-failed")
+    raw = str(result.get("code") or Code.TRACE_FAILED)
     detail = str(result.get("detail") or "trace failed")
-    if code not in REASON_CODES:
-        code, detail = "trace-failed", f"{code}: {detail}"
-    return Reason(code, detail, root=True)
+    if raw not in REASON_CODES:
+        return Reason(Code.TRACE_FAILED, f"{raw}: {detail}", root=True)
+    return Reason(Code(raw), detail, root=True)

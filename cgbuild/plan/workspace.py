@@ -19,14 +19,60 @@ if TYPE_CHECKING:
     from cgbuild.store.shared import SharedStore
 
 
+@dataclass(frozen=True)
+class StateDir:
+    """Every path in a workspace's state folder, named here once: the planner, the memo, the
+    executors, `gc` and `inspect` all find a file by asking for it, never by joining names."""
+
+    root: Path
+
+    @property
+    def mints(self) -> Path:
+        """Each key's mint record and logs."""
+        return self.root / "mint"
+
+    def record(self, key: str) -> Path:
+        return self.mints / f"{key}.json"
+
+    def log(self, key: str, what: str = "") -> Path:
+        """A key's worker log (`what`: `check` for a `mint --check` re-mint)."""
+        return self.mints / f"{key}{'.' + what if what else ''}.log"
+
+    @property
+    def build(self) -> Path:
+        """Where workers seal `<key>.tar.gz` before admission, and keep their work folders."""
+        return self.root / "build"
+
+    @property
+    def cache(self) -> Path:
+        return self.root / "cache"
+
+    @property
+    def plans(self) -> Path:
+        """The plan memo's entries."""
+        return self.cache / "plans"
+
+    @property
+    def last_plan(self) -> Path:
+        return self.root / "last-plan.json"
+
+    @property
+    def traces(self) -> Path:
+        return self.root / "traces.sqlite"
+
+    def planned_from(self) -> list[Path]:
+        """The state files a plan reads (its memo's inputs): the last plan and the trace cache."""
+        return [self.last_plan, self.traces, self.traces.with_name(self.traces.name + "-wal")]
+
+
 @dataclass
 class Workspace:
     cg: Cgfile
     toolchain_lock: str | None = None
 
     @property
-    def state(self) -> Path:
-        return self.cg.state_dir
+    def state(self) -> StateDir:
+        return StateDir(self.cg.state_dir)
 
     def store(self) -> Store:
         from cgbuild.store.local import Store

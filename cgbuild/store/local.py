@@ -48,8 +48,9 @@ from typing import Any, BinaryIO, Literal, cast
 
 from cgbuild.core import fs
 from cgbuild.core.canon import NotCanonical, canonical_json, file_digest
+from cgbuild.core.codes import Code
 from cgbuild.store import refs
-from cgbuild.store.refs import REF_SCHEMA
+from cgbuild.store.refs import REF_SCHEMA, RefState
 
 QUARANTINE_SCHEMA = "cgbuild.quarantine/1"
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,199}$")
@@ -57,13 +58,11 @@ _HOST_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
 EVIDENCE_SCHEMA = "cgbuild.lane-evidence/1"
 _CHUNK = 1 << 20
 
-RefState = Literal["fresh", "missing", "quarantined", "malformed"]
-
 
 class StoreError(Exception):
     """The store cannot do what was asked; `code` is stable and machine-readable."""
 
-    code = "store-error"
+    code = Code.STORE_ERROR
 
     def __init__(self, key: str | None, detail: str) -> None:
         super().__init__(f"{key}: {detail}" if key else detail)
@@ -74,38 +73,38 @@ class StoreError(Exception):
 class Missing(StoreError):
     """No ref for the key, or its object is gone: the key must be minted."""
 
-    code = "missing"
+    code = Code.MISSING
 
 
 class Quarantined(StoreError):
     """The key's artifact was pulled for corruption; only a new verified admission repairs it."""
 
-    code = "quarantined"
+    code = Code.QUARANTINED
 
 
 class Corrupt(StoreError):
     """The bytes do not hash to their name (found on verify/resolve); the key is now quarantined."""
 
-    code = "corrupt"
+    code = Code.CORRUPT
 
 
 class KeyMismatch(StoreError):
     """The key's ref names another key's sealed artifact; the ref is now quarantined."""
 
-    code = "key-mismatch"
+    code = Code.KEY_MISMATCH
 
 
 class MalformedRef(StoreError):
     """The key's ref is not a ref (not JSON, not an object, a folder, a foreign schema or key, a
     size that is no integer). Readers treat the key as not fresh; writers quarantine it (`heal`)."""
 
-    code = "malformed-ref"
+    code = Code.MALFORMED_REF
 
 
 class DiskFull(StoreError):
     """The store's disk refused a write at admission; nothing of the key was made visible."""
 
-    code = "disk-full"
+    code = Code.DISK_FULL
 
 
 @dataclass(frozen=True)
@@ -380,15 +379,15 @@ class Store:
         except FileNotFoundError:
             doc = None
         except (OSError, ValueError):
-            return "malformed"  # a folder, bytes that are not JSON
+            return RefState.MALFORMED  # a folder, bytes that are not JSON
         if doc is not None:
             if refs.doc_problem(doc, key, REF_SCHEMA) is not None:
-                return "malformed"  # the one check read_ref makes: never `missing` for a crafted ref
+                return RefState.MALFORMED  # the one check read_ref makes: never `missing` for a crafted ref
             sha, size = doc["object"], doc["size"]
             with contextlib.suppress(OSError):
                 if os.stat(f"{root}/objects/sha256/{sha[:2]}/{sha[2:]}").st_size == size:
-                    return "fresh"
-        return "quarantined" if os.path.exists(f"{root}/quarantine/{key}.json") else "missing"
+                    return RefState.FRESH
+        return RefState.QUARANTINED if os.path.exists(f"{root}/quarantine/{key}.json") else RefState.MISSING
 
     def iter_refs(self) -> Iterator[Ref]:
         """Every ref, in key order."""
@@ -442,31 +441,37 @@ class Store:
                 done = "quarantined"
             except OSError as err:  # a read-only store: reported, left for a writer
                 done = f"not quarantined ({err.strerror or err})"
-            return Verdict(key, "malformed-ref", f"{e.detail}: {done}")
+            return Verdict(key, Code.MALFORMED_REF, f"{e.detail}: {done}")
         except StoreError as e:
             return Verdict(key, e.code, e.detail)
         return Verdict(key, "ok")
 
-    def sealed_problem(self, ref: Ref) -> tuple[str, str] | None:
+    def sealed_problem(self, ref: Ref) -> tuple[Code, str] | None:
         """Why `ref`'s object is not its key's sealed artifact: (`key-mismatch`, why) when its
-        sealed metadata names another key, (the seal's code, why) when it is no sealed artifact;
-        None when it is the key's own. Reads the metadata member only (no package is unpacked)."""
+        sealed metadata names another key, (the seal's code, why) when it is no sealed artifact,
+        (`bad-metadata`, why) when its metadata is not what adopt and `inspect` read (the one
+        check, `cgbuild.store.metadata`); None when it is the key's own. Reads the metadata
+        member only (no package is unpacked)."""
+        from cgbuild.store.metadata import metadata_problem
         from cgbuild.store.seal import SealError, read_metadata
 
         try:
-            other = read_metadata(self.object_path(ref.object)).get("key")
+            meta = read_metadata(self.object_path(ref.object))
         except SealError as e:
             return e.code, e.detail
-        if other == ref.key:
-            return None
-        return "key-mismatch", f"its object's sealed metadata names key {str(other)[:16]!r}"
+        other = meta.get("key")
+        if other != ref.key:
+            return Code.KEY_MISMATCH, f"its object's sealed metadata names key {str(other)[:16]!r}"
+        if problem := metadata_problem(meta):
+            return Code.BAD_METADATA, f"its sealed metadata: {problem}"
+        return None
 
     def crossed(self, ref: Ref) -> str | None:
         """Why `ref` names another key's sealed artifact, or None. Unlike `sealed_problem` it
         passes bytes that are no sealed artifact: admission and gc also serve stores of other
         blobs, and adopt judges those."""
         problem = self.sealed_problem(ref)
-        return problem[1] if problem is not None and problem[0] == "key-mismatch" else None
+        return problem[1] if problem is not None and problem[0] == Code.KEY_MISMATCH else None
 
     def check_sealed_key(self, key: str) -> Verdict | None:
         """After a clean re-hash: quarantine a ref whose object is not this key's sealed artifact
@@ -683,7 +688,6 @@ __all__ = [
     "Missing",
     "Quarantined",
     "Ref",
-    "RefState",
     "Resolved",
     "Store",
     "StoreError",

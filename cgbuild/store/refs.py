@@ -12,11 +12,23 @@ from __future__ import annotations
 
 import json
 import re
+from enum import StrEnum
 from typing import Any
 
 REF_SCHEMA = "cgbuild.ref/1"
 """A local store's ref (a remote ref is `cgbuild.store.shared.REMOTE_REF_SCHEMA`)."""
 SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class RefState(StrEnum):
+    """What the store holds for a key, as `plan` asks it for every target."""
+
+    FRESH = "fresh"
+    """a ref, and its object with the recorded size"""
+    MISSING = "missing"
+    QUARANTINED = "quarantined"
+    MALFORMED = "malformed"
+    """something under the ref's name that is not a ref"""
 
 
 def doc_problem(doc: Any, key: str, schema: str) -> str | None:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from cgbuild.config.cgfile import REMOTE
+from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
 
 MULTIPART_ENV = "CGBUILD_S3_MULTIPART_THRESHOLD"
@@ -50,7 +51,7 @@ class RemoteError(UserError):
     workspace's configuration, reported in one line with exit code 2.
     """
 
-    def __init__(self, code: str, detail: str) -> None:
+    def __init__(self, code: Code, detail: str) -> None:
         super().__init__(f"{code}: {detail}", field="workspace.remote")
         self.code = code
         self.detail = detail
@@ -140,10 +141,11 @@ class Remote:
             raise
         except NoCredentialsError:
             raise RemoteError(
-                "no-credentials", f"{self.url}: boto3 found no credentials (AWS_* environment, config files)"
+                Code.NO_CREDENTIALS,
+                f"{self.url}: boto3 found no credentials (AWS_* environment, config files)",
             ) from None
         except BotoCoreError as e:
-            raise RemoteError("remote-unavailable", f"{self.url}: {e}") from None
+            raise RemoteError(Code.REMOTE_UNAVAILABLE, f"{self.url}: {e}") from None
 
     # ---- reading -----------------------------------------------------------------------------
     def list_names(self, sub: str) -> Iterator[str]:
@@ -156,7 +158,7 @@ class Remote:
             try:
                 page = self._call("list_objects_v2", Prefix=base, **token)
             except ClientError as e:  # a missing bucket, a denied listing: configuration, named
-                raise RemoteError("remote-error", f"{self.url}: list {base}: {e}") from None
+                raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: list {base}: {e}") from None
             for obj in page.get("Contents", []):
                 yield obj["Key"][len(base) :]
             if not page.get("IsTruncated"):
@@ -176,7 +178,7 @@ class Remote:
         except ClientError as e:
             if _status(e)[1] == 404:
                 return None
-            raise RemoteError("remote-error", f"{self.url}: get {name}: {e}") from None
+            raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: get {name}: {e}") from None
         try:
             doc = json.loads(got["Body"].read())
         except ValueError:
@@ -192,7 +194,7 @@ class Remote:
         except ClientError as e:
             if _status(e)[1] == 404:
                 return False
-            raise RemoteError("remote-error", f"{self.url}: head object {sha[:12]}: {e}") from None
+            raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: head object {sha[:12]}: {e}") from None
         return bool(head["ContentLength"] == size and head.get("Metadata", {}).get("sha256") == sha)
 
     def download(self, sha: str, out: BinaryIO) -> tuple[str, int]:
@@ -202,7 +204,7 @@ class Remote:
         try:
             body = self._call("get_object", Key=self.object_name(sha))["Body"]
         except ClientError as e:
-            raise RemoteError("remote-error", f"{self.url}: get object {sha[:12]}: {e}") from None
+            raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: get object {sha[:12]}: {e}") from None
         h = hashlib.sha256()
         size = 0
         with contextlib.closing(body):
@@ -212,7 +214,9 @@ class Remote:
                     out.write(block)
                     size += len(block)
             except BotoCoreError as e:  # the connection broke mid-body
-                raise RemoteError("remote-unavailable", f"{self.url}: get object {sha[:12]}: {e}") from None
+                raise RemoteError(
+                    Code.REMOTE_UNAVAILABLE, f"{self.url}: get object {sha[:12]}: {e}"
+                ) from None
         return h.hexdigest(), size
 
     def list_stamps(self, sub: str) -> tuple[float, dict[str, float]]:
@@ -230,7 +234,7 @@ class Remote:
             try:
                 page = self._call("list_objects_v2", Prefix=base, **token)
             except ClientError as e:
-                raise RemoteError("remote-error", f"{self.url}: list {base}: {e}") from None
+                raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: list {base}: {e}") from None
             if now is None:
                 date = page["ResponseMetadata"]["HTTPHeaders"].get("date")
                 now = email.utils.parsedate_to_datetime(date).timestamp() if date else 0.0
@@ -251,7 +255,7 @@ class Remote:
         except ClientError as e:
             if _status(e)[1] == 404:
                 return None
-            raise RemoteError("remote-error", f"{self.url}: head {name}: {e}") from None
+            raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: head {name}: {e}") from None
         touched = str(head.get("Metadata", {}).get("touched", ""))
         return head["LastModified"].timestamp(), str(head.get("ETag", "")), touched
 
@@ -276,7 +280,7 @@ class Remote:
         except ClientError as e:
             if _status(e)[1] == 404 or _status(e)[0] in ("NoSuchKey", "404"):
                 return False
-            raise RemoteError("remote-error", f"{self.url}: touch object {sha[:12]}: {e}") from None
+            raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: touch object {sha[:12]}: {e}") from None
         return True
 
     def create(self, name: str, body: bytes) -> bool:
@@ -289,7 +293,7 @@ class Remote:
             code, http = _status(e)
             if http == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
                 return False
-            raise RemoteError("remote-error", f"{self.url}: create {name}: {e}") from None
+            raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: create {name}: {e}") from None
         return True
 
     def upload(self, path: Path, sha: str) -> None:
@@ -311,7 +315,7 @@ class Remote:
                 Config=config,
             )
         except Exception as e:  # s3transfer has aborted the multipart upload by now
-            raise RemoteError("upload-failed", f"{self.url}: upload {sha[:12]}: {e}") from None
+            raise RemoteError(Code.UPLOAD_FAILED, f"{self.url}: upload {sha[:12]}: {e}") from None
 
     def delete(self, name: str, *, etag: str | None = None) -> bool:
         """Delete `name` (only while its ETag is `etag`, when given); False when it had changed."""
@@ -322,7 +326,7 @@ class Remote:
         except ClientError as e:
             if _status(e)[1] == 412:
                 return False
-            raise RemoteError("remote-error", f"{self.url}: delete {name}: {e}") from None
+            raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: delete {name}: {e}") from None
         return True
 
     def probe(self, host: str) -> None:
@@ -340,7 +344,7 @@ class Remote:
                 self.delete(name)
         if not first or second:
             raise RemoteError(
-                "no-conditional-write",
+                Code.NO_CONDITIONAL_WRITE,
                 f"{self.url} does not honour create-only writes (If-None-Match: *): two creates of "
                 f"{name} were answered {first} and {second}, not True and False; a shared store "
                 "without them cannot keep mint-once, so cgbuild will not publish to it",

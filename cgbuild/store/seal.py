@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from cgbuild.core.canon import canonical_json
+from cgbuild.core.codes import Code
 
 METADATA = "metadata.json"
 PACKAGE = "model.pt2"
@@ -55,7 +56,7 @@ class SealError(Exception):
     `bad-metadata` (not a JSON object, or a malformed `sealed` block).
     """
 
-    def __init__(self, detail: str, code: str = "bad-archive") -> None:
+    def __init__(self, detail: str, code: Code = Code.BAD_ARCHIVE) -> None:
         super().__init__(detail)
         self.code = code
         self.detail = detail
@@ -91,7 +92,9 @@ def seal(
     sizes = {name: Path(members[name]).stat().st_size for name in MEMBER_ORDER[1:] if name in members}
     for name, size in sizes.items():
         if size > MAX_MEMBER_BYTES[name]:
-            raise SealError(f"{name} is {size} bytes, over the cap of {MAX_MEMBER_BYTES[name]}", "too-large")
+            raise SealError(
+                f"{name} is {size} bytes, over the cap of {MAX_MEMBER_BYTES[name]}", Code.TOO_LARGE
+            )
     entries, unpacked = check_package(members[PACKAGE])
     record = {"members": sizes, "package": {"entries": entries, "bytes": unpacked}}
     meta_bytes = (canonical_json({**metadata, SEALED: record}) + "\n").encode("ascii")
@@ -136,7 +139,7 @@ class _Budget(io.RawIOBase):
         data = self.inner.read(want)
         self.used += len(data)
         if self.used > self.limit:
-            raise SealError(f"{self.artifact}: unpacks past {self.limit} bytes", "too-large")
+            raise SealError(f"{self.artifact}: unpacks past {self.limit} bytes", Code.TOO_LARGE)
         b[: len(data)] = data
         return len(data)
 
@@ -169,12 +172,16 @@ def check_package(
         with zipfile.ZipFile(pt2) as z:
             infos = z.infolist()
             if not infos:
-                raise SealError(f"{PACKAGE}: an empty package", "bad-package")
+                raise SealError(f"{PACKAGE}: an empty package", Code.BAD_PACKAGE)
             if len(infos) > MAX_PACKAGE_ENTRIES:
-                raise SealError(f"{PACKAGE}: {len(infos)} entries, over {MAX_PACKAGE_ENTRIES}", "too-large")
+                raise SealError(
+                    f"{PACKAGE}: {len(infos)} entries, over {MAX_PACKAGE_ENTRIES}", Code.TOO_LARGE
+                )
             total = sum(i.file_size for i in infos)
             if total > MAX_PACKAGE_BYTES:
-                raise SealError(f"{PACKAGE}: unpacks to {total} bytes, over {MAX_PACKAGE_BYTES}", "too-large")
+                raise SealError(
+                    f"{PACKAGE}: unpacks to {total} bytes, over {MAX_PACKAGE_BYTES}", Code.TOO_LARGE
+                )
             if recorded is not None and (recorded.get("entries"), recorded.get("bytes")) != (
                 len(infos),
                 total,
@@ -182,7 +189,7 @@ def check_package(
                 raise SealError(
                     f"{PACKAGE}: {len(infos)} entries of {total} bytes, sealed as "
                     f"{recorded.get('entries')} of {recorded.get('bytes')}",
-                    "too-large",
+                    Code.TOO_LARGE,
                 )
             tops: set[str] = set()
             seen: set[str] = set()
@@ -198,11 +205,13 @@ def check_package(
                 if why is None and info.flag_bits & 0x1:
                     why = "encrypted"
                 if why is not None:
-                    raise SealError(f"{PACKAGE}: entry {name!r}: {why}", "bad-package")
+                    raise SealError(f"{PACKAGE}: entry {name!r}: {why}", Code.BAD_PACKAGE)
                 seen.add(name)
                 tops.add(name.split("/", 1)[0])
             if len(tops) != 1:
-                raise SealError(f"{PACKAGE}: entries under {sorted(tops)[:3]}, not one folder", "bad-package")
+                raise SealError(
+                    f"{PACKAGE}: entries under {sorted(tops)[:3]}, not one folder", Code.BAD_PACKAGE
+                )
             for info in infos:
                 read = 0
                 with z.open(info) as f:
@@ -210,18 +219,18 @@ def check_package(
                         read += len(block)
                 if read != info.file_size:
                     raise SealError(
-                        f"{PACKAGE}: entry {info.filename!r} is not its recorded size", "bad-package"
+                        f"{PACKAGE}: entry {info.filename!r} is not its recorded size", Code.BAD_PACKAGE
                     )
             return len(infos), total
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error, NotImplementedError) as e:
-        raise SealError(f"{PACKAGE}: unreadable package: {e}", "bad-package") from e
+        raise SealError(f"{PACKAGE}: unreadable package: {e}", Code.BAD_PACKAGE) from e
 
 
 def _recorded(meta: Any, artifact: object) -> dict[str, Any] | None:
     """The metadata's `sealed` block, checked; None for an artifact sealed before it existed
     (its tar headers are then checked against the caps alone)."""
     if not isinstance(meta, dict):
-        raise SealError(f"{artifact}: {METADATA} is not a JSON object", "bad-metadata")
+        raise SealError(f"{artifact}: {METADATA} is not a JSON object", Code.BAD_METADATA)
     block = meta.get(SEALED)
     if block is None:
         return None
@@ -237,14 +246,14 @@ def _recorded(meta: Any, artifact: object) -> dict[str, Any] | None:
             type(v) is int and v >= 0 for v in (*sizes.values(), package.get("entries"), package.get("bytes"))
         )
     ):
-        raise SealError(f"{artifact}: malformed '{SEALED}' block in {METADATA}", "bad-metadata")
+        raise SealError(f"{artifact}: malformed '{SEALED}' block in {METADATA}", Code.BAD_METADATA)
     for name, size in sizes.items():
         if size > MAX_MEMBER_BYTES[name]:
             raise SealError(
-                f"{artifact}: {name} is sealed as {size} bytes, over {MAX_MEMBER_BYTES[name]}", "too-large"
+                f"{artifact}: {name} is sealed as {size} bytes, over {MAX_MEMBER_BYTES[name]}", Code.TOO_LARGE
             )
     if package["entries"] > MAX_PACKAGE_ENTRIES or package["bytes"] > MAX_PACKAGE_BYTES:
-        raise SealError(f"{artifact}: the package is sealed over the caps ({package})", "too-large")
+        raise SealError(f"{artifact}: the package is sealed over the caps ({package})", Code.TOO_LARGE)
     return block
 
 
@@ -280,21 +289,21 @@ def _members(
         names.append(m.name)
         if m.name not in order or (not names[:-1] and m.name != METADATA):
             raise SealError(
-                f"{artifact}: members {names}, expected {list(MEMBER_ORDER)} in that order", "bad-member"
+                f"{artifact}: members {names}, expected {list(MEMBER_ORDER)} in that order", Code.BAD_MEMBER
             )
         order = order[order.index(m.name) + 1 :]
         if not m.isreg() or m.pax_headers:
-            raise SealError(f"{artifact}: member {m.name} is not a plain regular file", "bad-member")
+            raise SealError(f"{artifact}: member {m.name} is not a plain regular file", Code.BAD_MEMBER)
         want = MAX_MEMBER_BYTES[m.name]
         if recorded is not None:
             want = recorded["members"].get(m.name, -1)
             if m.size != want:
                 raise SealError(
-                    f"{artifact}: member {m.name} is {m.size} bytes, sealed as {want}", "too-large"
+                    f"{artifact}: member {m.name} is {m.size} bytes, sealed as {want}", Code.TOO_LARGE
                 )
         elif m.size > want:
             raise SealError(
-                f"{artifact}: member {m.name} is {m.size} bytes, over the cap of {want}", "too-large"
+                f"{artifact}: member {m.name} is {m.size} bytes, over the cap of {want}", Code.TOO_LARGE
             )
         f = tar.extractfile(m)
         assert f is not None
@@ -311,11 +320,11 @@ def _members(
         yield m.name, f, recorded
     if PACKAGE not in names:
         raise SealError(
-            f"{artifact}: members {names}, expected {list(MEMBER_ORDER)} in that order", "bad-member"
+            f"{artifact}: members {names}, expected {list(MEMBER_ORDER)} in that order", Code.BAD_MEMBER
         )
     if recorded is not None and set(recorded["members"]) - set(names):
         raise SealError(
-            f"{artifact}: sealed members {sorted(recorded['members'])}, found {names}", "bad-member"
+            f"{artifact}: sealed members {sorted(recorded['members'])}, found {names}", Code.BAD_MEMBER
         )
 
 
@@ -323,9 +332,9 @@ def _parse_metadata(data: bytes, artifact: object) -> dict[str, Any]:
     try:
         meta = json.loads(data)
     except (ValueError, RecursionError) as e:
-        raise SealError(f"{artifact}: {METADATA} is not JSON: {e}", "bad-metadata") from e
+        raise SealError(f"{artifact}: {METADATA} is not JSON: {e}", Code.BAD_METADATA) from e
     if not isinstance(meta, dict):
-        raise SealError(f"{artifact}: {METADATA} is not a JSON object", "bad-metadata")
+        raise SealError(f"{artifact}: {METADATA} is not a JSON object", Code.BAD_METADATA)
     return meta
 
 
@@ -335,7 +344,7 @@ def read_metadata(artifact: str | os.PathLike[str]) -> dict[str, Any]:
     with _stream(artifact) as (tar, budget):
         for _, f, _ in _members(tar, budget, artifact):
             return _parse_metadata(f.read(), artifact)
-    raise SealError(f"{artifact}: an empty archive", "bad-member")
+    raise SealError(f"{artifact}: an empty archive", Code.BAD_MEMBER)
 
 
 def unseal(artifact: str | os.PathLike[str], dest: str | os.PathLike[str]) -> dict[str, Path]:

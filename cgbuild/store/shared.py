@@ -34,6 +34,7 @@ from typing import Any, cast
 
 from cgbuild.core import fs
 from cgbuild.core.canon import canonical_json, file_digest
+from cgbuild.core.codes import Code
 from cgbuild.store import refs, trust
 from cgbuild.store.backend import Backend
 from cgbuild.store.local import (
@@ -43,11 +44,11 @@ from cgbuild.store.local import (
     KeyMismatch,
     Missing,
     Ref,
-    RefState,
     Resolved,
     Store,
     StoreError,
 )
+from cgbuild.store.refs import RefState
 from cgbuild.store.s3 import RemoteError, RemoteRef
 
 REMOTE_REF_SCHEMA = "cgbuild.remote-ref/1"
@@ -73,7 +74,7 @@ class Untrusted(StoreError):
 class PublishRefused(StoreError):
     """This machine cannot publish to the shared store (no signing key, or no create-only writes)."""
 
-    def __init__(self, key: str | None, code: str, detail: str) -> None:
+    def __init__(self, key: str | None, code: Code, detail: str) -> None:
         super().__init__(key, detail)
         self.code = code
 
@@ -155,7 +156,7 @@ class SharedStore:
     def ref_state(self, key: str) -> RefState:
         """`fresh` when the local cache holds the key or the remote has it; else the local state."""
         state = self.local.ref_state(key)
-        return "fresh" if state != "fresh" and self._listed(key) else state
+        return RefState.FRESH if state is not RefState.FRESH and self._listed(key) else state
 
     def _listed(self, key: str) -> bool:
         """The remote has `key`: by what this machine saw it publish, or by the listing."""
@@ -214,11 +215,11 @@ class SharedStore:
         try:
             signer = trust.load_signer()
         except ValueError as e:
-            raise PublishRefused(None, "bad-signing-key", str(e)) from None
+            raise PublishRefused(None, Code.BAD_SIGNING_KEY, str(e)) from None
         if signer is None:
             raise PublishRefused(
                 None,
-                "no-signing-key",
+                Code.NO_SIGNING_KEY,
                 f"the workspace shares its store at {self.remote.url}, but {trust.SIGNING_KEY_ENV} "
                 "names no signing key: cgbuild publishes only signed artifacts "
                 "(`cgbuild trust keygen PATH` makes one)",
@@ -286,7 +287,7 @@ class SharedStore:
             if other == sha:
                 self._still_there(path, sha, size)
             return ("already" if other == sha else "conflict"), other
-        raise RemoteError("remote-error", f"{self.remote.url}: {key}: ref kept vanishing; giving up")
+        raise RemoteError(Code.REMOTE_ERROR, f"{self.remote.url}: {key}: ref kept vanishing; giving up")
 
     def _still_there(self, path: Path, sha: str, size: int) -> None:
         """After the ref is written: a sweep that chose the object before the ref existed may have
@@ -440,23 +441,23 @@ class SharedStore:
             raise StoreError(key, f"malformed remote ref {self.remote.ref_name(key)}: {why}")
         return got, self._verify(key, doc["object"], doc["size"], doc.get("signature"))
 
-    def verified_state(self, key: str) -> tuple[str, str | None]:
+    def verified_state(self, key: str) -> tuple[RefState | Code, str | None]:
         """`ref_state`, except that a key fresh only by the remote's listing has its ref read and
         its signature checked first: (`fresh` | `missing` | `malformed` | a trust code, the
         refusal's detail). A key the local cache holds is not asked again: its signature is
         re-verified on every resolve."""
         local = self.local.ref_state(key)  # read once: `ref_state` would read it again
-        if local == "fresh" or not self._listed(key):
+        if local is RefState.FRESH or not self._listed(key):
             return local, None
         try:
             self._trusted_ref(key)
         except Untrusted as e:
-            return e.code, e.detail
+            return Code(e.code), e.detail
         except Missing:
-            return "missing", None  # quarantined since it was listed
+            return RefState.MISSING, None  # quarantined since it was listed
         except StoreError as e:
-            return "malformed", e.detail
-        return "fresh", None
+            return RefState.MALFORMED, e.detail
+        return RefState.FRESH, None
 
     def pull(self, key: str) -> Pulled:
         """Download, verify (signature, then sha256 and size) and admit one key into the cache.

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild.core.canon import canonical_json, digest_unguarded
+from cgbuild.core.codes import Code
 from cgbuild.core.publickey import b64, key_id, public_key_bytes
 
 SIGNING_KEY_ENV = "CGBUILD_SIGNING_KEY"
@@ -29,15 +30,15 @@ ARTIFACT_STATEMENT = "cgbuild.signed-artifact/1"
 FACTS_STATEMENT = "cgbuild.signed-facts/1"
 
 # Stable refusal codes (docs/store.md).
-UNSIGNED = "unsigned"
-UNKNOWN_SIGNER = "unknown-signer"
-BAD_SIGNATURE = "bad-signature"
+UNSIGNED = Code.UNSIGNED
+UNKNOWN_SIGNER = Code.UNKNOWN_SIGNER
+BAD_SIGNATURE = Code.BAD_SIGNATURE
 
 
 class TrustError(Exception):
     """A signature check failed; `code` is one of the stable refusal codes above."""
 
-    def __init__(self, code: str, detail: str) -> None:
+    def __init__(self, code: Code, detail: str) -> None:
         super().__init__(f"{code}: {detail}")
         self.code = code
         self.detail = detail

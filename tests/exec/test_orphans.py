@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import copy_toy
+from support.toy import copy_toy
 
 from cgbuild.exec.mint import sweep_build
+from cgbuild.plan.workspace import StateDir
 
 MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
 MARK = "CGBUILD_TEST_MARK"
@@ -146,11 +147,11 @@ def test_gc_never_sweeps_a_live_mints_build_files(tmp_path: Path) -> None:
         (build / name).mkdir(parents=True) if name.startswith(".mint-") else (build / name).write_text("x")
     for key, rec in (("e", {"state": "running", "pid": os.getpid()}), ("f", {"state": "failed"})):
         (state / "mint" / f"{key * 64}.json").write_text(json.dumps(rec))
-    assert sweep_build(state, 3600) == []  # all young
+    assert sweep_build(StateDir(state), 3600) == []  # all young
     old = time.time() - 7200
     for name in names:
         os.utime(build / name, (old, old))
     stale = sorted(n for n, live in names.items() if not live)
-    assert sorted(sweep_build(state, 3600, dry_run=True)) == stale
-    assert sorted(sweep_build(state, 3600)) == stale
+    assert sorted(sweep_build(StateDir(state), 3600, dry_run=True)) == stale
+    assert sorted(sweep_build(StateDir(state), 3600)) == stale
     assert sorted(p.name for p in build.iterdir()) == sorted(set(names) - set(stale))

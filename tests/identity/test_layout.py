@@ -385,3 +385,17 @@ def test_a_half_registered_quant_rule_refuses_instead_of_tracing_plain_weights(
     monkeypatch.setitem(QUANT_RULES, "int4-rowwise", half)
     with pytest.raises(quant.QuantError, match="no transform"):
         quant.convert(nn.Sequential(nn.Linear(64, 64)), "int4-rowwise", torch.float32)
+
+
+def test_the_layout_identity_is_the_axis_kinds_fields() -> None:
+    """The layout axis is built through its kind: what the mint re-derives (`layout_identity`)
+    is exactly what the key hashes and what `plan`, `why` and `diff` compare."""
+    from cgbuild.identity import layout
+    from cgbuild.identity.keys import LAYOUT
+
+    rule = QUANT_RULES["plain.bf16"]
+    axis = layout.layout_axis("fam", "unet", rule, "t" * 64, "trace")
+    assert tuple(layout.layout_identity("t" * 64, rule)) == LAYOUT.fields
+    assert axis.identity == layout.layout_identity("t" * 64, rule) == LAYOUT.identity(axis.readable)
+    moved = LAYOUT.moved(axis.readable, {**axis.readable, "quant": "q" * 64, "stamp": "other"})
+    assert [f for f, *_ in moved] == ["quant"]  # the stamp is for people: not identity

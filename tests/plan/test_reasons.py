@@ -6,12 +6,18 @@ import dataclasses
 
 import pytest
 
+from cgbuild.core.codes import Code
 from cgbuild.plan import reasons
 
 
-def test_unknown_code_is_refused_and_values_are_frozen() -> None:
-    with pytest.raises(ValueError, match="unknown reason code"):
-        reasons.Reason("moved-somehow", "?", True)
+def test_a_reason_takes_a_plan_code_member_and_is_frozen() -> None:
+    with pytest.raises(ValueError, match="not a plan reason code"):
+        reasons.Reason("moved-somehow", "?", True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not a plan reason code"):
+        reasons.Reason("axis-moved", "?", True)  # type: ignore[arg-type]  # its string, not the member
+    with pytest.raises(ValueError, match="not a plan reason code"):
+        reasons.Reason(Code.WEIGHTS_UNTIED, "?", True)  # registered, but adopt's, not the plan's
+    assert reasons.Reason(Code.AXIS_MOVED, "?", True).code is Code.AXIS_MOVED
     r = reasons.file_moved("pkg/model.py", None, "ab" * 32, root=True)
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.root = False  # type: ignore[misc]

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from cgbuild.identity.keys import AXES, IDENTITY_FIELDS, Axis, key_of
+from cgbuild.identity.keys import AXES, KINDS, LAYOUT, Axis, key_of
 from cgbuild.store.local import Store
 from cgbuild.store.seal import read_metadata
 
@@ -82,7 +82,7 @@ H200_DIFFUSERS = "0.42.1"
 
 
 def _axis(name: str, readable: dict[str, Any]) -> Axis:
-    return Axis({f: readable[f] for f in IDENTITY_FIELDS[name]}, readable)
+    return KINDS[name].axis(readable)
 
 
 def _sealed_from(archive: str, key: str, label: str, dest: Path) -> dict[str, Any]:
@@ -123,7 +123,7 @@ def test_sealed_metadata_carries_the_banked_digest(label: str, tmp_path: Path) -
     assert meta["axes"]["graph"]["digest"] == banked["graph"]
     assert meta["graph"]["digest"] == banked["graph"]
     assert meta["axes"]["graph"]["nodes"] == banked["nodes"]
-    assert {f: meta["axes"]["layout"][f] for f in IDENTITY_FIELDS["layout"]} == banked["layout"]
+    assert LAYOUT.identity(meta["axes"]["layout"]) == banked["layout"]
     assert meta["axes"]["sm"] == {"sm": "sm_90"}
     assert meta["device"] == "cuda"
     # The versions the re-trace below must match.
@@ -226,6 +226,6 @@ def test_retrace_gives_the_h200_digest(
     there = h200_plan[label]["axes"]
     assert graph["digest"] == H200_GRAPHS[label], f"traced with torch {graph['traced_with']}"
     assert graph["nodes"] == there["graph"]["nodes"]
-    layout = {f: lay[f] for f in IDENTITY_FIELDS["layout"]}
-    assert layout == {f: there["layout"][f] for f in IDENTITY_FIELDS["layout"]}
+    layout = LAYOUT.identity(lay)
+    assert layout == LAYOUT.identity(there["layout"])
     assert h200_key(graph["digest"], layout, sealed) == h200_plan[label]["key"]
