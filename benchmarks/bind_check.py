@@ -24,25 +24,19 @@ banked artifact without minting). Writes one JSON document (machine, versions, d
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata as md
 import json
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from plan_scale import load_average, machine  # one description of the box for every benchmark
+from harness import commit_option, cuda_timed, load_average, timed, write_result
 from targets import built_of, drop_lanes
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _artifact(ws: Path, label: str, archive: Path | None, plan: Path | None) -> Path:
@@ -65,36 +59,13 @@ def _artifact(ws: Path, label: str, archive: Path | None, plan: Path | None) -> 
     return Store(ws / ".cgbuild" / "store").resolve(target["key"]).path
 
 
-def _median_us(fn: Callable[[], Any], n: int = 2000) -> float:
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return round(statistics.median(times) * 1e6, 2)
+def _median_us(fn: Callable[[], Any]) -> float:
+    return round(timed(fn, reps=2000) * 1e6, 2)
 
 
-def _step_ms(fn: Callable[[], Any], cuda: bool, warm: int = 3, reps: int = 15) -> float:
-    import torch
-
-    for _ in range(warm):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return round(statistics.median(times), 4)
+def _step_ms(fn: Callable[[], Any], cuda: bool, warm: int = 3) -> float:
+    """The median of 15 steps after `warm`: CUDA events on a GPU, the host's clock on the CPU."""
+    return round((cuda_timed if cuda else timed)(fn, reps=15, warmup=warm) * 1e3, 4)
 
 
 def _other_strides(x: Any) -> Any:
@@ -165,26 +136,6 @@ def measure(ws: Path, label: str, artifact: Path, rounds: int) -> dict[str, Any]
     return rec
 
 
-def _head() -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
-
-
-def versions() -> dict[str, Any]:
-    import torch
-
-    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("diffusers", "triton"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = None
-    if torch.cuda.is_available():
-        out["gpu"] = torch.cuda.get_device_name()
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("ws", type=Path)
@@ -194,7 +145,7 @@ def main() -> None:
     p.add_argument("--plan", type=Path)
     p.add_argument("--no-lanes", action="store_true", help="drop the copy's lanes (a banked plain key)")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--commit", default=None, help="the commit measured (the tree may carry no .git)")
+    commit_option(p)
     a = p.parse_args()
     if (a.store_archive is None) != (a.plan is None) or (a.no_lanes and a.store_archive is None):
         p.error("--store-archive and --plan go together, and --no-lanes needs them")
@@ -206,22 +157,13 @@ def main() -> None:
         drop_lanes(ws / "Cgfile")
     sys.path.insert(0, str(ws))
     artifact = _artifact(ws, a.label, a.store_archive, a.plan)
-    result = {
-        "benchmark": "bind_check",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": a.commit
-        or subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip(),
-        "machine": machine(),
-        "versions": versions(),
+    numbers = {
         "load_before": load_average(),
         "result": measure(ws, a.label, artifact, a.rounds),
         "load_after": load_average(),
     }
-    a.out_json.parent.mkdir(parents=True, exist_ok=True)
-    a.out_json.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["result"], indent=1))
+    write_result(a.out_json, "bind_check", numbers, packages=("diffusers",), commit=a.commit)
+    print(json.dumps(numbers["result"], indent=1))
 
 
 if __name__ == "__main__":

@@ -22,16 +22,15 @@ model's code never imported, no eager fallback); headless with safetensors' own 
 the page cache. Cold: a fresh copy of the file written with O_DIRECT (`dd iflag=direct oflag=direct`), so no
 page of it is cached when the worker reads it. A weight swap (`Adopted.rebind()` after new
 tensors of the same layout are assigned) is timed in the adopt worker. Steady step: 3 warm-up
-calls, median of 15 CUDA-event-timed calls. Writes one JSON document (machine, versions, date).
+calls, median of 15 CUDA-event-timed calls. Writes one JSON document (machine, versions, date,
+commit: `--commit` where the tree carries no .git).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -41,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import commit_option, cuda_timed, write_result
 from targets import drop_lanes, job_of
 
 T0 = time.perf_counter()
@@ -92,19 +92,8 @@ def _inputs(job: dict[str, Any]) -> tuple[Any, ...]:
 def _steady(fn: Any, args: tuple[Any, ...]) -> float:
     import torch
 
-    times = []
     with torch.inference_mode():
-        for _ in range(3):
-            fn(*args)
-        torch.cuda.synchronize()
-        for _ in range(15):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*args)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-    return round(statistics.median(times), 3)
+        return round(cuda_timed(lambda: fn(*args), reps=15, warmup=3) * 1e3, 3)
 
 
 def worker(path: str, ws: Path, label: str, ckpt: Path, artifact: Path | None) -> dict[str, Any]:
@@ -245,9 +234,8 @@ def main_all(
     reps: int,
     no_lanes: bool = False,
     cold_cache: bool = True,
+    commit: str | None = None,
 ) -> dict[str, Any]:
-    import torch
-
     work.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     ws, ckpt, artifact = _setup(work, label, archive, no_lanes)
@@ -281,21 +269,9 @@ def main_all(
                     for k in SUMMARY
                     if all(k in r for r in done)
                 }
-    doc = {
-        "benchmark": "cold_start_gpu",
+    numbers = {
         "what": "a serving worker's whole cold start to first output, part by part, new process each",
-        "date": datetime.date.today().isoformat(),
         "label": label,
-        "machine": {
-            "gpu": torch.cuda.get_device_name(),
-            "system": f"{platform.system()} {platform.machine()}",
-        },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "diffusers": _version("diffusers"),
-            "safetensors": _version("safetensors"),
-        },
         "checkpoint_gib": round(ckpt.stat().st_size / 2**30, 2),
         "setup_s": setup_s,
         "reps": reps,
@@ -303,17 +279,9 @@ def main_all(
         "runs": runs,
         "median": summary,
     }
-    out_json.write_text(json.dumps(doc, indent=1) + "\n")
-    return doc
-
-
-def _version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
+    return write_result(
+        out_json, "cold_start_gpu", numbers, packages=("diffusers", "safetensors"), torch=True, commit=commit
+    )
 
 
 if __name__ == "__main__":
@@ -329,5 +297,6 @@ if __name__ == "__main__":
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--no-lanes", action="store_true", help="drop the example's lane tables (no switches)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold page-cache workers")
+    commit_option(p)
     a = p.parse_args()
-    main_all(a.work, a.out_json, a.label, a.store_archive, a.reps, a.no_lanes, not a.no_cold)
+    main_all(a.work, a.out_json, a.label, a.store_archive, a.reps, a.no_lanes, not a.no_cold, a.commit)

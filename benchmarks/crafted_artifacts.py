@@ -8,15 +8,13 @@ counts that a run produced rather than a count by hand.
 
 Writes benchmarks/results/crafted_artifacts.json.
 
-    python benchmarks/crafted_artifacts.py
+    python benchmarks/crafted_artifacts.py [--out OUT_JSON]
 """
 
 from __future__ import annotations
 
-import datetime
+import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -24,16 +22,16 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO, write_result
+
 OUT = REPO / "benchmarks" / "results" / "crafted_artifacts.json"
 FILES = ("tests/rules/test_hostile_artifacts.py", "tests/store/test_seal.py")
 
 
 def main() -> int:
-    import torch
-
-    import cgbuild
-
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="cgbuild-crafted-") as tmp:
         junit = Path(tmp) / "junit.xml"
         proc = subprocess.run(
@@ -56,26 +54,16 @@ def main() -> int:
                     "seconds": round(float(case.get("time") or 0), 2),
                 }
             )
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
-    doc = {
-        "benchmark": "crafted_artifacts",
+    numbers = {
         "what": "every crafted-artifact test case (forged archives, packages, metadata, literals) "
         "against the real seal checks and the real AOTI loader through adopt and inspect",
-        "date": datetime.date.today().isoformat(),
-        "machine": {"system": f"{platform.system()} {platform.machine()}", "cores": os.cpu_count()},
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cgbuild": cgbuild.__version__,
-            "cgbuild_commit": commit.stdout.strip(),
-        },
         "files": list(FILES),
         "pytest_exit": proc.returncode,
         "counts": dict(Counter(c["outcome"] for c in cases)) | {"cases": len(cases)},
         "cases": cases,
     }
-    OUT.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    print(json.dumps(doc["counts"]))
+    write_result(args.out, "crafted_artifacts", numbers, packages=("cgbuild",))
+    print(json.dumps(numbers["counts"]))
     return proc.returncode
 
 

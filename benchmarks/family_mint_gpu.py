@@ -2,23 +2,20 @@
 `cgbuild mint` on one GPU, keys minted in parallel (`-j`), each traced by the worker that
 compiles it (one trace per mint), all sharing the machine's fixed compile sandbox.
 
-    python benchmarks/family_mint_gpu.py WORK OUT_JSON [--jobs 4] [--lanes]
+    python benchmarks/family_mint_gpu.py WORK OUT_JSON [--jobs 4] [--lanes] [--commit SHA]
 
 The workspace is a copy of examples/flux2_klein with the family's layouts cut to bf16 and fp8
 (its int8 targets are not part of this measurement) and, unless `--lanes`, its lane tables
 dropped (the plain programs, as `gpu_vs_compile.py --no-lanes` mints them). Records the whole
 command's wall time, each key's phases from the summary, whether each key's trace was its own
-worker's, and the machine, versions and date. `--selector LABEL` mints one of the four alone
+worker's, and the machine, versions, date and commit. `--selector LABEL` mints one of the four alone
 (each single in a cold sandbox: empty it first), for the sum the family is compared with.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -26,17 +23,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import commit_option, write_result
+from targets import drop_lanes
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "flux2_klein"
 SELECTOR = "//flux2-klein:sm_90"
 
 
-def main(work: Path, out_json: Path, jobs: int, lanes: bool, selector: str = SELECTOR) -> dict[str, Any]:
-    import torch
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from targets import drop_lanes
-
+def main(
+    work: Path, out_json: Path, jobs: int, lanes: bool, selector: str = SELECTOR, commit: str | None = None
+) -> dict[str, Any]:
     ws = work / "ws"
     shutil.rmtree(ws, ignore_errors=True)
     shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
@@ -56,15 +53,11 @@ def main(work: Path, out_json: Path, jobs: int, lanes: bool, selector: str = SEL
     lines = proc.stdout.strip().splitlines()
     summary = json.loads(lines[-1]) if lines else None
     records = [json.loads(p.read_text()) for p in sorted((ws / ".cgbuild" / "mint").glob("*.json"))]
-    doc: dict[str, Any] = {
-        "benchmark": "family_mint_gpu",
-        "date": datetime.date.today().isoformat(),
+    numbers: dict[str, Any] = {
         "selector": selector,
         "layouts": ["bf16", "fp8"],
         "lanes": lanes,
         "jobs": jobs,
-        "machine": {"gpu": torch.cuda.get_device_name(), "cpus": os.cpu_count()},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "rc": proc.returncode,
         "wall_s": wall,
         "keys": [
@@ -75,8 +68,8 @@ def main(work: Path, out_json: Path, jobs: int, lanes: bool, selector: str = SEL
         "progress": [ln for ln in proc.stderr.splitlines() if ln.startswith("mint ")][-40:],
     }
     if proc.returncode:
-        doc["stderr_tail"] = proc.stderr[-3000:]
-    out_json.write_text(json.dumps(doc, indent=1) + "\n")
+        numbers["stderr_tail"] = proc.stderr[-3000:]
+    doc = write_result(out_json, "family_mint_gpu", numbers, torch=True, commit=commit)
     print(json.dumps({k: doc[k] for k in ("rc", "wall_s", "keys")}, indent=1))
     return doc
 
@@ -88,6 +81,7 @@ if __name__ == "__main__":
     p.add_argument("--jobs", type=int, default=4)
     p.add_argument("--lanes", action="store_true")
     p.add_argument("--selector", default=SELECTOR, help="one label: that key's single mint, for the sum")
+    commit_option(p)
     a = p.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    main(a.work, a.out_json, a.jobs, a.lanes, a.selector)
+    main(a.work, a.out_json, a.jobs, a.lanes, a.selector, a.commit)

@@ -17,7 +17,7 @@ mint phase, from first submission to last result) gives keys/s. Each node advert
 (Inductor's precompiled headers), as every mint after a machine's first sees it.
 
 Plan against the remote (`plan-remote`): what `cgbuild plan` of 10,000+ keys costs when the
-workspace declares a shared S3 store. The workspace is plan_scale.py's generator (`write_workspace`)
+workspace declares a shared S3 store. The workspace is engine.py's generator (`write_workspace`)
 with `remote` and `trusted` added: F families x S shapes x 2 modules x 2 layouts on six GPU sm
 values (+ C CPU families; default F=50, S=10, C=0: 12,000 GPU targets). Its GPU targets key only
 under a CUDA build of torch (no GPU needed: CUDA graphs trace under fake tensors), so every cgbuild
@@ -43,7 +43,7 @@ loopback; its request log is what counts each command's requests.
   3. clean clone: a fresh copy of the workspace's files with no state, planned against the remote:
      trace facts come from the remote (asserted: no "tracing [" on stderr, same keys, all fresh).
 
-Every measured process is fresh and goes through plan_scale's no-torch wrapper (exit 99 if the
+Every measured process is fresh and goes through engine.py's no-torch wrapper (exit 99 if the
 engine imported torch); wall and CPU time (the child's; the S3 server's CPU time per run is
 recorded beside it), medians, load averages before and after. The code measured is a git
 snapshot (`--code`, as plan_scale.py).
@@ -59,19 +59,17 @@ Writes benchmarks/results/fleet.json: `throughput` rewrites the file but keeps
 from __future__ import annotations
 
 import argparse
-import datetime
+import contextlib
 import hashlib
 import importlib.metadata as md
 import json
 import os
-import platform
 import re
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -81,20 +79,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from plan_scale import (  # shared helpers, as mint_noop.py uses them
+from engine import (
     GPU_SKUS,
     LAYOUTS,
     NO_TORCH,
     Run,
     child_env,
     code_under_test,
-    load_average,
-    machine,
     summarize,
-    timed,
+    time_process,
     trace_count,
     write_workspace,
 )
+from harness import load_average, scratch, stamp, write_json, write_result
 
 HERE = Path(__file__).resolve().parent
 TOY = HERE.parent / "examples" / "toy"
@@ -155,8 +152,8 @@ def throughput(args: argparse.Namespace) -> None:
             cluster.add_node(num_cpus=1, resources={"cpu": 1}, object_store_memory=100 * MB) for _ in range(2)
         ]
         cluster.wait_for_nodes()
-        with tempfile.TemporaryDirectory(prefix="cgbuild-fleet-bench-") as tmp:
-            warm = toy_workspace(Path(tmp) / "warm", [4])
+        with scratch("cgbuild-fleet-bench-") as tmp:
+            warm = toy_workspace(tmp / "warm", [4])
             fleet_mint(warm, cluster.address, "//toy")
             for r in range(args.reps):
                 for n in (1, 2):
@@ -167,7 +164,7 @@ def throughput(args: argparse.Namespace) -> None:
                             cluster.add_node(num_cpus=1, resources={"cpu": 1}, object_store_memory=100 * MB)
                         )
                     cluster.wait_for_nodes()
-                    ws = toy_workspace(Path(tmp) / f"r{r}-n{n}", rows)
+                    ws = toy_workspace(tmp / f"r{r}-n{n}", rows)
                     run = fleet_mint(ws, cluster.address, "//toy")
                     run["load_end"] = load_average()
                     runs[str(n)].append(run)
@@ -178,21 +175,14 @@ def throughput(args: argparse.Namespace) -> None:
     def median(n: str, field: str) -> float:
         return round(statistics.median(run[field] for run in runs[n]), 3)
 
-    result = {
-        "benchmark": "fleet",
+    numbers: dict[str, Any] = {
         "what": f"{args.keys} distinct toy MLP keys (CPU) minted with `--executor ray` on 1 and 2 Ray nodes "
         "of one machine (each advertising cpu: 1)",
-        "date": datetime.date.today().isoformat(),
         "machine": {
-            **machine(),
             "loadavg_start": load_start,
             "loadavg_end": load_average(),
             "note": "both Ray nodes share this machine's cores, and a CPU compile already uses about two; "
             "other work may share the CPU too (see loadavg)",
-        },
-        "versions": {
-            "python": platform.python_version(),
-            **{name: md.version(name) for name in ("ray", "torch", "cgbuild")},
         },
         "keys": [f"//toy/mlp/{r}x64-b1@fp32:cpu" for r in rows],
         "reps": args.reps,
@@ -208,13 +198,13 @@ def throughput(args: argparse.Namespace) -> None:
             for n in ("1", "2")
         },
     }
-    result["median"]["speedup_2_over_1"] = round(
-        result["median"]["2_nodes"]["keys_per_minute"] / result["median"]["1_node"]["keys_per_minute"], 3
+    numbers["median"]["speedup_2_over_1"] = round(
+        numbers["median"]["2_nodes"]["keys_per_minute"] / numbers["median"]["1_node"]["keys_per_minute"], 3
     )
     if RESULT.exists() and "plan_against_remote" in (old := json.loads(RESULT.read_text())):
-        result["plan_against_remote"] = old["plan_against_remote"]
-    RESULT.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["median"], indent=2))
+        numbers["plan_against_remote"] = old["plan_against_remote"]
+    write_result(RESULT, "fleet", numbers, packages=("ray", "cgbuild"))
+    print(json.dumps(numbers["median"], indent=2))
 
 
 # -- plan against the remote -------------------------------------------------------------------------
@@ -223,14 +213,8 @@ REMOTE_URL = f"s3://{BUCKET}/plan"
 SIGNING_KEY_ENV = "CGBUILD_SIGNING_KEY"  # cgbuild.store.trust.SIGNING_KEY_ENV
 # werkzeug's access log line (colours included): "GET /bucket/prefix/refs/…?query HTTP/1.1" 200 -
 REQUEST = re.compile(r'"(?:\x1b\[[0-9;]*m)*([A-Z]+) (\S+) HTTP/[\d.]+')
-CHILD_VERSIONS = """
-import importlib.metadata as md, json, platform, torch
-out = {"python": platform.python_version(), "torch": torch.__version__}
-out["torch_cuda_runtime"] = torch.version.cuda
-for name in ("cgbuild", "boto3", "botocore", "cryptography", "networkx"):
-    out[name] = md.version(name)
-print(json.dumps(out))
-"""
+# The measured Python's versions, in a process of its own: harness.py prints them.
+CHILD_VERSIONS = (str(HERE / "harness.py"), "cgbuild", "boto3", "botocore", "cryptography", "networkx")
 # The listing alone, in a fresh process: import, client, every page of refs/.
 LIST_REFS = (
     "import sys\n"
@@ -322,13 +306,13 @@ class S3Server:
 
 
 def plan_logged(python: str, ws: Path, env: dict[str, str], wrapper: str = NO_TORCH) -> tuple[Run, dict, str]:
-    """A timed, fresh `plan --json` (plan_scale's `timed`): its parsed output and its stderr (the
-    child points its fd 2, which trace workers inherit, at a file: `timed` keeps no stderr)."""
+    """A timed, fresh `plan --json` (engine's `time_process`): its parsed output and its stderr (the
+    child points its fd 2, which trace workers inherit, at a file: `time_process` keeps no stderr)."""
     out, err = ws.parent / "plan-out.json", ws.parent / "plan-err.txt"
     argv = [python, "-c", STDERR_TO + wrapper, str(err), "-C", str(ws), "plan", "--json"]
     try:
         with open(out, "w") as f:
-            run = timed(argv, cwd=ws, env=env, stdout=f)
+            run = time_process(argv, cwd=ws, env=env, stdout=f)
     except SystemExit as e:
         raise SystemExit(f"{e}\n{err.read_text()[-2000:]}") from None
     return run, json.loads(out.read_text()), err.read_text()
@@ -369,11 +353,10 @@ def listed(sub: str) -> int:
 
 def plan_remote(args: argparse.Namespace) -> None:
     python = str(args.python)
-    tmp = Path(tempfile.mkdtemp(prefix="cgbuild-fleet-plan-"))
     started = time.perf_counter()
     load_before = load_average()
-    server: S3Server | None = None
-    try:
+    with contextlib.ExitStack() as stack:  # on the way out: the server stopped, then its folder removed
+        tmp = stack.enter_context(scratch("cgbuild-fleet-plan-", args.keep))
         code = code_under_test(args.code, tmp)
         if code.pythonpath is not None:
             sys.path.insert(0, str(code.pythonpath))  # the publisher below uses the same snapshot
@@ -382,14 +365,15 @@ def plan_remote(args: argparse.Namespace) -> None:
 
         def child_versions() -> dict[str, Any]:
             out = subprocess.run(
-                [python, "-c", CHILD_VERSIONS], env=env, capture_output=True, text=True, check=True
+                [python, *CHILD_VERSIONS], env=env, capture_output=True, text=True, check=True
             ).stdout
             return {**json.loads(out), **code.identity()}
 
         at_start = child_versions()
-        if not at_start["torch_cuda_runtime"]:
+        if not at_start["cuda"]:
             raise SystemExit(f"{python}: torch {at_start['torch']} is not a CUDA build")
         server = S3Server(tmp)
+        stack.callback(server.stop)
         env.update(server.env)
         os.environ.update(server.env)  # this process publishes the refs
         import boto3
@@ -496,7 +480,7 @@ def plan_remote(args: argparse.Namespace) -> None:
                 if name == "warm_plan_json_remote_relist":
                     shutil.rmtree(remembered)  # as on the first plan here, or past the listing's TTL
                 before, stamps = server.cpu(), memo_stamp(cwd)
-                runs[name].append(timed(argv, cwd=cwd, env=env))
+                runs[name].append(time_process(argv, cwd=cwd, env=env))
                 sent = server.requests()
                 server_cpu[name].append(round(server.cpu() - before, 2))
                 if name in warm_requests:
@@ -561,15 +545,13 @@ def plan_remote(args: argparse.Namespace) -> None:
             "warm with the listing removed (lists refs/), no remote declared (every key mint; that "
             "no-op plan is served from its memo too), and a clean "
             "clone that takes its trace facts from the store; fresh processes",
-            "date": datetime.date.today().isoformat(),
-            "machine": machine(),
+            **stamp(commit=code.commit),
             "load_average": {"before": load_before, "after": load_average()},
-            "versions": {**at_start, "moto_server": server.version},
             "python": "a venv with a CUDA build of torch (no GPU: CUDA graphs trace under fake tensors)",
             "store": f"moto_server {server.version}, a subprocess on loopback: no network latency; "
             "its CPU time is not in the plans' CPU time",
             "workspace": {
-                "generator": "benchmarks/plan_scale.py write_workspace, plus remote and trusted",
+                "generator": "benchmarks/engine.py write_workspace, plus remote and trusted",
                 "families": args.families,
                 "cpu_families": args.cpu_families,
                 "shapes_per_module": args.shapes,
@@ -649,17 +631,11 @@ def plan_remote(args: argparse.Namespace) -> None:
             "torch_imported_by_engine": False,  # every timed cgbuild run exits 99 otherwise
             "benchmark_seconds": round(time.perf_counter() - started, 1),
         }
+        section["versions"] = {**at_start, "moto_server": server.version}  # the measured Python's
         result = json.loads(RESULT.read_text()) if RESULT.exists() else {"benchmark": "fleet"}
         result["plan_against_remote"] = section
-        RESULT.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(RESULT, result)
         print(json.dumps({k: section[k] for k in ("targets", "seconds", "ratios")}, indent=2))
-    finally:
-        if server is not None:
-            server.stop()
-        if args.keep:
-            print(f"kept: {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """cgbuild on a GPU, side by side with the paths people use today, on one model and one input.
 
     python benchmarks/gpu_vs_compile.py all WORK OUT_JSON [--label L] [--phases a,b,...]
-                                                      [--store-archive STORE.tgz]
+                                                      [--store-archive STORE.tgz] [--commit SHA]
 
 Phases, each in its own process so every cold start is honest:
   fp32_ref      the same module and inputs cast to float32: the reference output for errors
@@ -26,24 +26,22 @@ Errors are relative L2 norms against the fp32 reference (and against eager); pea
 The module, weights and inputs all come from the example entry (`build(spec)`) in "real" mode
 (seed 0), so every path runs the same computation. Steady steps: 3 warm-up calls, then the
 median of 15 timed with device events on CUDA (perf_counter on the CPU). Prints and writes one
-JSON document with the machine, versions and date.
+JSON document with the machine, versions, date and commit.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from harness import commit_option, cuda_timed, timed, write_result
 from targets import built_of, drop_lanes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,27 +80,13 @@ def _first(fn: Any, b: Any, device: str) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
-def _steady(fn: Any, b: Any, device: str, warm: int = 3, reps: int = 15) -> float:
+def _steady(fn: Any, b: Any, device: str) -> float:
+    """The median of 15 steps after 3 warm-ups: CUDA events on a GPU, the host's clock on the CPU."""
     import torch
 
-    times = []
     with torch.inference_mode():
-        for _ in range(warm):
-            fn(*b.args, **b.kwargs)
-        _sync(device)
-        for _ in range(reps):
-            if device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn(*b.args, **b.kwargs)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn(*b.args, **b.kwargs)
-                times.append((time.perf_counter() - t0) * 1e3)
-    return round(statistics.median(times), 3)
+        step = (cuda_timed if device == "cuda" else timed)(lambda: fn(*b.args, **b.kwargs), reps=15, warmup=3)
+    return round(step * 1e3, 3)
 
 
 def _rel_err(out: Any, ref_path: Path) -> float | None:
@@ -272,6 +256,7 @@ def run_all(
     phases: list[str],
     store_archive: Path | None = None,
     no_lanes: bool = False,
+    commit: str | None = None,
 ) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     ws = work / "ws"
@@ -303,43 +288,19 @@ def run_all(
         # a phase run twice in one call keeps both records
         results[name if name not in results else f"{name}#{len(results)}"] = rec
         print(json.dumps(rec), flush=True)
-        _write(out_json, label, results)  # after every phase: a cut-short run keeps what it measured
-    return _write(out_json, label, results)
+        _write(out_json, label, results, commit)  # after every phase: a cut-short run keeps what it measured
+    return _write(out_json, label, results, commit)
 
 
-def _write(out_json: Path, label: str, results: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    doc = {
-        "benchmark": "gpu_vs_compile",
+def _write(out_json: Path, label: str, results: dict[str, Any], commit: str | None) -> dict[str, Any]:
+    numbers = {
         "label": label,
-        "date": datetime.date.today().isoformat(),
-        "machine": {
-            "node_gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-        },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "triton": _version("triton"),
-            "diffusers": _version("diffusers"),
-        },
         "protocol": "one process per phase; steady = median of 15 timed calls after 3 warm-up",
         "phases": results,
     }
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    return doc
-
-
-def _version(name: str) -> str | None:
-    import importlib.metadata as md
-
-    try:
-        return md.version(name)
-    except md.PackageNotFoundError:
-        return None
+    return write_result(
+        out_json, "gpu_vs_compile", numbers, packages=("diffusers",), torch=True, commit=commit
+    )
 
 
 def main() -> None:
@@ -351,12 +312,21 @@ def main() -> None:
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--store-archive", type=Path, help="a store sealed by an earlier mint phase")
     ap.add_argument("--no-lanes", action="store_true", help="drop the example's lane tables")
+    commit_option(ap)
     args = ap.parse_args()
     if args.what == "phase":
         print(json.dumps(phase(args.arg1, Path(args.arg2), args.label)), flush=True)
     else:
         phases = args.phases.split(",")
-        run_all(Path(args.arg1), Path(args.arg2), args.label, phases, args.store_archive, args.no_lanes)
+        run_all(
+            Path(args.arg1),
+            Path(args.arg2),
+            args.label,
+            phases,
+            args.store_archive,
+            args.no_lanes,
+            args.commit,
+        )
 
 
 if __name__ == "__main__":

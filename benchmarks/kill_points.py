@@ -21,16 +21,14 @@ cheaper). At the end `cgbuild gc --grace 0` sweeps the killed mints' build lefto
 
 Writes benchmarks/results/kill_points.json.
 
-    python benchmarks/kill_points.py [--only N]
+    python benchmarks/kill_points.py [--only N] [--out OUT_JSON]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -41,7 +39,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO, write_result
+
 OUT = REPO / "benchmarks" / "results" / "kill_points.json"
 LABEL = "//toy/mlp/8x64-b1@fp32:cpu"
 MARK = "CGBUILD_KILL_POINT_MARK"
@@ -197,23 +196,10 @@ def run_point(ws: Path, key: str | None, point: tuple[str, str, float], work: Pa
     return {"phase": phase, "trigger": trigger, "delay_s": delay, **outcome}
 
 
-def versions() -> dict[str, str]:
-    import torch
-
-    import cgbuild
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cgbuild": cgbuild.__version__,
-        "cgbuild_commit": commit.stdout.strip(),
-    }
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", type=int, help="run the first N points only (a quick try)")
+    ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     sys.path.insert(0, str(REPO / "tests"))
     from cgbuild_rules.reference import write_references
@@ -248,13 +234,9 @@ def main() -> int:
         left = sorted(p.name for p in (ws / ".cgbuild" / "build").iterdir())
         elapsed = time.monotonic() - t0
     killed = [r for r in results if r.get("killed")]
-    doc = {
-        "benchmark": "kill_points",
+    numbers: dict[str, Any] = {
         "what": f"SIGKILL of `cgbuild mint {LABEL}` at {len(points)} points over every mint phase; "
         "after each: no orphan process, no torn object, no half-admitted key, a clean re-run",
-        "date": datetime.date.today().isoformat(),
-        "machine": {"system": f"{platform.system()} {platform.machine()}", "cores": os.cpu_count()},
-        "versions": versions(),
         "seconds": round(elapsed, 1),
         "counts": {
             "points": len(points),
@@ -273,9 +255,9 @@ def main() -> int:
         "gc_after": {"build_removed": len(gc["build_removed"]), "build_left": left},
         "points": results,
     }
-    OUT.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    print(json.dumps(doc["counts"], indent=1))
-    return 0 if doc["counts"]["passed"] == len(points) else 1
+    write_result(args.out, "kill_points", numbers, packages=("cgbuild",))
+    print(json.dumps(numbers["counts"], indent=1))
+    return 0 if numbers["counts"]["passed"] == len(points) else 1
 
 
 if __name__ == "__main__":

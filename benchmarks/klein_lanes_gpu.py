@@ -20,9 +20,13 @@ speed claim of an fp8 artifact is only worth its error. Two modes, each one call
             `torch.compile` of the stock bf16 module (diffusers' own attention, no lanes) over
             an empty cache; errors are relative L2 norms against the stock module in fp32.
 
-    python benchmarks/klein_lanes_gpu.py kernels OUT
+    python benchmarks/klein_lanes_gpu.py kernels OUT [--commit SHA]
     python benchmarks/klein_lanes_gpu.py models OUT [--plan] [--mint L,..] [--serve L,..]
                                                  [--store A.tgz,..] [--keys L=KEY,..] [--compile]
+                                                 [--commit SHA]
+
+Each JSON file it writes in OUT (kernels, plan, mint_<layout>, serve) carries the machine,
+versions, date and commit.
 
 benchmarks/results/klein_lanes_gpu.json gathers three such calls on one H200 (see its `runs`).
 """
@@ -30,10 +34,8 @@ benchmarks/results/klein_lanes_gpu.json gathers three such calls on one H200 (se
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -42,6 +44,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from harness import commit_option, cuda_timed, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "flux2_klein"
@@ -56,31 +60,13 @@ GEMM_SHAPES = (  # (M tokens, K, N): the single blocks' fused in/out projections
 )
 
 
-def _stamp() -> dict[str, Any]:
-    import torch
-
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
+def _write(path: Path, numbers: dict[str, Any], opts: argparse.Namespace) -> None:
+    write_result(path, "klein_lanes_gpu", numbers, packages=("diffusers",), torch=True, commit=opts.commit)
 
 
 def _events(fn: Callable[[], Any], warm: int, reps: int) -> float:
-    import torch
-
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return round(statistics.median(times), 4)
+    """Median milliseconds of `reps` CUDA-event-timed calls after `warm` untimed ones."""
+    return round(cuda_timed(fn, reps=reps, warmup=warm) * 1e3, 4)
 
 
 def _rel(x: Any, y: Any) -> float:
@@ -147,13 +133,13 @@ def _gemm_row(m: int, k_in: int, n: int, gen: Any, quantize: Any, row_scale: Any
     return row
 
 
-def kernels(out: Path) -> dict[str, Any]:
+def kernels(out: Path, opts: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     sys.path.insert(0, str(EXAMPLE))
     from cgbuild_rules import fp8_gemm, quant
 
-    res: dict[str, Any] = {**_stamp(), "attention": [], "gemm": []}
+    res: dict[str, Any] = {"attention": [], "gemm": []}
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
         for tokens in (2816, 4608):
@@ -166,7 +152,7 @@ def kernels(out: Path) -> dict[str, Any]:
         for m, k_in, n in GEMM_SHAPES:
             res["gemm"].append(_gemm_row(m, k_in, n, gen, quantize, row_scale))
             print(res["gemm"][-1], flush=True)
-    (out / "kernels.json").write_text(json.dumps(res, indent=1))
+    _write(out / "kernels.json", res, opts)
     return res
 
 
@@ -189,7 +175,7 @@ def models(out: Path, opts: argparse.Namespace) -> dict[str, Any]:
     if opts.plan:
         done, wall = _cli(ws, "plan", "//flux2-klein:sm_90", "--json")
         plan = json.loads(done.stdout) if done.stdout else None
-        (out / "plan.json").write_text(json.dumps({"wall_s": wall, "rc": done.returncode, "plan": plan}))
+        _write(out / "plan.json", {"wall_s": wall, "rc": done.returncode, "plan": plan}, opts)
     for label in filter(None, opts.mint.split(",")):
         layout = label.split("@")[1].split(":")[0]
         done, wall = _cli(ws, "mint", label, "--json", "-j", "1")
@@ -202,7 +188,7 @@ def models(out: Path, opts: argparse.Namespace) -> dict[str, Any]:
         rec["inspect"] = json.loads(_cli(ws, "inspect", label, "--json")[0].stdout)
         for minted in rec["mint"]["minted"]:
             keys[label] = minted["key"]
-        (out / f"mint_{layout}.json").write_text(json.dumps(rec, indent=1))
+        _write(out / f"mint_{layout}.json", rec, opts)
         with tarfile.open(out / f"store_{layout}.tgz", "w:gz") as tar:
             tar.add(ws / ".cgbuild" / "store", arcname="store")
     if not opts.serve:
@@ -235,7 +221,7 @@ def _serve(ws: Path, out: Path, opts: argparse.Namespace, keys: dict[str, str]) 
         with torch.inference_mode():
             return _events(lambda: fn(*args), 3, 15)
 
-    res: dict[str, Any] = {**_stamp(), "keys": keys, "targets": {}}
+    res: dict[str, Any] = {"keys": keys, "targets": {}}
     bf16 = opts.serve.split(",")[0].split("@")[0] + "@bf16:sm_90"
     ref_built = build(bf16, stock=True)
     ref_built.module.float()
@@ -285,7 +271,7 @@ def _serve(ws: Path, out: Path, opts: argparse.Namespace, keys: dict[str, str]) 
         print(label, json.dumps(rec), flush=True)
         del built, served
         torch.cuda.empty_cache()
-    (out / "serve.json").write_text(json.dumps(res, indent=1))
+    _write(out / "serve.json", res, opts)
     return res
 
 
@@ -299,10 +285,11 @@ def main() -> None:
     ap.add_argument("--store", default="")
     ap.add_argument("--keys", default="")
     ap.add_argument("--compile", action="store_true")
+    commit_option(ap)
     opts = ap.parse_args()
     opts.out.mkdir(parents=True, exist_ok=True)
     if opts.mode == "kernels":
-        kernels(opts.out)
+        kernels(opts.out, opts)
     else:
         models(opts.out, opts)
 

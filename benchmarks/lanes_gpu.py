@@ -15,21 +15,22 @@ lanes are the toy's own implementations. Writes the JSON named by `--out`; the c
 benchmarks/results/lanes_gpu.json holds one such run beside a `cgbuild mint` of the toy's sm_90
 target made on the same machine (its sealed lanes block and its lane evidence).
 
-    python benchmarks/lanes_gpu.py [--rows 8192] [--hidden 4096] [--out DIR]
+    python benchmarks/lanes_gpu.py [--rows 8192] [--hidden 4096] [--out OUT_JSON] [--commit SHA]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+
+from harness import commit_option, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 LANES = ["baseline", "chunked", "triton"]
@@ -112,6 +113,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lanes_gpu.json"))
+    commit_option(ap)
     args = ap.parse_args()
 
     import torch
@@ -156,9 +158,9 @@ def main() -> int:
     # the mint policy's settings this torch knows (an older torch lacks e.g. the x86 clamp knobs)
     known: dict[str, Any] = {k: v for k, v in policy.inductor_configs("x86_64").items() if _has_config(k)}
     known["cpp.cxx"] = (None, compiler.choose_cxx(None))  # never $CXX (a wrapper here segfaults loads)
-    t = datetime.datetime.now()
+    t = time.perf_counter()
     torch._inductor.aoti_compile_and_package(ep, package_path=str(work / "model.pt2"), inductor_configs=known)
-    compile_s = (datetime.datetime.now() - t).total_seconds()
+    compile_s = time.perf_counter() - t
     rows = lane_rows(m, ["linear"], spec_lanes)
     (work / "rows.json").write_text(json.dumps(rows))
     state = {**{k: v for k, v in m.state_dict().items()}, "__x__": x}
@@ -190,21 +192,8 @@ def main() -> int:
         if len(measured) >= 2
         else {}
     )
-    props = torch.cuda.get_device_properties(dev)
-    result = {
-        "benchmark": "lanes_gpu",
+    numbers = {
         "what": f"toy MLP, {args.hidden} wide, {args.rows} rows, fp32, lanes {LANES}",
-        "date": datetime.date.today().isoformat(),
-        "machine": {
-            "gpu": props.name,
-            "memory_bytes": int(props.total_memory),
-            "system": platform.platform(),
-        },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-        },
         "traces": traces,
         "triton_kernel_vs_cublas_max_abs": triton_vs_cublas,
         "export_ops": graph_ops,
@@ -217,9 +206,8 @@ def main() -> int:
         "runs": runs,
         "verdicts": verdicts,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    print(json.dumps({k: result[k] for k in ("compile_s", "package_bytes", "branch_ops")}, indent=1))
+    write_result(Path(args.out), "lanes_gpu", numbers, commit=args.commit)
+    print(json.dumps({k: numbers[k] for k in ("compile_s", "package_bytes", "branch_ops")}, indent=1))
     for lane, r in runs.items():
         print(
             lane,

@@ -18,7 +18,8 @@ Each cgbuild run goes through `python -c` that calls `cgbuild.cli.main` and exit
 imported. Every mint run is checked: exit 0, 0 minted, N already fresh, 0 failed, 0 refused; and
 after all runs the store holds the same refs and objects and no mint record was written.
 
-The code measured is a snapshot of a commit (`--code`, default HEAD), as in plan_scale.py.
+The code measured is a snapshot of a commit (`--code`, default HEAD), as in plan_scale.py
+(engine.py's `code_under_test`).
 
 Writes benchmarks/results/mint_noop.json.
 
@@ -28,36 +29,32 @@ Writes benchmarks/results/mint_noop.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from plan_scale import (
+from engine import (
     LAYOUTS,
     Code,
     Run,
     cgbuild_argv,
     child_env,
     code_under_test,
-    load_average,
-    machine,
     plan_json,
     profile,
     same_versions,
     summarize,
-    timed,
+    time_process,
     trace_count,
     versions,
     write_workspace,
 )
+from harness import load_average, scratch, write_result
 
 HERE = Path(__file__).resolve().parent
 RESULT = HERE / "results" / "mint_noop.json"
@@ -114,11 +111,10 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the temporary workspace")
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="cgbuild-mint-noop-"))
-    ws = tmp / "ws"
     started = time.perf_counter()
     load_before = load_average()
-    try:
+    with scratch("cgbuild-mint-noop-", args.keep) as tmp:
+        ws = tmp / "ws"
         code = code_under_test(args.code, tmp)
         env = child_env(code)
         at_start = versions(code)
@@ -145,13 +141,13 @@ def main() -> None:
         }
         checks = {"mint_noop": check_human, "mint_noop_json": check_json}
         for name, argv in cases.items():  # untimed: bytecode and caches keyed to this interpreter
-            run = timed(argv, cwd=ws, env=env, stdout=subprocess.PIPE)
+            run = time_process(argv, cwd=ws, env=env, stdout=subprocess.PIPE)
             if name in checks:
                 checks[name](run, n)
         runs: dict[str, list[Run]] = {name: [] for name in cases}
         for _ in range(args.reps):
             for name, argv in cases.items():
-                run = timed(argv, cwd=ws, env=env, stdout=subprocess.PIPE)
+                run = time_process(argv, cwd=ws, env=env, stdout=subprocess.PIPE)
                 if name in checks:
                     checks[name](run, n)
                 runs[name].append(run)
@@ -161,11 +157,8 @@ def main() -> None:
         prof = profile(ws, env, code, "-C", str(ws), "mint", target, "--json")
 
         med = {name: statistics.median(r.wall for r in rs) for name, rs in runs.items()}
-        result: dict[str, Any] = {
-            "benchmark": "mint_noop",
+        numbers: dict[str, Any] = {
             "what": f"a second `cgbuild mint {target}` over {n} fresh CPU targets: nothing to mint",
-            "date": datetime.date.today().isoformat(),
-            "machine": machine(),
             "load_average": {"before": load_before, "after": load_average()},
             "versions": same_versions(at_start, code),
             "store": (
@@ -212,17 +205,11 @@ def main() -> None:
             "profile_mint_noop_json": prof,
             "benchmark_seconds": round(time.perf_counter() - started, 1),
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        result = write_result(args.out, "mint_noop", numbers, commit=code.commit)
         print(
             json.dumps({k: result[k] for k in ("targets", "ratios", "target", "mint_summary_line")}, indent=2)
         )
-        print(json.dumps({k: v for k, v in result["seconds"].items()}, indent=2))
-    finally:
-        if args.keep:
-            print(f"workspace kept: {ws}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        print(json.dumps(result["seconds"], indent=2))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ Writes benchmarks/results/mint_overhead.json (runs, medians, ratios, machine, ve
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -52,7 +51,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -60,10 +58,9 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild_rules.mint import DEFAULT_SANDBOX
-from plan_scale import machine  # one description of the box for every benchmark
+from harness import load_average, scratch, write_result
 from targets import built_of
 
-import cgbuild
 from cgbuild.core.platform import normalize_arch
 from cgbuild.identity import compiler, policy
 from cgbuild.store.local import Store
@@ -317,18 +314,6 @@ def inner_series(runs: list[Run], *fields: str) -> dict[str, Any]:
     return {f: series([r.inner[f] for r in runs]) for f in fields}
 
 
-def versions(cxx: str) -> dict[str, Any]:
-    import importlib.metadata as md
-
-    comp = compiler.cxx_component(cxx)
-    return {
-        "python": platform.python_version(),
-        "torch": md.version("torch"),
-        "cgbuild": cgbuild.__version__,
-        "cxx": {k: comp.get(k) for k in ("family", "version")},
-    }
-
-
 def sandbox_has_pch() -> bool:
     """Does the mint's fixed, shared sandbox already hold Inductor's precompiled headers?"""
     root = Path(DEFAULT_SANDBOX) / "tmp"
@@ -388,13 +373,12 @@ def main() -> None:
     args = ap.parse_args()
 
     started = time.perf_counter()
-    load_start = os.getloadavg()
+    load_start = load_average()
     cxx = compiler.choose_cxx(None)
-    tmp = Path(tempfile.mkdtemp(prefix="cgbuild-mint-overhead-"))
     runs: dict[str, list[Run]] = {name: [] for name in CASES}
     facts: dict[str, list[Any]] = {"mint_sandbox_pch_before": [], "minted_digests": [], "round_seconds": []}
     stopped = ""
-    try:
+    with scratch("cgbuild-mint-overhead-", args.keep) as tmp:
         run_child("import", {}, os.environ)  # untimed: torch's files into the page cache
         for rep in range(args.reps):
             elapsed = time.perf_counter() - started
@@ -410,16 +394,10 @@ def main() -> None:
                 f"mint {runs['mint'][-1].wall:.1f} s ({facts['round_seconds'][-1]:.0f} s in all)",
                 flush=True,
             )
-        result = summarize(runs, facts, cxx, stopped, load_start, args.reps)
-        result["benchmark_seconds"] = round(time.perf_counter() - started, 1)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps({k: result[k] for k in ("medians", "ratios", "target")}, indent=2))
-    finally:
-        if args.keep:
-            print(f"kept: {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        numbers = summarize(runs, facts, cxx, stopped, load_start, args.reps)
+        numbers["benchmark_seconds"] = round(time.perf_counter() - started, 1)
+        write_result(args.out, "mint_overhead", numbers, packages=("cgbuild",))
+        print(json.dumps({k: numbers[k] for k in ("medians", "ratios", "target")}, indent=2))
 
 
 FIELDS: dict[str, tuple[str, ...]] = {
@@ -445,9 +423,10 @@ def summarize(
     facts: dict[str, list[Any]],
     cxx: str,
     stopped: str,
-    load_start: tuple[float, float, float],
+    load_start: list[float],
     reps: int,
 ) -> dict[str, Any]:
+    """The result's numbers: every run, their medians and ratios, the target, the checks."""
     mint = runs["mint"]
     digests = facts["minted_digests"]
     bare_digests = {r.inner["graph_digest"] for name in ("bare_cold", "bare_warm") for r in runs[name]}
@@ -493,19 +472,16 @@ def summarize(
         else:
             block.update(inner_series(runs[name], *FIELDS[name]))
         seconds[name] = block
-    load_end = os.getloadavg()
+    comp = compiler.cxx_component(cxx)
     return {
-        "benchmark": "mint_overhead",
         "what": f"toy MLP {LABEL}: bare AOTI compile vs `cgbuild mint`; adopt vs others to first output",
-        "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
         "machine": {
-            **machine(),
-            "loadavg_start": [round(v, 2) for v in load_start],
-            "loadavg_end": [round(v, 2) for v in load_end],
+            "loadavg_start": load_start,
+            "loadavg_end": load_average(),
             "note": "other work may share the CPU while this runs (see loadavg); each round runs every "
             "case once so such load falls on all of them alike, but single runs can be inflated",
         },
-        "versions": versions(cxx),
+        "versions": {"cxx": {k: comp.get(k) for k in ("family", "version")}},
         "label": LABEL,
         "graph_digest": digests[0] if digests else None,
         "reps_requested": reps,

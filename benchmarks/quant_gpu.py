@@ -3,7 +3,7 @@ fp8-rowwise against plain bf16, eager and through AOTInductor.
 
 Run on a machine with a CUDA device, from a checkout (no install needed):
 
-    python benchmarks/quant_gpu.py --out benchmarks/results/quant_gpu.json
+    python benchmarks/quant_gpu.py --out benchmarks/results/quant_gpu.json [--commit SHA]
 
 What it answers:
 - does the plan's pure capability function (`cgbuild.identity.layout.scaled_mm_rowwise`, torch version × sm)
@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import importlib.util
 import json
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -44,6 +42,7 @@ except ImportError:  # a bare checkout: the rules folder is the package
 
 import torch  # noqa: E402
 from cgbuild_rules.quant import convert, probe  # noqa: E402
+from harness import commit_option, cuda_timed, write_result  # noqa: E402
 from torch import nn  # noqa: E402
 
 from cgbuild.core.platform import normalize_arch  # noqa: E402
@@ -58,21 +57,10 @@ def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(d / want.double().pow(2).mean().sqrt())
 
 
-def timed(fn: Any, x: torch.Tensor) -> float:
+def step_ms(fn: Any, x: torch.Tensor) -> float:
     """Median milliseconds of 9 calls after 3 warm-ups, timed with CUDA events."""
     with torch.no_grad():
-        for _ in range(3):
-            fn(x)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(9):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(x)
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-    return round(statistics.median(times), 4)
+        return round(cuda_timed(lambda: fn(x), reps=9, warmup=3) * 1e3, 4)
 
 
 def weight_bytes(m: nn.Module) -> int:
@@ -83,19 +71,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--no-compile", action="store_true")
+    commit_option(parser)
     args = parser.parse_args()
     dev = torch.device("cuda")
     major, minor = torch.cuda.get_device_capability(dev)
     sm = f"sm_{major}{minor}"
     result: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "machine": {
-            "device": torch.cuda.get_device_name(dev),
-            "sm": sm,
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-        },
         "shape": {"tokens": TOKENS, "hidden": HIDDEN, "mlp": MLP, "dtype": "bfloat16"},
     }
     ok, why = scaled_mm_rowwise(torch.__version__, sm)
@@ -132,7 +113,7 @@ def main() -> int:
             "weight_bytes": weight_bytes(m),
             "rel_rms_vs_plain_bf16": rel_rms(outs[name], outs["plain.bf16"]),
             "rel_rms_vs_fp32": rel_rms(outs[name], want32),
-            "eager_ms": timed(m, xb),
+            "eager_ms": step_ms(m, xb),
         }
         print(name, rows[name], flush=True)
     if not args.no_compile:
@@ -165,13 +146,12 @@ def main() -> int:
                 rows[name] |= {
                     "export_and_compile_s": round(compile_s, 1),
                     "compiled_rel_rms_vs_eager": rel_rms(got, outs[name]),
-                    "compiled_ms": timed(loaded, xb),
+                    "compiled_ms": step_ms(loaded, xb),
                     "scaled_mm_in_graph": "_scaled_mm" in str(ep.graph),
                 }
             print(name, rows[name], flush=True)
     result["layouts"] = rows
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    write_result(args.out, "quant_gpu", result, torch=True, commit=args.commit)
     return 0
 
 

@@ -22,11 +22,6 @@ Writes benchmarks/results/soak_inputs.json; exits 1 if any input broke the contr
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata as md
-import json
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,13 +29,13 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+from harness import REPO, load_average, uncommitted, write_result
 
-import hostile  # noqa: E402
-from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from plan_scale import load_average, machine  # noqa: E402
+sys.path.insert(0, str(REPO / "tests"))
+
+import hostile
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
 
 KINDS = {"cgfile": hostile.cgfiles, "plan": hostile.plans, "lock": hostile.locks, "argv": hostile.argvs}
 KEEP_FAILURES = 20
@@ -84,17 +79,6 @@ def soak(
     }
 
 
-def version(name: str) -> str | None:
-    try:
-        return md.version(name)
-    except md.PackageNotFoundError:
-        return None
-
-
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cgfiles", type=int, default=3500)
@@ -102,7 +86,7 @@ def main() -> int:
     ap.add_argument("--locks", type=int, default=2500)
     ap.add_argument("--argvs", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=12)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "soak_inputs.json")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "soak_inputs.json")
     args = ap.parse_args()
     wanted = {"cgfile": args.cgfiles, "plan": args.plans, "lock": args.locks, "argv": args.argvs}
     load_before = load_average()
@@ -113,28 +97,18 @@ def main() -> int:
             results[kind] = soak(ws, kind, KINDS[kind](), n, args.seed + i)
             print(f"{kind}: {results[kind]['inputs']} inputs, {results[kind]['outcomes']}", file=sys.stderr)
     broken = sum(r["outcomes"].get("contract-broken", 0) for r in results.values())
-    doc = {
-        "benchmark": "soak_inputs",
+    numbers = {
         "what": "generated hostile Cgfiles, plan files, locks and command lines through cgbuild.cli.main",
-        "date": datetime.date.today().isoformat(),
-        "machine": machine(),
         "load_average": {"before": load_before, "after": load_average()},
-        "versions": {
-            "python": platform.python_version(),
-            "cgbuild": version("cgbuild"),
-            "cgbuild_commit": git("rev-parse", "--short", "HEAD"),
-            "worktree_clean": not git("status", "--porcelain", "--", "cgbuild", "tests/hostile.py"),
-            "hypothesis": version("hypothesis"),
-            "tomli_w": version("tomli-w"),
-        },
+        "versions": {"worktree_clean": uncommitted("cgbuild", "tests/hostile.py") == []},
         "seed": args.seed,
         "contract": "exit 0, or exit 2 with exactly one error line; never a traceback or another exit code",
         "inputs": sum(r["inputs"] for r in results.values()),
         "contract_broken": broken,
         "kinds": results,
     }
-    args.out.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
-    print(f"{doc['inputs']} inputs, {broken} broke the contract → {args.out}", file=sys.stderr)
+    write_result(args.out, "soak_inputs", numbers, packages=("cgbuild", "hypothesis", "tomli-w"))
+    print(f"{numbers['inputs']} inputs, {broken} broke the contract → {args.out}", file=sys.stderr)
     return 1 if broken else 0
 
 

@@ -16,23 +16,19 @@ Target: trace ≤ 1.1 × bare. Writes benchmarks/results/trace_digest.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import math
-import os
-import platform
 import resource
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-import diffusers
 import torch
 from cgbuild_rules.digest import graph_facts
 from cgbuild_rules.trace import default_dtype, load_entry, parse_job, run_job
-from plan_scale import machine  # one description of the box for every benchmark
+from harness import load_average, write_result
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 HERE = Path(__file__).resolve().parent
@@ -105,7 +101,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "trace_digest.json")
     opts = parser.parse_args()
 
-    load_start = os.getloadavg()[0]
+    load_start = load_average()[0]
     bare_export()  # warm-up: one-off imports and caches
     bare: list[float] = []
     trace: list[float] = []
@@ -134,20 +130,10 @@ def main() -> None:
     bare_med, trace_med = statistics.median(bare), statistics.median(trace)
     bare_cpu_med, trace_cpu_med = statistics.median(bare_cpu), statistics.median(trace_cpu)
     params = sum(math.prod(shape) for _, _, shape in line["topology"])
-    result = {
-        "benchmark": "trace_digest",
+    numbers = {
         "what": "klein-4B transformer, FakeTensorMode, bf16, 1024x1024 (4096 image tokens), text 512, b1",
-        "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
-        "machine": {
-            **machine(),
-            # Other work on the box inflates both sides alike; the digest's own share is digest_only.
-            "loadavg_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)],
-        },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "diffusers": diffusers.__version__,
-        },
+        # Other work on the box inflates both sides alike; the digest's own share is digest_only.
+        "machine": {"loadavg_1m": [load_start, load_average()[0]]},
         "reps": opts.reps,
         "graph": {"digest": line["graph_digest"], "nodes": line["nodes"], "params": params},
         "seconds": {
@@ -170,9 +156,7 @@ def main() -> None:
         "meets_target": trace_med <= TARGET_RATIO * bare_med and trace_cpu_med <= TARGET_RATIO * bare_cpu_med,
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }
-    opts.out.parent.mkdir(parents=True, exist_ok=True)
-    opts.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    print(json.dumps(write_result(opts.out, "trace_digest", numbers, packages=("diffusers",)), indent=2))
 
 
 if __name__ == "__main__":

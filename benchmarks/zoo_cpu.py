@@ -39,18 +39,14 @@ docs/adopt.md from it (`--doc-only` re-renders that section from the committed f
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
-import importlib.metadata as md
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Mapping
@@ -58,10 +54,10 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild_rules.mint import DEFAULT_SANDBOX, TOLERANCE
-from plan_scale import machine  # one description of the box for every benchmark
+from harness import load_average, scratch, stamp, uncommitted, wall_times, write_json
 from targets import built_of
 
-from cgbuild.core.fs import write_atomic, write_json
+from cgbuild.core.fs import write_atomic
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -113,14 +109,7 @@ def _rel_rms(got: Any, want: Any) -> float:
 
 def _steps(fn: Callable[[], Any], steps: int) -> list[float]:
     time.sleep(SETTLE_S)
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return times
+    return wall_times(fn, reps=steps, warmup=WARMUP)
 
 
 def child(path: str, arg: Mapping[str, Any]) -> dict[str, Any]:
@@ -255,33 +244,15 @@ def checks(entry: Mapping[str, Any], steps: int) -> dict[str, Any]:
     }
 
 
-def git_commit() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty_files": git("status", "--porcelain").splitlines()}
-
-
-def versions() -> dict[str, Any]:
-    return {
-        "python": platform.python_version(),
-        "torch": md.version("torch"),
-        "diffusers": md.version("diffusers"),
-        "cgbuild": md.version("cgbuild"),
-        "cgbuild_git": git_commit(),
-    }
-
-
 def measure(
     steps: int, procs: int, keep: bool, only: set[str] | None = None, selector: str = "//zoo"
 ) -> dict[str, Any]:
     started = time.perf_counter()
-    load_before = os.getloadavg()
-    tmp = Path(tempfile.mkdtemp(prefix="cgbuild-zoo-cpu-"))
-    ws = tmp / "ws"
-    shutil.copytree(ZOO, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+    load_before = load_average()
     models: dict[str, Any] = {}
-    try:
+    with scratch("cgbuild-zoo-cpu-", keep) as tmp:
+        ws = tmp / "ws"
+        shutil.copytree(ZOO, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
         _, proc = cgbuild_cli(ws, "plan", selector, "--json")
         if proc.returncode != 0:
             raise SystemExit(f"plan failed: {_tail(proc.stdout + proc.stderr)}")
@@ -311,24 +282,19 @@ def measure(
                     print(f"  {path}: {row.get('first_output', row.get('error'))}", flush=True)
             entry["paths"] = {path: path_block(rows) for path, rows in runs.items()}
             entry["checks"] = checks(entry, steps)
-    finally:
-        if keep:
-            print(f"kept: {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-    load_after = os.getloadavg()
+    ran = stamp("diffusers", "cgbuild")
     return {
         "benchmark": "zoo_cpu",
         "what": "per zoo target: cgbuild mint, then adopt vs eager vs torch.compile (cold cache), "
         "each in fresh processes, same inputs and weights",
-        "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
+        **ran,
         "machine": {
-            **machine(),
-            "loadavg_before": [round(v, 2) for v in load_before],
-            "loadavg_after": [round(v, 2) for v in load_after],
+            **ran["machine"],
+            "loadavg_before": load_before,
+            "loadavg_after": load_average(),
             "note": "a busy 2-core box shared with other work: single runs can be inflated",
         },
-        "versions": versions(),
+        "uncommitted": uncommitted(),
         "reps": {
             "mint": 1,
             "processes_per_path": procs,
@@ -349,7 +315,7 @@ def measure(
             "fingerprint": "sha256 of the module's state and the inputs, per process",
         },
         "tolerance_float32": float(TOLERANCE["float32"]),
-        "models": models,
+        "models": dict(sorted(models.items())),  # by name: the order of the doc's tables
         "benchmark_seconds": round(time.perf_counter() - started, 1),
     }
 
@@ -526,12 +492,15 @@ def main() -> None:
     result = measure(args.steps, args.procs, args.keep, only, args.selector)
     if args.merge and args.out.exists():
         doc = json.loads(args.out.read_text())
-        run = {k: result[k] for k in ("date", "machine", "versions", "reps", "benchmark_seconds")}
-        doc.setdefault("later_runs", []).append({**run, "models": sorted(result["models"])})
-        doc["models"].update({k: {**v, "run": len(doc["later_runs"])} for k, v in result["models"].items()})
-        write_json(args.out, doc, indent=2)
+        keys = ("date", "commit", "machine", "versions", "uncommitted", "reps", "benchmark_seconds")
+        doc.setdefault("later_runs", []).append(
+            {**{k: result[k] for k in keys}, "models": sorted(result["models"])}
+        )
+        later = {k: {**v, "run": len(doc["later_runs"])} for k, v in result["models"].items()}
+        doc["models"] = dict(sorted({**doc["models"], **later}.items()))
+        write_json(args.out, doc)
     else:
-        write_json(args.out, result, indent=2)
+        write_json(args.out, result)
     write_doc(json.loads(args.out.read_text()))  # the doc from the file alone, as --doc-only
     failed = {
         k: e.get("checks")

@@ -57,7 +57,6 @@ from cgbuild.core.codes import Code
 from cgbuild.identity.layout import QUANT_RULES
 from cgbuild.protocol.trace import FACT_KEYS, REQUEST_SCHEMA, SPEC_KEYS, BadJob, TraceJob
 
-CODES = (Code.NO_CUDA_TORCH, Code.ENTRY_ERROR, Code.TRACE_FAILED, Code.LITERAL_HIDDEN)
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,

@@ -1,33 +1,16 @@
-"""Session fixtures shared by test modules."""
+"""The fixtures every test module may ask for, from `support` (tests/support/): the toy's reference
+checkpoints, the session's tiny mint, an S3 endpoint and publisher keys. Registered as plugins so
+that no test module imports another one, or this file, for a fixture."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# Before anything imports `support`: its asserts fail with the values compared, as a test's do.
+pytest.register_assert_rewrite("support")
 
+from support.toy import copy_toy  # noqa: E402
 
-@pytest.fixture(scope="session")
-def toy_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The toy example's reference checkpoints (its `int8` layout reads their headers), written
-    once per session from a copy without any, as a fresh checkout's CI would have to."""
-    from cgbuild_rules.reference import write_references
+__all__ = ["copy_toy"]  # benchmarks/kill_points.py imports it from here, with tests/ on its path
 
-    ws = tmp_path_factory.mktemp("toy-reference") / "toy"
-    shutil.copytree(
-        EXAMPLES / "toy", ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__", "reference")
-    )
-    assert write_references(ws)
-    return ws / "reference"
-
-
-def copy_toy(dest: Path, reference: Path) -> Path:
-    """A fresh copy of examples/toy at `dest` with the session's reference checkpoints."""
-    shutil.copytree(
-        EXAMPLES / "toy", dest, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__", "reference")
-    )
-    shutil.copytree(reference, dest / "reference")
-    return dest
+pytest_plugins = ["support.minted", "support.publishers", "support.s3", "support.toy"]

@@ -55,11 +55,14 @@ def main(mode: str, arg: str = "") -> int:
             say({"echo": json.loads(line)})
         say({"eof": True})
     elif mode == "relay":
-        from cgbuild.protocol.spawn import spawn
+        from cgbuild.protocol.spawn import Talk, spawn
 
         death = signal.SIGTERM if arg == "SIGTERM" else signal.SIGKILL
         spawn(
-            "spawn_child", ["compilers" if arg == "SIGTERM" else "group"], on_message=say, death_signal=death
+            "spawn_child",
+            ["compilers" if arg == "SIGTERM" else "group"],
+            talk=Talk(on_message=say),
+            death_signal=death,
         )
     return 0
 

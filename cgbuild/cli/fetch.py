@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cgbuild.plan.planner import make_plan
-    from cgbuild.store.local import StoreError
+    from cgbuild.store.errors import StoreError
     from cgbuild.store.s3 import RemoteError
 
     ws = workspace(args)

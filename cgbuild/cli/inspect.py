@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     if not path.is_file():
         from cgbuild.config.labels import parse_label, parse_selector
         from cgbuild.plan.planner import make_plan
-        from cgbuild.store.local import Store, StoreError
+        from cgbuild.store.errors import StoreError
+        from cgbuild.store.local import Store
 
         ws = workspace(args)
         key = args.what

@@ -60,7 +60,7 @@ def progress_bar(description: str) -> tuple[Callable[[int, int, str], None], Cal
 def component_summary(name: str, comp: Any) -> str:
     """One short phrase per toolchain component, as a reader wants it: versions, and for the
     compile settings the settings themselves rather than their scheme's name."""
-    from cgbuild.identity import toolchain
+    from cgbuild.identity import toolchain_changes
 
     if name == "settings" and isinstance(comp, dict) and isinstance(comp.get("inductor"), dict):
         inductor = ", ".join(f"{k}={v}" for k, v in sorted(comp["inductor"].items()))
@@ -68,7 +68,7 @@ def component_summary(name: str, comp: Any) -> str:
         fixed = ", ".join(f"{k}={v}" for k, v in sorted((env.get("set") or {}).items()))
         scrubbed = len(env.get("scrub") or []) + len(env.get("scrub_prefixes") or [])
         return f"inductor {inductor or 'defaults'}; env {fixed or 'as found'}, {scrubbed} variables scrubbed"
-    return toolchain.summary(name, comp)
+    return toolchain_changes.summary(name, comp)
 
 
 def phase_times(phases: dict[str, Any] | None) -> str:

@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cgbuild.config.cgfile import NAME
+    from cgbuild.config.reader import NAME
     from cgbuild.store.trust import SIGNING_KEY_ENV, keygen
 
     name = args.name or socket.gethostname().split(".")[0].lower()

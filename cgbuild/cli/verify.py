@@ -10,9 +10,6 @@ compared against eager; an artifact with lanes once per lane. The numbers compar
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +17,6 @@ from cgbuild.cli.main import add_workspace_args, workspace
 from cgbuild.cli.render import console, print_json
 from cgbuild.config.labels import parse_selector
 from cgbuild.core.codes import Code
-from cgbuild.protocol.spawn import spawn
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,25 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_artifact(
     ws: Any, key: str, path: Path, label: str, components: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The mint's serving check on a stored artifact: adopt into the entry's live module, served
-    compiled, against eager (`cgbuild_rules.mint.stage_serve`); every lane an artifact carries."""
+    """The mint's serve check on a stored artifact (`cgbuild.protocol.mint.serve_check`)."""
     from cgbuild.config.targets import expand
+    from cgbuild.protocol.mint import serve_check
     from cgbuild.protocol.trace import job_for
 
     target = next(t for t in expand(ws.cg) if t.label == label)
-    request: dict[str, Any] = {"job": job_for(ws.cg, target, components).with_id(key).to_json()}
-    with tempfile.TemporaryDirectory(prefix="cgbuild-verify-") as tmp:
-        work = Path(tmp)
-        (work / "request.json").write_text(json.dumps(request))
-        ended = spawn(
-            "cgbuild_rules.mint",
-            ["--stage", "serve", str(work), str(path)],
-            env={**os.environ, "TMPDIR": str(work)},
-        )
-        result_file = work / "serve.json"
-        if result_file.exists():
-            return dict(json.loads(result_file.read_text()))
-        return ended.failure("serve stage")
+    return serve_check(job_for(ws.cg, target, components).with_id(key), path)
 
 
 def compared(ran: dict[str, Any]) -> list[str]:

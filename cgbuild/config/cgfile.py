@@ -10,15 +10,23 @@ matched whole (`fullmatch`): `$` would let a final newline through.
 
 from __future__ import annotations
 
-import math
-import os
 import re
 import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cgbuild.config.reader import (
+    CONTROL,
+    Reader,
+    config_value,
+    is_int_list,
+    is_num,
+    is_num_list,
+    is_str,
+    is_str_list,
+    kind,
+)
 from cgbuild.config.tomlpos import KeyLines
 from cgbuild.core import userfile
 from cgbuild.core.errors import UserError
@@ -26,7 +34,6 @@ from cgbuild.core.publickey import public_key_bytes
 from cgbuild.identity.layout import QUANT_RULES, Reading, compute_dtype
 from cgbuild.lanes import Needs, read_lane_table
 
-NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 SM = re.compile(r"cpu|sm_[0-9]{2,3}[a-z]?")
 SHAPE = re.compile(r"([1-9][0-9]{0,6})x([1-9][0-9]{0,6})")
 ENTRY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
@@ -34,16 +41,11 @@ COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 VARIANT = re.compile(r"[A-Za-z0-9_-]+")
 # anchored as well: the store module matches it with `match`
 REMOTE = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/([A-Za-z0-9._/-]*))?$")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 GIB = 1 << 30
 MAX_GIB = 1 << 20
 """A SKU's memory above 1 PiB is a typo, not a device."""
 MAX_DIM = 1 << 20
 """Bound on every envelope integer (height, width, text length, batch): a typo, not a bucket."""
-MAX_CONFIG_DEPTH = 32
-"""`config` nesting beyond this is refused: it is hashed and handed to the entry as it is."""
-MAX_PATH_BYTES = 4095
-MAX_NAME_BYTES = 255
 
 
 @dataclass(frozen=True)
@@ -137,164 +139,6 @@ class Cgfile:
         return UserError(message, file=str(self.path), line=self.lines.line(*path), field=".".join(path))
 
 
-class _Reader:
-    """Typed access to one TOML table that reports the exact field on failure."""
-
-    def __init__(self, path: Path, lines: KeyLines) -> None:
-        self.path = path
-        self.lines = lines
-
-    def fail(self, message: str, *where: str) -> UserError:
-        return UserError(message, file=str(self.path), line=self.lines.line(*where), field=".".join(where))
-
-    def table(self, value: Any, where: tuple[str, ...], allowed: set[str] | None) -> dict[str, Any]:
-        """`value` checked to be a table whose keys are in `allowed` (None: any key, e.g. names)."""
-        if not isinstance(value, dict):
-            raise self.fail(f"expected a table, got {_kind(value)}", *where)
-        for key in value:
-            if allowed is not None and key not in allowed:
-                hint = f" (known: {', '.join(sorted(allowed))})" if allowed else ""
-                raise self.fail(f"unknown key '{key}'{hint}", *where, key)
-        return value
-
-    def get(
-        self,
-        table: dict[str, Any],
-        where: tuple[str, ...],
-        key: str,
-        check: Callable[[Any], bool],
-        expected: str,
-        *,
-        required: bool = False,
-        default: Any = None,
-    ) -> Any:
-        if key not in table:
-            if required:
-                raise self.fail(f"missing required key '{key}'", *where, key)
-            return default
-        value = table[key]
-        if not check(value):
-            raise self.fail(f"expected {expected}, got {_kind(value)} {value!r}", *where, key)
-        return value
-
-    def name(self, value: str, *where: str) -> str:
-        if not NAME.fullmatch(value):
-            raise self.fail(
-                f"bad name '{value}': names use [a-z0-9._-] and start with a letter or digit", *where
-            )
-        return value
-
-    def pathname(self, value: str, *where: str) -> str:
-        """A path string the OS can take: no NUL or control character, not too long."""
-        if not value:
-            raise self.fail("empty path", *where)
-        if _CONTROL.search(value):
-            raise self.fail(f"path {value!r} holds a control character", *where)
-        try:
-            raw = os.fsencode(value)
-        except UnicodeEncodeError:
-            raise self.fail(f"path {value!r} cannot be encoded for this file system", *where) from None
-        if len(raw) > MAX_PATH_BYTES or any(len(part) > MAX_NAME_BYTES for part in raw.split(b"/")):
-            raise self.fail(
-                f"path too long ({len(raw)} bytes; at most {MAX_PATH_BYTES}, {MAX_NAME_BYTES} per name)",
-                *where,
-            )
-        return value
-
-    def folder(self, path: Path, *where: str) -> Path:
-        """`path` is, or can be created as, a folder: it and its nearest existing ancestor are folders."""
-        probe = path
-        while True:
-            try:
-                is_dir = probe.is_dir()
-                exists = is_dir or probe.exists() or probe.is_symlink()
-            except OSError as exc:  # e.g. a symlink loop, or a folder we may not search
-                raise self.fail(f"cannot use '{probe}' as a folder: {exc.strerror}", *where) from None
-            if exists:
-                if not is_dir:
-                    what = (
-                        "is not a folder" if probe == path else f"is under '{probe}', which is not a folder"
-                    )
-                    raise self.fail(f"'{path}' {what}", *where)
-                return path
-            if probe.parent == probe:
-                return path
-            probe = probe.parent
-
-    def finite(self, value: float | int, *where: str) -> float | int:
-        if isinstance(value, float) and not math.isfinite(value):
-            raise self.fail(f"{value!r} is not a finite number", *where)
-        return value
-
-    def positive(self, value: float | int, high: int, *where: str) -> float | int:
-        """A finite number in (0, high]: inf, nan and 1e300 are typos, never values."""
-        if not 0 < self.finite(value, *where) <= high:
-            raise self.fail(f"{value!r} is out of range: must be positive and at most {high}", *where)
-        return value
-
-    def glob(self, pattern: str, *where: str) -> str:
-        """A relative glob inside the workspace that pathlib accepts (`**` only as a whole name)."""
-        if not pattern:
-            raise self.fail("empty glob: it names no file", *where)
-        self.pathname(pattern, *where)
-        parts = pattern.split("/")
-        if pattern.startswith("/") or "\\" in pattern:
-            raise self.fail(f"bad glob '{pattern}': sources are relative to the Cgfile's folder", *where)
-        if ".." in parts:
-            raise self.fail(f"bad glob '{pattern}': '..' would reach outside the workspace", *where)
-        if any("**" in p and p != "**" for p in parts):
-            raise self.fail(f"bad glob '{pattern}': '**' must be a whole path component", *where)
-        if not any(p not in ("", ".") for p in parts):
-            raise self.fail(f"bad glob '{pattern}': names no file", *where)
-        return pattern
-
-
-def _config(r: _Reader, value: Any, where: tuple[str, ...], depth: int = 0) -> Any:
-    """A family's `config`, checked: only TOML's plain values (no dates or times, which have no
-    canonical rendering), finite numbers, bounded nesting."""
-    if depth > MAX_CONFIG_DEPTH:
-        raise r.fail(f"nested deeper than {MAX_CONFIG_DEPTH} levels", *where)
-    if isinstance(value, dict):
-        return {k: _config(r, v, (*where, k), depth + 1) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_config(r, v, where, depth + 1) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        raise r.fail(f"{value!r} is not a finite number", *where)
-    if isinstance(value, str | int | float | bool):
-        return value
-    raise r.fail(f"a {type(value).__name__} has no canonical rendering: write it as a string", *where)
-
-
-def _kind(value: Any) -> str:
-    return {bool: "boolean", int: "integer", float: "float", str: "string", list: "array", dict: "table"}.get(
-        type(value), type(value).__name__
-    )
-
-
-def _is_str(v: Any) -> bool:
-    return isinstance(v, str)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return (isinstance(v, int | float)) and not isinstance(v, bool)
-
-
-def _is_str_list(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(x, str) for x in v)
-
-
-def _is_int_list(v: Any) -> bool:
-    return isinstance(v, list) and all(_is_int(x) for x in v)
-
-
-def _is_num_list(v: Any) -> bool:
-    return isinstance(v, list) and all(_is_num(x) for x in v)
-
-
 MAX_BYTES = 16 * userfile.MIB
 """A Cgfile of thousands of families is a few hundred KiB."""
 TOP_KEYS = {"workspace", "toolchain", "sku", "layout", "family"}
@@ -327,14 +171,14 @@ def load(path: str | Path) -> Cgfile:
 
 
 def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
-    r = _Reader(path, lines)
+    r = Reader(path, lines)
     root = path.resolve().parent
     r.table(data, (), TOP_KEYS)
 
     ws = r.table(data.get("workspace", {}), ("workspace",), {"state", "store", "remote", "trusted"})
-    state = r.get(ws, ("workspace",), "state", _is_str, "a path string", default=".cgbuild")
+    state = r.get(ws, ("workspace",), "state", is_str, "a path string", default=".cgbuild")
     state_dir = r.folder(root / r.pathname(state, "workspace", "state"), "workspace", "state")
-    store = r.get(ws, ("workspace",), "store", _is_str, "a path string")
+    store = r.get(ws, ("workspace",), "store", is_str, "a path string")
     if store is not None:
         r.pathname(store, "workspace", "store")
     store_dir = r.folder(
@@ -343,64 +187,20 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
     remote, trusted = _shared_store(r, ws)
 
     tc = r.table(data.get("toolchain", {}), ("toolchain",), {"lock", "cxx"})
-    lock = r.get(tc, ("toolchain",), "lock", _is_str, "a path string")
+    lock = r.get(tc, ("toolchain",), "lock", is_str, "a path string")
     if lock is not None:
         r.pathname(lock, "toolchain", "lock")
-    cxx = r.get(tc, ("toolchain",), "cxx", _is_str, "a compiler path or name")
+    cxx = r.get(tc, ("toolchain",), "cxx", is_str, "a compiler path or name")
     if cxx is not None:
         r.pathname(cxx, "toolchain", "cxx")
 
-    skus: dict[str, Sku] = {}
-    for name, raw in r.table(data.get("sku", {}), ("sku",), None).items():
-        where = ("sku", name)
-        r.name(name, *where)
-        t = r.table(raw, where, {"sm", "memory_gib"})
-        sm = r.get(t, where, "sm", _is_str, "a string like 'sm_90' or 'cpu'", required=True)
-        if not SM.fullmatch(sm):
-            raise r.fail(f"bad sm '{sm}': expected 'cpu' or 'sm_<digits>' (e.g. sm_90, sm_120)", *where, "sm")
-        gib = r.get(t, where, "memory_gib", _is_num, "a number of GiB", required=True)
-        r.positive(gib, MAX_GIB, *where, "memory_gib")
-        if int(gib * GIB) < 1:
-            raise r.fail(f"{gib!r} GiB is less than a byte", *where, "memory_gib")
-        skus[name] = Sku(name, sm, int(gib * GIB))
-
-    layouts: dict[str, Layout] = {}
-    for name, raw in r.table(data.get("layout", {}), ("layout",), None).items():
-        where = ("layout", name)
-        r.name(name, *where)
-        t = r.table(raw, where, {"quant", "reference", "dtype", "variant", "prefix", "tied"})
-        quant = r.get(t, where, "quant", _is_str, "a quant rule name", required=True)
-        if quant not in QUANT_RULES:
-            raise r.fail(
-                f"unknown quant rule '{quant}' (known: {', '.join(sorted(QUANT_RULES))})", *where, "quant"
-            )
-        ref = r.get(t, where, "reference", _is_str, "a path to a safetensors checkpoint (file or folder)")
-        if ref is not None:
-            r.pathname(ref, *where, "reference")
-        declared = r.get(t, where, "dtype", _is_str, "a compute dtype ('float32', 'bfloat16', 'float16')")
-        try:
-            dtype = compute_dtype(QUANT_RULES[quant], declared)
-        except ValueError as exc:
-            raise r.fail(str(exc), *where, "dtype" if declared else "quant") from None
-        variant, prefix, tied = _reading(r, where, t, ref)
-        layouts[name] = Layout(name, quant, root / ref if ref else None, dtype, variant, prefix, tied)
+    skus = _skus(r, data)
+    layouts = _layouts(r, data, root)
 
     families: dict[str, Family] = {}
     for name, raw in r.table(data.get("family", {}), ("family",), None).items():
         families[name] = _family(r, name, raw, skus, layouts)
-    for lay in layouts.values():  # a declaration for a component no module of the layout has is a typo
-        have = {m.component for f in families.values() if lay.name in f.layouts for m in f.modules.values()}
-        for key, declared in (("prefix", lay.prefix), ("tied", lay.tied)):
-            for component, _ in declared:
-                if component not in have:
-                    raise r.fail(
-                        f"no module using layout '{lay.name}' has component '{component}' "
-                        f"(components: {', '.join(sorted(have)) or 'none'})",
-                        "layout",
-                        lay.name,
-                        key,
-                        component,
-                    )
+    _components_declared(r, layouts, families)
     if not families:
         raise r.fail("no [family.*] declared: nothing to build", "family")
 
@@ -420,17 +220,75 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
     )
 
 
+def _skus(r: Reader, data: dict[str, Any]) -> dict[str, Sku]:
+    skus: dict[str, Sku] = {}
+    for name, raw in r.table(data.get("sku", {}), ("sku",), None).items():
+        where = ("sku", name)
+        r.name(name, *where)
+        t = r.table(raw, where, {"sm", "memory_gib"})
+        sm = r.get(t, where, "sm", is_str, "a string like 'sm_90' or 'cpu'", required=True)
+        if not SM.fullmatch(sm):
+            raise r.fail(f"bad sm '{sm}': expected 'cpu' or 'sm_<digits>' (e.g. sm_90, sm_120)", *where, "sm")
+        gib = r.get(t, where, "memory_gib", is_num, "a number of GiB", required=True)
+        r.positive(gib, MAX_GIB, *where, "memory_gib")
+        if int(gib * GIB) < 1:
+            raise r.fail(f"{gib!r} GiB is less than a byte", *where, "memory_gib")
+        skus[name] = Sku(name, sm, int(gib * GIB))
+    return skus
+
+
+def _layouts(r: Reader, data: dict[str, Any], root: Path) -> dict[str, Layout]:
+    layouts: dict[str, Layout] = {}
+    for name, raw in r.table(data.get("layout", {}), ("layout",), None).items():
+        where = ("layout", name)
+        r.name(name, *where)
+        t = r.table(raw, where, {"quant", "reference", "dtype", "variant", "prefix", "tied"})
+        quant = r.get(t, where, "quant", is_str, "a quant rule name", required=True)
+        if quant not in QUANT_RULES:
+            raise r.fail(
+                f"unknown quant rule '{quant}' (known: {', '.join(sorted(QUANT_RULES))})", *where, "quant"
+            )
+        ref = r.get(t, where, "reference", is_str, "a path to a safetensors checkpoint (file or folder)")
+        if ref is not None:
+            r.pathname(ref, *where, "reference")
+        declared = r.get(t, where, "dtype", is_str, "a compute dtype ('float32', 'bfloat16', 'float16')")
+        try:
+            dtype = compute_dtype(QUANT_RULES[quant], declared)
+        except ValueError as exc:
+            raise r.fail(str(exc), *where, "dtype" if declared else "quant") from None
+        variant, prefix, tied = _reading(r, where, t, ref)
+        layouts[name] = Layout(name, quant, root / ref if ref else None, dtype, variant, prefix, tied)
+    return layouts
+
+
+def _components_declared(r: Reader, layouts: dict[str, Layout], families: dict[str, Family]) -> None:
+    """A layout's `prefix` or `tied` for a component no module using it has is a typo: refused."""
+    for lay in layouts.values():  # a declaration for a component no module of the layout has is a typo
+        have = {m.component for f in families.values() if lay.name in f.layouts for m in f.modules.values()}
+        for key, declared in (("prefix", lay.prefix), ("tied", lay.tied)):
+            for component, _ in declared:
+                if component not in have:
+                    raise r.fail(
+                        f"no module using layout '{lay.name}' has component '{component}' "
+                        f"(components: {', '.join(sorted(have)) or 'none'})",
+                        "layout",
+                        lay.name,
+                        key,
+                        component,
+                    )
+
+
 def _reading(
-    r: _Reader, where: tuple[str, ...], t: dict[str, Any], ref: str | None
+    r: Reader, where: tuple[str, ...], t: dict[str, Any], ref: str | None
 ) -> tuple[str | None, tuple[tuple[str, str], ...], tuple[tuple[str, tuple[tuple[str, str], ...]], ...]]:
     """A layout's `variant`, `prefix` and `tied`: how its reference names each component's tensors
     (docs/layouts.md). Each only means something for a reference, so without one it is refused."""
-    variant = r.get(t, where, "variant", _is_str, "a file variant name, e.g. 'fp16'")
+    variant = r.get(t, where, "variant", is_str, "a file variant name, e.g. 'fp16'")
     if variant is not None and not VARIANT.fullmatch(variant):
         raise r.fail(f"bad variant '{variant}': a file name part of [A-Za-z0-9_-]", *where, "variant")
     prefix: dict[str, str] = {}
     for component, value in r.table(t.get("prefix", {}), (*where, "prefix"), None).items():
-        if not isinstance(value, str) or not value or _CONTROL.search(value) or value != value.strip():
+        if not isinstance(value, str) or not value or CONTROL.search(value) or value != value.strip():
             raise r.fail(
                 f"expected a tensor-name prefix such as 'unet.', got {value!r}", *where, "prefix", component
             )
@@ -457,14 +315,14 @@ def _reading(
     return variant, tuple(sorted(prefix.items())), tuple(sorted(tied.items()))
 
 
-def _shared_store(r: _Reader, ws: dict[str, Any]) -> tuple[str | None, dict[str, bytes]]:
+def _shared_store(r: Reader, ws: dict[str, Any]) -> tuple[str | None, dict[str, bytes]]:
     """`remote = "s3://bucket/prefix"` and `trusted = ["name:<base64 ed25519 public key>", ...]`.
 
     Each needs the other: a remote nobody is trusted on would refuse every pulled artifact, and
     trusted keys without a remote would verify nothing.
     """
     where = ("workspace",)
-    remote = r.get(ws, where, "remote", _is_str, "an 's3://bucket/prefix' string")
+    remote = r.get(ws, where, "remote", is_str, "an 's3://bucket/prefix' string")
     if remote is not None:
         remote = remote.rstrip("/")
         if not REMOTE.fullmatch(remote):
@@ -474,7 +332,7 @@ def _shared_store(r: _Reader, ws: dict[str, Any]) -> tuple[str | None, dict[str,
                 *where,
                 "remote",
             )
-    entries = r.get(ws, where, "trusted", _is_str_list, "an array of 'name:<base64 public key>' strings")
+    entries = r.get(ws, where, "trusted", is_str_list, "an array of 'name:<base64 public key>' strings")
     trusted: dict[str, bytes] = {}
     for entry in entries or []:
         name, sep, text = entry.partition(":")
@@ -507,20 +365,20 @@ def _shared_store(r: _Reader, ws: dict[str, Any]) -> tuple[str | None, dict[str,
 FAMILY_KEYS = {"entry", "config", "sources", "skus", "layouts", "module", "lanes"}
 
 
-def _family(r: _Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict[str, Layout]) -> Family:
+def _family(r: Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict[str, Layout]) -> Family:
     where = ("family", name)
     r.name(name, *where)
     t = r.table(raw, where, FAMILY_KEYS)
-    entry = r.get(t, where, "entry", _is_str, "'module:function'", required=True)
+    entry = r.get(t, where, "entry", is_str, "'module:function'", required=True)
     if not ENTRY.fullmatch(entry):
         raise r.fail(f"bad entry '{entry}': expected 'package.module:function'", *where, "entry")
     config = r.get(t, where, "config", lambda v: isinstance(v, dict), "a table", default={})
-    config = _config(r, config, (*where, "config"))
-    sources = r.get(t, where, "sources", _is_str_list, "an array of glob strings", default=[])
+    config = config_value(r, config, (*where, "config"))
+    sources = r.get(t, where, "sources", is_str_list, "an array of glob strings", default=[])
     for pattern in sources:
         r.glob(pattern, *where, "sources")
-    fam_skus = r.get(t, where, "skus", _is_str_list, "an array of SKU names", required=True)
-    fam_layouts = r.get(t, where, "layouts", _is_str_list, "an array of layout names", required=True)
+    fam_skus = r.get(t, where, "skus", is_str_list, "an array of SKU names", required=True)
+    fam_layouts = r.get(t, where, "layouts", is_str_list, "an array of layout names", required=True)
     for key, values, known in (("skus", fam_skus, skus), ("layouts", fam_layouts, layouts)):
         if not values:
             raise r.fail(f"'{key}' is empty: a family needs at least one", *where, key)
@@ -577,7 +435,7 @@ def _rule_axes(rules: set[str]) -> dict[str, dict[str, Needs]]:
 
 
 def _lanes(
-    r: _Reader, where: tuple[str, ...], raw: Any, entry: str, rules: set[str]
+    r: Reader, where: tuple[str, ...], raw: Any, entry: str, rules: set[str]
 ) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], dict[str, dict[str, Needs]]]:
     """`[family.<name>.lanes]`: axis = [values], each value a real implementation.
 
@@ -607,8 +465,8 @@ def _lanes(
     for axis, values in declared.items():
         at = (*here, axis)
         r.name(axis, *at)
-        if not _is_str_list(values):
-            raise r.fail(f"expected an array of lane values, got {_kind(values)} {values!r}", *at)
+        if not is_str_list(values):
+            raise r.fail(f"expected an array of lane values, got {kind(values)} {values!r}", *at)
         if not values:
             raise r.fail(f"empty lane axis '{axis}': declare at least one value", *at)
         if len(set(values)) != len(values):
@@ -657,7 +515,7 @@ def _owner_hint(axis: str) -> str:
 MODULE_KEYS = {"component", "shapes", "text_lengths", "batch_sizes", "guidance"}
 
 
-def _module(r: _Reader, where: tuple[str, ...], name: str, raw: Any) -> Module:
+def _module(r: Reader, where: tuple[str, ...], name: str, raw: Any) -> Module:
     r.name(name, *where)
     if isinstance(raw, dict):
         for lane_key in MODULE_LANE_KEYS & set(raw):
@@ -675,7 +533,7 @@ def _module(r: _Reader, where: tuple[str, ...], name: str, raw: Any) -> Module:
                 )
     t = r.table(raw, where, MODULE_KEYS)
     component = r.get(
-        t, where, "component", _is_str, "a checkpoint component name", default=name.split(".")[0]
+        t, where, "component", is_str, "a checkpoint component name", default=name.split(".")[0]
     )
     if not COMPONENT.fullmatch(component):
         raise r.fail(
@@ -683,7 +541,7 @@ def _module(r: _Reader, where: tuple[str, ...], name: str, raw: Any) -> Module:
             *where,
             "component",
         )
-    shapes_raw = r.get(t, where, "shapes", _is_str_list, "an array of 'HxW' strings", required=True)
+    shapes_raw = r.get(t, where, "shapes", is_str_list, "an array of 'HxW' strings", required=True)
     shapes: list[tuple[int, int]] = []
     for s in shapes_raw:
         m = SHAPE.fullmatch(s)
@@ -692,9 +550,9 @@ def _module(r: _Reader, where: tuple[str, ...], name: str, raw: Any) -> Module:
                 f"bad shape '{s}': expected 'HxW' with positive integers, e.g. '1024x768'", *where, "shapes"
             )
         shapes.append((int(m.group(1)), int(m.group(2))))
-    texts = r.get(t, where, "text_lengths", _is_int_list, "an array of integers")
-    batches = r.get(t, where, "batch_sizes", _is_int_list, "an array of integers", default=[1])
-    guidance = r.get(t, where, "guidance", _is_num_list, "an array of numbers", default=[])
+    texts = r.get(t, where, "text_lengths", is_int_list, "an array of integers")
+    batches = r.get(t, where, "batch_sizes", is_int_list, "an array of integers", default=[1])
+    guidance = r.get(t, where, "guidance", is_num_list, "an array of numbers", default=[])
     for key, values in (("shapes", shapes_raw), ("text_lengths", texts), ("batch_sizes", batches)):
         if values is not None and not values:
             raise r.fail(f"empty envelope: '{key}' declares no values", *where, key)

@@ -80,10 +80,6 @@ def digest(value: Any) -> str:
     return hashlib.sha256(canonical_json(value).encode("ascii")).hexdigest()
 
 
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def file_digest(path: str | os.PathLike[str], chunk: int = 1 << 20) -> tuple[str, int]:
     """(sha256, size) of a file, counted from the bytes read (the store's and the shared store's
     admission compare both)."""

@@ -141,7 +141,3 @@ RETRYABLE: frozenset[Code] = frozenset(
         Code.FLEET_NODE_LOST,
     }
 )
-
-
-def is_code(value: object) -> bool:
-    return isinstance(value, str) and value in Code._value2member_map_

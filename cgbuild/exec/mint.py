@@ -31,7 +31,8 @@ from cgbuild.plan.diff import load_plan
 from cgbuild.plan.workspace import StateDir, Workspace
 from cgbuild.protocol.mint import Minted, MintFailed, MintOutcome, MintRequest, Phase, run_worker
 from cgbuild.protocol.trace import job_for
-from cgbuild.store.local import Store, StoreError
+from cgbuild.store.errors import StoreError
+from cgbuild.store.local import Store
 from cgbuild.store.s3 import RemoteError
 from cgbuild.store.shared import PublishRefused, SharedStore
 
@@ -384,7 +385,7 @@ def remint_and_compare(ws: Workspace, mk: MintKey) -> MintOutcome:
     if (bad := store.check_sealed_key(mk.key)) is not None:  # another key's object: quarantined
         return MintFailed(Code(bad.status), Phase.CHECK, bad.detail or "")
     with tempfile.TemporaryDirectory(prefix="cgbuild-check-") as tmp:
-        req = request_for(ws, mk, Path(tmp), fresh=True, compare_with=str(resolved.path))
+        req = request_for(ws, mk, Path(tmp), empty_sandbox=True, compare_with=str(resolved.path))
         result = run_worker(req, ws.state.log(mk.key, "check"))
         if isinstance(result, Minted) and result.lane_evidence:
             store.add_evidence(mk.key, host_name(), _evidence_run(result, "check"))

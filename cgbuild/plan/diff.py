@@ -15,7 +15,7 @@ from cgbuild.config.labels import parse_label
 from cgbuild.core import jsonfile
 from cgbuild.core.errors import UserError, printable
 from cgbuild.core.platform import device_of
-from cgbuild.identity import toolchain
+from cgbuild.identity import toolchain, toolchain_changes
 from cgbuild.identity.keys import AXES, KINDS
 
 
@@ -98,7 +98,7 @@ def diff_plans(base: dict[str, Any], head: dict[str, Any]) -> dict[str, Any]:
     head_t = {t["label"]: t for t in head["targets"]}
     base_keys = {t["key"] for t in base["targets"] if t["key"]}
     comp_changes = {
-        p: toolchain.component_changes(
+        p: toolchain_changes.component_changes(
             base.get("toolchains", {}).get(p, {}).get("components", {}),
             head.get("toolchains", {}).get(p, {}).get("components", {}),
         )

@@ -364,17 +364,10 @@ def plan_output(
             field="workspace.remote",
         )
     if verify:
-        from cgbuild.plan.planner import make_plan
+        from cgbuild.plan.planner import PlanContext, plan_in_full
 
-        plan = make_plan(
-            ws,
-            selector,
-            run_traces=run_traces,
-            workers=workers,
-            progress=progress,
-            record=True,
-            verify=verify,
-        )
+        ctx = PlanContext(ws, run_traces=run_traces, workers=workers, progress=progress, verify=True)
+        plan = plan_in_full(ctx, selector, record=True)
         return PlanOutput(plan_text(plan), lambda: plan)
     request = request_of(cg, selector.text, ws.toolchain_lock, run_traces)
     before = input_stamps(cg, ws.toolchain_lock)

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 from cgbuild.config.targets import Target
 from cgbuild.core.canon import digest
 from cgbuild.core.codes import Code
-from cgbuild.identity import toolchain
+from cgbuild.identity import toolchain_changes
 from cgbuild.identity.keys import AXES, GRAPH, KINDS, Axis
 from cgbuild.plan import reasons as why
 from cgbuild.plan.inputs import FamilyInputs
@@ -106,7 +106,7 @@ class Movement:
         if name == "toolchain":
             old_comp = self.last_plan.get("toolchains", {}).get(old.get("fold"), {})
             new_comp = self.toolchains[t.device]["components"]
-            changes = toolchain.component_changes(old_comp, new_comp)
+            changes = toolchain_changes.component_changes(old_comp, new_comp)
             return [
                 why.axis_moved(name, str(before), str(after), root=True, component=comp)
                 for comp, before, after in changes or [("fold", str(old.get("fold")), new.identity["fold"])]

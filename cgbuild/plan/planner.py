@@ -173,7 +173,6 @@ def make_plan(
     selector: Selector,
     *,
     run_traces: bool = True,
-    workers: int | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     record: bool = False,
     verify: bool = False,
@@ -184,7 +183,7 @@ def make_plan(
     `record` advances the workspace's recorded references (`plan` and `mint` only: a read-only
     command such as `why` must not consume the explanation it shows); `verify`, `hold`: see
     PlanContext."""
-    ctx = PlanContext(ws, run_traces=run_traces, workers=workers, progress=progress, verify=verify, hold=hold)
+    ctx = PlanContext(ws, run_traces=run_traces, progress=progress, verify=verify, hold=hold)
     return plan_in_full(ctx, selector, record=record)
 
 

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 from cgbuild.core.codes import RETRYABLE, Code
 from cgbuild.core.platform import device_of
-from cgbuild.protocol.spawn import Channel, Ended, spawn
+from cgbuild.protocol.spawn import Channel, Ended, Talk, spawn
 from cgbuild.protocol.trace import BadJob, TraceJob
 
 
@@ -226,7 +226,8 @@ class MintRequest:
     lanes: Mapping[str, Any] | None = None
     cxx: str | None = None
     sandbox: str | None = None
-    fresh: bool | None = None
+    empty_sandbox: bool | None = None
+    """Empty the compile sandbox first, under an exclusive lock (`mint --check`)."""
     compare_with: str | None = None
     timeout_s: float | None = None
 
@@ -275,8 +276,8 @@ class MintHold:
         for name in (f.name for f in fields(self) if f.name not in ("id", "job")):
             if getattr(req, name) != getattr(self, name):
                 return f"the request's {name} is not the one this worker was started with"
-        if req.fresh or req.compare_with:
-            return "a held worker mints in the shared sandbox: fresh and compare_with are refused"
+        if req.empty_sandbox or req.compare_with:
+            return "a held worker mints in the shared sandbox: empty_sandbox and compare_with are refused"
         return None
 
 
@@ -311,10 +312,30 @@ def run_worker(
                 detail = f"the mint worker's result line is not a mint result: {e} (log: {log})"
                 result = MintFailed(Code.MINT_ERROR, Phase.WORKER, detail)
 
-    ended = spawn(
-        "cgbuild_rules.mint", request=request, on_message=take, log=log, channel=channel, started=started
-    )
+    ended = spawn("cgbuild_rules.mint", talk=Talk(request, take, channel, started), log=log)
     if result is not None:
         return result
     failed = MintFailed.ended(ended, "mint worker", Phase.WORKER)
     return replace(failed, detail=f"{failed.detail} (log: {log})")
+
+
+def serve_check(job: TraceJob, artifact: Path) -> dict[str, Any]:
+    """The mint's serve check run on a stored artifact (`cgbuild verify --run`): the worker's
+    `serve` stage in a child of its own, adopting `artifact` strictly into the entry's live module
+    and comparing every lane it carries with eager. Its result (`{"ok", "errors", "served"}`),
+    or how the stage ended without one. The stage's files (`request.json` in, `serve.json` out)
+    are this protocol's: written and read here, and by the stage, nowhere else."""
+    import json
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="cgbuild-verify-") as tmp:
+        work = Path(tmp)
+        (work / "request.json").write_text(json.dumps({"job": job.to_json()}))
+        ended = spawn(
+            "cgbuild_rules.mint",
+            ["--stage", "serve", str(work), str(artifact)],
+            env={**os.environ, "TMPDIR": str(work)},
+        )
+        result = work / "serve.json"
+        return dict(json.loads(result.read_text())) if result.exists() else ended.failure("serve stage")

@@ -162,29 +162,34 @@ class Channel:
             self._pipe = None
 
 
+@dataclass(frozen=True)
+class Talk:
+    """How the parent and a child speak: `request` goes to its stdin as one JSON line (else stdin
+    is empty); with `channel` stdin then stays open for `channel.send` (a `request` is needed);
+    with `on_message` its stdout is the protocol stream, each line that is a JSON object handed
+    over as it arrives; `started` hears its pid (its process group's id) once it runs, so a
+    caller waiting from another thread can end the group itself (`kill_group`)."""
+
+    request: Any = None
+    on_message: Callable[[Result], None] | None = None
+    channel: Channel | None = None
+    started: Callable[[int], None] | None = None
+
+
 def spawn(
     module: str,
     args: Sequence[str] = (),
     *,
-    request: Any = None,
-    on_message: Callable[[Result], None] | None = None,
+    talk: Talk = Talk(),
     log: Path | None = None,
     env: Mapping[str, str] | None = None,
     timeout_s: float | None = None,
     death_signal: int = signal.SIGKILL,
-    started: Callable[[int], None] | None = None,
-    channel: Channel | None = None,
 ) -> Ended:
     """Run `python -m module *args` to its end and say how it ended.
 
-    `started` hears the child's pid (its process group's id) once it runs: a caller that waits
-    on it from another thread can then end the group itself (`kill_group`).
-
-    `request` is written to its stdin as one JSON line (else stdin is empty); with `channel` stdin
-    then stays open for `channel.send` (a `request` is needed). With `on_message` its stdout
-    is the protocol stream: each line that is a JSON object is handed over as it arrives; the
-    rest of its output (stderr, and stdout without `on_message`) goes to `log`, or to a private
-    temp file read back only for the tail. Past `timeout_s` its whole group is killed.
+    The rest of its output (stderr, and stdout without `talk.on_message`) goes to `log`, or to a
+    private temp file read back only for the tail. Past `timeout_s` its whole group is killed.
     """
     with contextlib.ExitStack() as stack:
         if log is not None:
@@ -192,73 +197,99 @@ def spawn(
             out: IO[bytes] = stack.enter_context(open(log, "w+b"))
         else:
             out = stack.enter_context(tempfile.TemporaryFile())
-        with _lock:
-            if _stopping:
-                raise Stopping(f"not starting {module}: cgbuild is stopping")
-            proc = subprocess.Popen(
-                [sys.executable, "-m", module, *args],
-                stdin=subprocess.DEVNULL if request is None else subprocess.PIPE,
-                stdout=subprocess.PIPE if on_message is not None else out,
-                stderr=out,
-                env=dict(env) if env is not None else None,
-                process_group=0,
-                preexec_fn=_die_with_parent(os.getpid(), death_signal),
-            )
-            _live[proc.pid] = proc
-        if started is not None:
-            started(proc.pid)
+        proc = _launch(module, args, talk, out, env, death_signal)
+        if talk.started is not None:
+            talk.started(proc.pid)
         timed_out = threading.Event()
 
         def expire() -> None:
             timed_out.set()
             kill_group(proc.pid)
 
-        def reap_group() -> None:
-            # Whatever the child left running in its group goes with it (a leftover holding the
-            # protocol pipe would otherwise keep it open forever), killed while the unreaped
-            # child still holds its pid, so the group id cannot name anyone else.
-            with contextlib.suppress(ChildProcessError):
-                os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
-            kill_group(proc.pid)
-
         timer = threading.Timer(timeout_s, expire) if timeout_s is not None else None
-        reaper = threading.Thread(target=reap_group, daemon=True)
         try:
-            reaper.start()
             if timer is not None:
                 timer.daemon = True
                 timer.start()
-            if proc.stdin is not None:
-                with contextlib.suppress(BrokenPipeError):  # a child that died before reading
-                    proc.stdin.write(json.dumps(request).encode() + b"\n")
-                    proc.stdin.flush()
-                if channel is not None:
-                    channel._attach(proc.stdin)
-                else:
-                    with contextlib.suppress(BrokenPipeError):
-                        proc.stdin.close()
-            if proc.stdout is not None:
-                for line in proc.stdout:
-                    message = _message(line)
-                    if message is not None and on_message is not None:
-                        on_message(message)
-            reaper.join()
-            status = proc.wait()
+            status = _converse(proc, talk)
         finally:
-            if channel is not None:
-                channel.close()
-            if timer is not None:
-                timer.cancel()
-            if proc.returncode is None:  # the caller's thread was interrupted: take the child along
-                kill_group(proc.pid)
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
-            with _lock:
-                _live.pop(proc.pid, None)
-                stopped = proc.pid in _stopped
-                _stopped.discard(proc.pid)
+            stopped = _settle(proc, talk.channel, timer)
         return Ended(status, timed_out.is_set(), stopped, _tail(out))
+
+
+def _launch(
+    module: str,
+    args: Sequence[str],
+    talk: Talk,
+    out: IO[bytes],
+    env: Mapping[str, str] | None,
+    death_signal: int,
+) -> subprocess.Popen[bytes]:
+    """The child started in its own process group and recorded as live, unless cgbuild is stopping."""
+    with _lock:
+        if _stopping:
+            raise Stopping(f"not starting {module}: cgbuild is stopping")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdin=subprocess.DEVNULL if talk.request is None else subprocess.PIPE,
+            stdout=subprocess.PIPE if talk.on_message is not None else out,
+            stderr=out,
+            env=dict(env) if env is not None else None,
+            process_group=0,
+            preexec_fn=_die_with_parent(os.getpid(), death_signal),
+        )
+        _live[proc.pid] = proc
+    return proc
+
+
+def _converse(proc: subprocess.Popen[bytes], talk: Talk) -> int:
+    """Hand the child its request, read its protocol stream to the end; its exit status."""
+
+    def reap_group() -> None:
+        # Whatever the child left running in its group goes with it (a leftover holding the
+        # protocol pipe would otherwise keep it open forever), killed while the unreaped
+        # child still holds its pid, so the group id cannot name anyone else.
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        kill_group(proc.pid)
+
+    reaper = threading.Thread(target=reap_group, daemon=True)
+    reaper.start()
+    if proc.stdin is not None:
+        with contextlib.suppress(BrokenPipeError):  # a child that died before reading
+            proc.stdin.write(json.dumps(talk.request).encode() + b"\n")
+            proc.stdin.flush()
+        if talk.channel is not None:
+            talk.channel._attach(proc.stdin)
+        else:
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
+    if proc.stdout is not None:
+        for line in proc.stdout:
+            message = _message(line)
+            if message is not None and talk.on_message is not None:
+                talk.on_message(message)
+    reaper.join()
+    return proc.wait()
+
+
+def _settle(proc: subprocess.Popen[bytes], channel: Channel | None, timer: threading.Timer | None) -> bool:
+    """After the child ended (or the caller's thread was interrupted: the child is taken along):
+    its channel closed, its timer cancelled, its record dropped; whether cgbuild stopped it."""
+    if channel is not None:
+        channel.close()
+    if timer is not None:
+        timer.cancel()
+    if proc.returncode is None:
+        kill_group(proc.pid)
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    with _lock:
+        _live.pop(proc.pid, None)
+        stopped = proc.pid in _stopped
+        _stopped.discard(proc.pid)
+    return stopped
 
 
 def _message(line: bytes) -> Result | None:
@@ -328,7 +359,7 @@ def run_child(
             answered.add(result["id"])
             on_result(result)
 
-    ended = spawn(f"cgbuild_rules.{rule}", request=request, on_message=take, env=env)
+    ended = spawn(f"cgbuild_rules.{rule}", talk=Talk(request, take), env=env)
     if len(answered) < len(job_ids):
         failure = ended.failure(f"{rule} worker")
         for jid in job_ids:

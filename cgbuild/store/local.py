@@ -42,14 +42,22 @@ import re
 import secrets
 import shutil
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, cast
+from typing import Any, BinaryIO, cast
 
 from cgbuild.core import fs
 from cgbuild.core.canon import NotCanonical, canonical_json, file_digest
 from cgbuild.core.codes import Code
 from cgbuild.store import refs
+from cgbuild.store.errors import (
+    Corrupt,
+    DiskFull,
+    MalformedRef,
+    Missing,
+    Quarantined,
+    StoreError,
+)
+from cgbuild.store.records import Admission, GCReport, Ref, Resolved, Verdict
 from cgbuild.store.refs import REF_SCHEMA, RefState
 
 QUARANTINE_SCHEMA = "cgbuild.quarantine/1"
@@ -57,125 +65,6 @@ _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,199}$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
 EVIDENCE_SCHEMA = "cgbuild.lane-evidence/1"
 _CHUNK = 1 << 20
-
-
-class StoreError(Exception):
-    """The store cannot do what was asked; `code` is stable and machine-readable."""
-
-    code = Code.STORE_ERROR
-
-    def __init__(self, key: str | None, detail: str) -> None:
-        super().__init__(f"{key}: {detail}" if key else detail)
-        self.key = key
-        self.detail = detail
-
-
-class Missing(StoreError):
-    """No ref for the key, or its object is gone: the key must be minted."""
-
-    code = Code.MISSING
-
-
-class Quarantined(StoreError):
-    """The key's artifact was pulled for corruption; only a new verified admission repairs it."""
-
-    code = Code.QUARANTINED
-
-
-class Corrupt(StoreError):
-    """The bytes do not hash to their name (found on verify/resolve); the key is now quarantined."""
-
-    code = Code.CORRUPT
-
-
-class KeyMismatch(StoreError):
-    """The key's ref names another key's sealed artifact; the ref is now quarantined."""
-
-    code = Code.KEY_MISMATCH
-
-
-class MalformedRef(StoreError):
-    """The key's ref is not a ref (not JSON, not an object, a folder, a foreign schema or key, a
-    size that is no integer). Readers treat the key as not fresh; writers quarantine it (`heal`)."""
-
-    code = Code.MALFORMED_REF
-
-
-class DiskFull(StoreError):
-    """The store's disk refused a write at admission; nothing of the key was made visible."""
-
-    code = Code.DISK_FULL
-
-
-@dataclass(frozen=True)
-class Ref:
-    """One key's entry: which object holds its artifact, and a small summary for listings."""
-
-    key: str
-    object: str
-    size: int
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema": REF_SCHEMA,
-            "key": self.key,
-            "object": self.object,
-            "size": self.size,
-            "metadata": self.metadata,
-        }
-
-
-@dataclass(frozen=True)
-class Admission:
-    """Typed outcome of `admit`: `admitted` (this call created the ref), `already` (the key holds
-    this very object), `conflict` (the key holds a different object, which stands)."""
-
-    status: Literal["admitted", "already", "conflict"]
-    key: str
-    object: str
-    size: int
-    existing: str | None = None  # the standing object, on conflict
-
-    @property
-    def ok(self) -> bool:
-        return self.status != "conflict"
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """A key's artifact, found and (when asked) re-hashed: `path` is the read-only object file."""
-
-    ref: Ref
-    path: Path
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Result of verifying one key: `ok`, or why not (`missing`, `quarantined`, `corrupt`)."""
-
-    key: str
-    status: str
-    """`ok`, `missing`, `quarantined`, `corrupt`, `malformed-ref`, or (from `check_sealed_key`)
-    `key-mismatch` and the seal's refusal codes."""
-    detail: str = ""
-
-
-@dataclass
-class GCReport:
-    """What gc removed (or, with dry_run, would remove)."""
-
-    dry_run: bool
-    refs_dropped: list[str] = field(default_factory=list)
-    objects_removed: list[str] = field(default_factory=list)
-    bytes_freed: int = 0
-    temps_removed: int = 0
-    objects_kept: int = 0
-    evidence_removed: list[str] = field(default_factory=list)
-    """Keys whose lane evidence went: no ref and no quarantine record names them any more."""
-    refs_quarantined: list[str] = field(default_factory=list)
-    """Keys whose ref was malformed or named another key's artifact: quarantined with the
-    reason, never a root."""
 
 
 def validated_key(key: str) -> str:
@@ -667,30 +556,3 @@ class Store:
             with contextlib.suppress(ValueError, OSError):
                 out[p.stem] = json.loads(p.read_text())
         return out
-
-    def purge_quarantine(self) -> int:
-        """Delete quarantined objects and records (after forensics); returns how many files went."""
-        n = 0
-        with self._locked(exclusive=True):
-            qdir = self.root / "quarantine"
-            for p in [*qdir.glob("*.json"), *(qdir / "objects").iterdir()]:
-                p.unlink()
-                n += 1
-        return n
-
-
-__all__ = [
-    "Admission",
-    "Corrupt",
-    "DiskFull",
-    "GCReport",
-    "MalformedRef",
-    "Missing",
-    "Quarantined",
-    "Ref",
-    "Resolved",
-    "Store",
-    "StoreError",
-    "Verdict",
-    "validated_key",
-]

@@ -37,17 +37,9 @@ from cgbuild.core.canon import canonical_json, file_digest
 from cgbuild.core.codes import Code
 from cgbuild.store import refs, trust
 from cgbuild.store.backend import Backend
-from cgbuild.store.local import (
-    EVIDENCE_SCHEMA,
-    Admission,
-    Corrupt,
-    KeyMismatch,
-    Missing,
-    Ref,
-    Resolved,
-    Store,
-    StoreError,
-)
+from cgbuild.store.errors import Corrupt, KeyMismatch, Missing, StoreError
+from cgbuild.store.local import EVIDENCE_SCHEMA, Store
+from cgbuild.store.records import Admission, Ref, Resolved
 from cgbuild.store.refs import RefState
 from cgbuild.store.s3 import RemoteError, RemoteRef
 

@@ -10,30 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
+from support.cgfiles import ONE_MODULE
 
 from cgbuild.cli.main import main
-
-CGFILE = """\
-[sku.cpu]
-sm = "cpu"
-memory_gib = 1
-
-[layout.fp32]
-quant = "plain.fp32"
-
-[family.a]
-entry = "absent_module:build"
-skus = ["cpu"]
-layouts = ["fp32"]
-
-[family.a.module.m]
-shapes = ["8x8"]
-"""
 
 
 @pytest.fixture
 def ws(tmp_path: Path) -> Path:
-    (tmp_path / "Cgfile").write_text(CGFILE)
+    (tmp_path / "Cgfile").write_text(ONE_MODULE.format(workspace=""))
     return tmp_path
 
 
@@ -43,11 +27,11 @@ def ws(tmp_path: Path) -> Path:
         (["plan", "-j", "0"], "positive integer"),
         (["plan", "-j", "-3"], "positive integer"),
         (["plan", "-j", "x"], "positive integer"),
-        (["mint", "//a", "-j", "99999"], "up to 4096"),
-        (["mint", "//a", "--executor", "ray://h:99999"], "unknown executor"),
-        (["mint", "//a", "--executor", "ray://h\x00:80"], "unknown executor"),
-        (["plan", "//a\n"], "bad label"),
-        (["query", " //a"], "bad label"),
+        (["mint", "//t", "-j", "99999"], "up to 4096"),
+        (["mint", "//t", "--executor", "ray://h:99999"], "unknown executor"),
+        (["mint", "//t", "--executor", "ray://h\x00:80"], "unknown executor"),
+        (["plan", "//t\n"], "bad label"),
+        (["query", " //t"], "bad label"),
         (["plan", "--toolchain", "lock\x00.json"], "cannot read the lock"),
         (["plan", "--cgfile", "."], "cannot read the Cgfile: a directory"),
         (["plan", "--cgfile", "/dev/zero"], "cannot read the Cgfile: not a regular file"),

@@ -9,28 +9,21 @@ layout fits, and a device no entry is for. v1 manifests are still read.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import copy_toy
 from hostile import _mutated
 from hypothesis import given, settings
+from support.cli import cli
+from support.toy import copy_toy
 
 from cgbuild.config import cgfile
 from cgbuild.protocol.manifest import SCHEMA, SCHEMA_V1, BadManifest, read
 from cgbuild.store.local import Store
 
 MLP = "//toy/mlp/8x64-b1:cpu"
-
-
-def cli(ws: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True
-    )
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.cgfiles import error_of, write
+from support.cli import cli
 
 from cgbuild.config import cgfile
 from cgbuild.config.tomlpos import KeyLines
@@ -40,18 +40,6 @@ shapes = ["8x64", "16x64"]
 batch_sizes = [1, 2]
 guidance = [3.5, 4]
 """
-
-
-def write(tmp_path: Path, text: str) -> Path:
-    p = tmp_path / "Cgfile"
-    p.write_text(text)
-    return p
-
-
-def error_of(tmp_path: Path, text: str) -> UserError:
-    with pytest.raises(UserError) as info:
-        cgfile.load(write(tmp_path, text))
-    return info.value
 
 
 def test_good_cgfile_loads(tmp_path: Path) -> None:
@@ -177,11 +165,7 @@ def test_no_family_refused(tmp_path: Path) -> None:
 
 def test_cli_bad_cgfile_exits_2_without_traceback(tmp_path: Path) -> None:
     write(tmp_path, GOOD.replace('skus = ["cpu", "h200"]', 'skus = ["cpu", "h100"]'))
-    proc = subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(tmp_path), "plan"],
-        capture_output=True,
-        text=True,
-    )
+    proc = cli(tmp_path, "plan")
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "Cgfile:18" in proc.stderr and "family.toy.skus" in proc.stderr

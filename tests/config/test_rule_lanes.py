@@ -6,7 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_cgfile import error_of, write
+from support.cgfiles import error_of, write
 
 from cgbuild.config import cgfile
 from cgbuild.config.targets import Target, expand

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import copy_toy
-from s3server import BUCKET, S3, keypair, serve
+from support.cli import cli
+from support.publishers import keypair
+from support.s3 import BUCKET, S3
+from support.toy import copy_toy
 
 from cgbuild.config import cgfile
 from cgbuild.config.labels import parse_selector
@@ -31,6 +31,7 @@ from cgbuild.core.errors import UserError
 from cgbuild.exec import fleet
 from cgbuild.exec.mint import MintKey, approved
 from cgbuild.plan.planner import Workspace, make_plan
+from cgbuild.protocol.mint import Minted, MintFailed
 from cgbuild.store.local import Store
 from cgbuild.store.s3 import Remote
 from cgbuild.store.seal import read_metadata
@@ -46,6 +47,8 @@ NODE = {"num_cpus": 1, "object_store_memory": 100 * MB}
 MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
 MLP16 = "//toy/mlp/16x64-b1@fp32:cpu"
 CONV = "//toy/conv/32x32-b2@fp32:cpu"
+MINT_TIMEOUT_S = 900
+"""A fleet mint that outlives this is stuck, not slow."""
 
 
 @pytest.fixture(scope="module")
@@ -76,17 +79,8 @@ def nodes(c: Cluster, *resources: dict[str, float]) -> Iterator[list[Any]]:
                 c.remove_node(node)
 
 
-def cli(ws: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def mint_json(ws: Path, *args: str) -> tuple[int, dict[str, Any], str]:
-    proc = cli(ws, "mint", *args, "--json")
+    proc = cli(ws, "mint", *args, "--json", timeout=MINT_TIMEOUT_S)
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
@@ -118,7 +112,7 @@ def test_parse_executor() -> None:
 
 def test_bad_or_unreachable_executor_is_bad_input(tmp_path: Path, toy_reference: Path) -> None:
     ws = copy_toy(tmp_path / "toy", toy_reference)
-    proc = cli(ws, "mint", MLP8, "--executor", "slurm")
+    proc = cli(ws, "mint", MLP8, "--executor", "slurm", timeout=MINT_TIMEOUT_S)
     assert proc.returncode == 2 and "unknown executor" in proc.stderr
     started = time.monotonic()  # nothing listens there: refused in seconds, not after Ray's 2 min
     proc = cli(ws, "mint", MLP8, "--executor", "ray://127.0.0.1:1", timeout=60)
@@ -127,7 +121,7 @@ def test_bad_or_unreachable_executor_is_bad_input(tmp_path: Path, toy_reference:
 
 
 def test_check_on_the_fleet_is_refused(tmp_path: Path) -> None:
-    proc = cli(tmp_path, "mint", MLP8, "--check", "--executor", "ray://127.0.0.1:1")
+    proc = cli(tmp_path, "mint", MLP8, "--check", "--executor", "ray://127.0.0.1:1", timeout=MINT_TIMEOUT_S)
     assert proc.returncode == 2 and "--check compares bytes on this machine" in proc.stderr
 
 
@@ -153,17 +147,17 @@ def test_a_key_the_driver_cannot_see_counts_as_not_minted(tmp_path: Path, toy_re
     filesystem) has minted nothing this driver can serve: the key fails, naming the node."""
     ws = Workspace(cgfile.load(copy_toy(tmp_path / "toy", toy_reference) / "Cgfile"))
     target = next(t for t in expand(ws.cg) if t.label == MLP8)
-    ok = {"ok": True, "admission": "admitted"}
-    unseen = MintKey("a" * 64, [{"label": MLP8}], target, {}, result=dict(ok))
+    ok = Minted("a" * 64, "gone.tar.gz", "c" * 64, 12, {}, {}, admission="admitted")
+    unseen = MintKey("a" * 64, [{"label": MLP8}], target, {}, result=ok)
     fleet.settle_visibility(ws, unseen, "node-7")
-    assert unseen.result["ok"] is False and unseen.result["code"] == "not-visible"
-    assert "node-7" in unseen.result["detail"]
+    assert isinstance(unseen.result, MintFailed) and unseen.result.code == "not-visible"
+    assert unseen.result.phase == "admit" and "node-7" in unseen.result.detail
     artifact = tmp_path / "sealed.bin"
     artifact.write_bytes(b"sealed bytes")
     ws.store().admit("b" * 64, artifact)
-    seen = MintKey("b" * 64, [{"label": MLP8}], target, {}, result=dict(ok))
+    seen = MintKey("b" * 64, [{"label": MLP8}], target, {}, result=ok)
     fleet.settle_visibility(ws, seen, "node-7")
-    assert seen.result == ok
+    assert seen.result is ok
 
 
 # ---- on the cluster ---------------------------------------------------------------------------
@@ -215,12 +209,6 @@ def test_cli_fleet_mint_lands_on_a_cpu_node_with_a_local_mints_records(
     assert shape(record) == {**shape(local_record), "node": {"id": "str", "host": "str"}}
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3]:
-    """A real S3 endpoint on loopback; nodes added while it runs inherit its environment."""
-    yield from serve(tmp_path_factory)
-
-
 def test_fleet_mint_publishes_signed_into_the_shared_store(
     cluster: Cluster, s3: S3, tmp_path: Path, toy_reference: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -265,16 +253,16 @@ def test_node_lost_mid_mint_is_retried_on_another_without_partial_state(
         cluster.remove_node(first)
         run.join(900)
     assert not run.is_alive()
-    assert mk.result.get("ok"), mk.result
-    assert mk.result["admission"] == "admitted"
+    assert isinstance(mk.result, Minted), mk.result
+    assert mk.result.admission == "admitted"
     assert "retrying" in events and events[-1] == "done"
     survivor = next(n for n in pair if n is not first)
-    record = json.loads((ws.state / "mint" / f"{mk.key}.json").read_text())
+    record = json.loads(ws.state.record(mk.key).read_text())
     assert record["state"] == "ok" and record["node"]["id"] == survivor.node_id
     store = Store(ws.cg.store_dir)
     assert [r.key for r in store.iter_refs()] == [mk.key]
     assert store.verify(mk.key).status == "ok"
-    assert not list((ws.state / "build").glob("*.tar.gz"))  # the sealed file went into the store
+    assert not list(ws.state.build.glob("*.tar.gz"))  # the sealed file went into the store
 
 
 def test_last_capable_node_lost_fails_instead_of_queueing(
@@ -290,5 +278,6 @@ def test_last_capable_node_lost_fails_instead_of_queueing(
         cluster.remove_node(node)
         run.join(120)
     assert not run.is_alive()
-    assert mk.result["code"] == "fleet-node-lost" and mk.result["retryable"] is True, mk.result
+    assert isinstance(mk.result, MintFailed), mk.result
+    assert mk.result.code == "fleet-node-lost" and mk.result.retryable, mk.result
     assert list(Store(ws.cg.store_dir).iter_refs()) == []

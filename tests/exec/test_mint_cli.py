@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import copy_toy
+from support.cli import cli
+from support.toy import copy_toy
 
 from cgbuild.store.local import Store
 from cgbuild.store.seal import read_metadata
@@ -24,15 +24,6 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
 
 pytestmark = pytest.mark.slow
-
-
-def cli(ws: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
 
 
 def mint_json(ws: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:

@@ -54,8 +54,7 @@ def test_banked_cpu_axes_recompute_the_golden_cpu_keys() -> None:
     banked = GOLDEN["cpu_axes"]
     assert set(banked) == set(GOLDEN["cpu"])
     recomputed = {
-        label: key_of({name: _axis(name, axes[name]) for name in KINDS})
-        for label, axes in banked.items()
+        label: key_of({name: _axis(name, axes[name]) for name in KINDS}) for label, axes in banked.items()
     }
     assert recomputed == GOLDEN["cpu"]
 
@@ -84,7 +83,6 @@ def _axis(name: str, readable: dict[str, Any]) -> Axis:
 def test_banked_h200_plan_keys_match_the_golden_file() -> None:
     plan = json.loads((ROOT / "benchmarks" / "results" / "gpu_sm90_plan_lanes.json").read_text())
     recomputed = {
-        t["label"]: key_of({name: _axis(name, t["axes"][name]) for name in KINDS})
-        for t in plan["targets"]
+        t["label"]: key_of({name: _axis(name, t["axes"][name]) for name in KINDS}) for t in plan["targets"]
     }
     assert recomputed == GOLDEN["h200"]

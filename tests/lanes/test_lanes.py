@@ -197,7 +197,8 @@ def test_has_triton_reads_the_toolchain_component() -> None:
 
 # ---- lane evidence in the store ------------------------------------------------------------------
 def test_evidence_accumulates_beside_the_artifact_and_gc_follows_the_refs(tmp_path: Path) -> None:
-    from cgbuild.store.local import EVIDENCE_SCHEMA, Store, StoreError
+    from cgbuild.store.errors import StoreError
+    from cgbuild.store.local import EVIDENCE_SCHEMA, Store
 
     store = Store(tmp_path / "s")
     blob = tmp_path / "a.bin"

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import copy_toy
+from support.cli import cli
+from support.toy import copy_toy
 
 from cgbuild.config import cgfile
 from cgbuild.config.labels import parse_selector
@@ -63,15 +64,6 @@ def by_label(p: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def keys(p: dict[str, Any]) -> dict[str, str | None]:
     return {t["label"]: t["key"] for t in p["targets"]}
-
-
-def cli(ws: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
 
 
 def edit(path: Path, old: str, new: str) -> None:
@@ -327,7 +319,7 @@ def _cuda_facts_from_cpu(toy: Path) -> None:
 
     cg = cgfile.load(toy / "Cgfile")
     ws = Workspace(cg)
-    toolchains, _ = resolve_toolchains(ws, ws.state / "cache")
+    toolchains, _ = resolve_toolchains(ws, ws.state.cache)
     env = digest(sorted(environment.installed().items()))
     fam = SourceHasher(toy / ".cgbuild" / "cache" / "sources.json").family_inputs(cg, cg.families["toy"])[0]
     torch = environment.torch_build()["version"]  # type: ignore[index]

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import copy_toy
+from support.toy import copy_toy
 
 
 def plan_bytes(ws: Path) -> bytes:

@@ -1,6 +1,6 @@
 """`plan --verify`: a key the shared store lists is fresh only when its ref's signature verifies.
 
-Against moto's S3 server on loopback (tests/s3server.py) with the toy workspace: one real trace,
+Against moto's S3 server on loopback (tests/support/s3.py) with the toy workspace: one real trace,
 then refs forged straight through the S3 API for the planned key.
 """
 
@@ -10,15 +10,13 @@ import json
 import os
 import re
 import secrets
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-from conftest import copy_toy
-from s3server import BUCKET, S3, child_env, keypair, serve
+from support.cli import cli
+from support.publishers import keypair
+from support.s3 import BUCKET, S3, child_env
+from support.toy import copy_toy
 
 from cgbuild.core.canon import canonical_json, sha256_file
 from cgbuild.store import trust
@@ -26,17 +24,6 @@ from cgbuild.store.s3 import Remote
 from cgbuild.store.trust import SIGNING_KEY_ENV, load_signer
 
 MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3]:
-    yield from serve(tmp_path_factory)
-
-
-def cli(ws: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True, env=env
-    )
 
 
 def plan_target(ws: Path, env: dict[str, str], *flags: str) -> dict[str, Any]:

@@ -4,12 +4,11 @@ and rebuilt: never a traceback, never trusted."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import copy_toy
+from support.cli import cli
+from support.toy import copy_toy
 
 from cgbuild.plan.laststate import SCHEMA as LAST_PLAN_SCHEMA
 from cgbuild.plan.laststate import load as load_last
@@ -52,10 +51,9 @@ def test_plan_over_torn_state_warns_and_succeeds(tmp_path: Path, toy_reference: 
     (state / "traces.sqlite").write_bytes(b"\0garbage" * 512)
     (state / "last-plan.json").write_text("[]")
     label = "//toy/mlp/8x64-b1@fp32:cpu"
-    cmd = [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), "plan", label, "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = cli(ws, "plan", label, "--json")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.count("warning") == 2
     assert json.loads(proc.stdout)["targets"][0]["status"] == "mint"
-    again = subprocess.run(cmd, capture_output=True, text=True)
+    again = cli(ws, "plan", label, "--json")
     assert again.returncode == 0 and "warning" not in again.stderr  # rebuilt: sound now

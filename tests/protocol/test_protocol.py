@@ -73,7 +73,7 @@ def _mint(job: TraceJob, **extra) -> MintRequest:
 
 
 def test_mint_request_round_trips(job: TraceJob) -> None:
-    req = _mint(job, fresh=True, compare_with="a.tar.gz", timeout_s=5.0)
+    req = _mint(job, empty_sandbox=True, compare_with="a.tar.gz", timeout_s=5.0)
     doc = req.to_json()
     assert doc["schema"] == "cgbuild.mint-request/1" and "cxx" not in doc
     assert MintRequest.from_json(doc) == req
@@ -111,7 +111,7 @@ def test_a_hold_round_trips_and_admits_only_the_request_it_was_started_for(job: 
         "out": dataclasses.replace(_mint(job, timeout_s=5.0), out="/elsewhere"),
         "cxx": _mint(job, timeout_s=5.0, cxx="clang++"),
         "timeout_s": _mint(job),
-        "fresh": _mint(job, timeout_s=5.0, fresh=True),
+        "empty_sandbox": _mint(job, timeout_s=5.0, empty_sandbox=True),
         "compare_with": _mint(job, timeout_s=5.0, compare_with="a.tar.gz"),
     }
     for word, req in refusals.items():

@@ -21,9 +21,9 @@ HERE = Path(__file__).resolve().parents[1]  # spawn_child.py
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
 
 
-def run(*args: str, **kw: Any) -> tuple[spawn.Ended, list[dict[str, Any]]]:
+def run(*args: str, request: Any = None) -> tuple[spawn.Ended, list[dict[str, Any]]]:
     got: list[dict[str, Any]] = []
-    ended = spawn.spawn("spawn_child", args, on_message=got.append, env=ENV, **kw)
+    ended = spawn.spawn("spawn_child", args, talk=spawn.Talk(request, got.append), env=ENV)
     return ended, got
 
 
@@ -139,7 +139,7 @@ def test_a_channel_keeps_stdin_open_for_later_lines_and_its_close_ends_the_input
             assert channel.send({"n": 1}) and channel.send({"n": 2})
             channel.close()
 
-    ended = spawn.spawn("spawn_child", ["echo"], request={"n": 0}, on_message=take, env=ENV, channel=channel)
+    ended = spawn.spawn("spawn_child", ["echo"], talk=spawn.Talk({"n": 0}, take, channel), env=ENV)
     assert ended.status == 0
     assert got == [{"echo": {"n": 0}}, {"echo": {"n": 1}}, {"echo": {"n": 2}}, {"eof": True}]
     assert channel.send({"n": 3}) is False  # closed: nothing reaches a child that has ended

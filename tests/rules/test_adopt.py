@@ -1,6 +1,6 @@
 """Adopt: host checks before loading, binding without copies, routing, eager with a named reason.
 
-Uses the session's real artifacts from test_mint (`minted`), so adopting costs no compile.
+Uses the session's real artifacts (`minted`, support/minted.py), so adopting costs no compile.
 """
 
 from __future__ import annotations
@@ -17,27 +17,12 @@ import pytest
 import torch
 from cgbuild_rules.adopt import AdoptRefused, adopt, adopt_manifest, fit, serve_checkpoint
 from support.artifacts import edited
-from test_mint import minted, session_dirs
+from support.minted import minted, session_dirs, tiny
 
 from cgbuild.store.local import Store
 from cgbuild.store.seal import read_metadata, unseal
 
 pytestmark = pytest.mark.slow
-
-
-def tiny(factory: pytest.TempPathFactory, seed: int = 1, **kw: Any) -> torch.nn.Module:
-    root, _ = session_dirs(factory)
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    import tiny_entry
-
-    torch.manual_seed(seed)
-    return tiny_entry.Tiny(64, **kw).eval()
-
-
-@pytest.fixture(scope="module")
-def art_a(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(minted(tmp_path_factory, "A")[1]["artifact"])
 
 
 def test_adopted_module_serves_compiled_and_binds_without_copying(

@@ -1,6 +1,6 @@
 """Crafted artifacts against the real loader: nothing escapes, adopt refuses by name, never raises.
 
-Every artifact here is forged from the session's real mint (`minted("A")` of test_mint, no extra
+Every artifact here is forged from the session's real mint (`art_a`, support/minted.py, no extra
 compile): its real AOTI package with an entry added, its real metadata bent out of shape, its
 archive cut short. Adopt must return a named refusal and serve eager; `cgbuild inspect` must
 report the refusal in one line.
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 import tarfile
 import zipfile
 from collections.abc import Callable
@@ -21,20 +19,20 @@ from typing import Any
 import pytest
 import torch
 from cgbuild_rules.adopt import AdoptRefused, adopt
-from test_adopt import tiny
-from test_mint import minted
+from support.cli import cli
+from support.minted import tiny
 
 from cgbuild.cli import main
+from cgbuild.store.local import Store
 from cgbuild.store.seal import METADATA, PACKAGE, read_metadata, unseal
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Path]]:
+def real(art_a: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Path]]:
     """The real artifact's metadata and unsealed members."""
-    art = Path(minted(tmp_path_factory, "A")[1]["artifact"])
-    return read_metadata(art), unseal(art, tmp_path_factory.mktemp("real"))
+    return read_metadata(art_a), unseal(art_a, tmp_path_factory.mktemp("real"))
 
 
 def forge(path: Path, meta: Any, members: dict[str, bytes], *, record: bool = True) -> Path:
@@ -155,6 +153,13 @@ def test_metadata_of_the_wrong_shape_is_a_named_refusal_not_an_exception(
     assert main(["-C", str(tmp_path), "inspect", str(art)]) == 2
     err = capsys.readouterr().err
     assert "refused (bad-metadata)" in err and needle in err and "Traceback" not in err
+    # and `verify` through the same check again: the stored copy is quarantined, named
+    store = Store(tmp_path / "store")
+    key = meta["key"]
+    store.admit(key, art)
+    verdict = store.check_sealed_key(key)
+    assert verdict is not None and verdict.status == "bad-metadata" and needle in str(verdict.detail)
+    assert store.ref_state(key) == "quarantined"
 
 
 def test_inspect_shows_a_call_with_constant_arguments(
@@ -205,10 +210,9 @@ def test_inspect_reports_a_refused_artifact_in_one_line(
     climb = {**members_of(files), PACKAGE: with_entry(files[PACKAGE], "model/../../x")}
     art = forge(tmp_path / "climb.tar.gz", meta, climb)
     (tmp_path / "Cgfile").write_text('[workspace]\nname = "w"\n')
-    cmd = [sys.executable, "-m", "cgbuild.cli", "-C", str(tmp_path), "inspect", str(art)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = cli(tmp_path, "inspect", str(art), timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "refused (bad-package)" in out.stderr and "model/../../x" in out.stderr
-    as_json = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120)
+    as_json = cli(tmp_path, "inspect", str(art), "--json", timeout=120)
     assert as_json.returncode == 2
     assert json.loads(as_json.stdout)["refusal"]["code"] == "bad-package"

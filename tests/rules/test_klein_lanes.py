@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support.cli import cli
 
 from cgbuild.store.local import Store
 
@@ -26,12 +25,6 @@ ROOT = Path(__file__).resolve().parents[2]
 FLUX = ROOT / "examples" / "flux2_klein"
 LABEL = "//flux2-klein-tiny/transformer/64x64-t8-b1@fp32:cpu"
 pytestmark = pytest.mark.slow
-
-
-def _cli(ws: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True
-    )
 
 
 def _workspace(dest: Path, lanes: str) -> Path:
@@ -46,7 +39,7 @@ def _workspace(dest: Path, lanes: str) -> Path:
 
 
 def _keys(ws: Path, selector: str) -> dict[str, str]:
-    proc = _cli(ws, "plan", selector, "--json")
+    proc = cli(ws, "plan", selector, "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return {t["label"]: t["key"] for t in json.loads(proc.stdout)["targets"] if t["key"]}
 
@@ -54,10 +47,10 @@ def _keys(ws: Path, selector: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def minted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ws = _workspace(tmp_path_factory.mktemp("lanes"), 'attention = ["math", "flash"]')
-    proc = _cli(ws, "mint", LABEL, "--json")
+    proc = cli(ws, "mint", LABEL, "--json")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     (minted,) = json.loads(proc.stdout.strip().splitlines()[-1])["minted"]
-    inspect = json.loads(_cli(ws, "inspect", LABEL, "--json").stdout)
+    inspect = json.loads(cli(ws, "inspect", LABEL, "--json").stdout)
     return {"ws": ws, "key": minted["key"], "inspect": inspect}
 
 
@@ -126,7 +119,7 @@ def test_lanes_are_a_graph_change_and_the_fp8_rule_axis_moves_no_other_layout(tm
     assert plain[LABEL] != laned[LABEL]
 
     ws = _workspace(tmp_path / "c", 'attention = ["flash", "math"]\nfp8-gemm = ["scaled-mm", "triton"]')
-    refused = _cli(ws, "plan", LABEL)
+    refused = cli(ws, "plan", LABEL)
     assert refused.returncode == 2
     assert "belongs to quant rule 'fp8-rowwise', which no layout of this family uses" in refused.stderr
     cgfile_path = ws / "Cgfile"  # the example declares [layout.fp8] for the flagship already

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import copy_toy
-from test_mint import request_for, session_dirs
+from support.minted import request_for, session_dirs
+from support.toy import copy_toy
 
 from cgbuild.store.seal import read_metadata, unseal
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import copy_toy
+from support.cli import cli
+from support.toy import copy_toy
 
 from cgbuild.config import cgfile
 from cgbuild.store.local import Store
@@ -25,12 +26,6 @@ from cgbuild.store.seal import read_metadata
 pytestmark = pytest.mark.slow
 INT8 = "//toy/mlp/8x64-b1@int8:cpu"
 PLAIN = "//toy/mlp/8x64-b1@fp32:cpu"
-
-
-def cli(ws: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True
-    )
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 Compiles are the expensive part (tens of seconds each on a 2-core box), so a test session makes
 exactly three: `minted("A")` (a static class with a trace-baked literal), `minted("B")` (a
 dynamic-batch class, for routing in test_adopt) and the double mint of A in a fresh sandbox.
-`minted` is memoised at module level so test_adopt shares the same artifacts.
+`minted` (support/minted.py) is memoised for the session, so every module adopting from them
+shares the same artifacts.
 """
 
 from __future__ import annotations
@@ -11,146 +12,15 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.minted import ANNOUNCED, job_for, minted, request_for, run_worker, session_dirs
 
-from cgbuild.identity import keys, toolchain
+from cgbuild.identity import toolchain
 from cgbuild.store.seal import read_metadata, unseal
-
-ENTRY = textwrap.dedent(
-    '''
-    """A tiny MLP with a trace-baked literal (a non-persistent buffer)."""
-    import torch
-    from torch import nn
-
-
-    class Tiny(nn.Module):
-        def __init__(self, features: int, hidden: int = 32, out: int = 4) -> None:
-            super().__init__()
-            self.fc1 = nn.Linear(features, hidden)
-            self.fc2 = nn.Linear(hidden, out)
-            self.register_buffer("scale", torch.linspace(0.5, 1.5, hidden), persistent=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.fc2(torch.nn.functional.gelu(self.fc1(x)) * self.scale)
-
-
-    def build(spec):
-        model = Tiny(spec["width"])
-        dyn = spec["config"].get("dynamic_batch")
-        if dyn:
-            x = torch.randn(max(spec["batch"], 2), spec["height"], spec["width"])
-            return model, (x,), {}, {"x": {0: torch.export.Dim("batch", min=dyn[0], max=dyn[1])}}
-        return model, (torch.randn(spec["batch"], spec["height"], spec["width"]),), {}
-    '''
-)
-CLASSES: dict[str, dict[str, Any]] = {
-    "A": {"graph_class": "8x64-b1", "height": 8, "batch": 1, "config": {}},
-    "B": {"graph_class": "4x64-b2-16", "height": 4, "batch": 2, "config": {"dynamic_batch": [2, 16]}},
-}
-_MINTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
-ANNOUNCED: dict[str, list[str]] = {}
-"""Request id → the phases its worker announced, in order."""
-
-
-def session_dirs(factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(entry root, sandbox) shared by every mint of the session; the sandbox path is fixed."""
-    base = factory.getbasetemp()
-    root, sandbox = base / "entry", base / "sandbox"
-    if not root.exists():
-        root.mkdir()
-        (root / "tiny_entry.py").write_text(ENTRY)
-    return root, sandbox
-
-
-def job_for(root: Path, name: str, device: str = "cpu") -> dict[str, Any]:
-    c = CLASSES[name]
-    spec = {
-        "family": "tiny",
-        "module": "mlp",
-        "graph_class": c["graph_class"],
-        "height": c["height"],
-        "width": 64,
-        "text_len": None,
-        "batch": c["batch"],
-        "dtype": "float32",
-        "device": device,
-    }
-    return {
-        "id": name,
-        "entry": "tiny_entry:build",
-        "root": str(root),
-        "config": c["config"],
-        "spec": spec,
-        "quant": "plain.fp32",
-    }
-
-
-def request_for(job: dict[str, Any], out: Path, sandbox: Path, **extra: Any) -> dict[str, Any]:
-    """A request as the engine builds it: digest from a fake-mode trace, toolchain from a probe."""
-    from cgbuild_rules.trace import export_job
-
-    _, facts = export_job(job, "fake")
-    block = toolchain.probe()["cpu"]
-    fold = toolchain.fold(block["components"])
-    axes = {
-        "graph": keys.graph_axis(facts["graph_digest"], torch=facts["torch"], nodes=facts["nodes"]),
-        "sm": keys.sm_axis("cpu"),
-        "toolchain": keys.toolchain_axis("cpu", fold, "probe"),
-        "layout": keys.Axis({"stamp": "tiny.mlp@1+plain.fp32@1"}, {"stamp": "tiny.mlp@1+plain.fp32@1"}),
-    }
-    return {
-        "schema": "cgbuild.mint-request/1",
-        "id": job["id"],
-        "key": keys.key_of(axes),
-        "labels": [],
-        "job": job,
-        "sm": "cpu",
-        "graph_digest": facts["graph_digest"],
-        "toolchain": {"platform": "cpu", "fold": fold, "components": block["components"]},
-        "axes": {name: axis.readable for name, axis in axes.items()},
-        "facets": [{"graph_class": job["spec"]["graph_class"]}],
-        "stamp": "tiny.mlp@1+plain.fp32@1",
-        "out": str(out),
-        "sandbox": str(sandbox),
-        **extra,
-    }
-
-
-def run_worker(request: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "cgbuild_rules.mint"],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    # progress lines ({"id", "progress"}) come first; exactly one result line ends the output
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{") and '"progress"' not in ln]
-    assert len(lines) == 1, (
-        f"exactly one result line expected; stdout={proc.stdout!r} stderr={proc.stderr[-2000:]}"
-    )
-    said = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{") and '"progress"' in ln]
-    ANNOUNCED[str(request.get("id"))] = [str(m["progress"]) for m in said]
-    return json.loads(lines[0])
-
-
-def minted(factory: pytest.TempPathFactory, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(request, result) of the session's one real mint of class `name`."""
-    if name not in _MINTS:
-        root, sandbox = session_dirs(factory)
-        req = request_for(job_for(root, name), factory.mktemp(f"out{name}"), sandbox)
-        result = run_worker(req)
-        assert result["ok"], result
-        _MINTS[name] = (req, result)
-    return _MINTS[name]
 
 
 @pytest.fixture(scope="session")
@@ -171,7 +41,7 @@ def test_every_phase_a_worker_announces_is_a_step_of_the_progress_bar(
     announced = [p.split(":")[0] for p in ANNOUNCED[mint_a[0]["id"]]]
     assert announced and all(p in STEPS for p in announced), announced
     assert [p for p in PHASES if p in announced] == [p for p in announced if p in PHASES]
-    assert {"compile", "verify", "seal", "adopt"} <= set(announced)
+    assert {"compile", "verify", "seal", "serve"} <= set(announced)
 
 
 @pytest.mark.slow
@@ -181,7 +51,7 @@ def test_mint_seals_a_verified_artifact(
     req, result = mint_a
     print("\nmint phases (s):", json.dumps(result["phases"]), "artifact bytes:", result["size"])
     assert result["key"] == req["key"] and Path(result["artifact"]).name == f"{req['key']}.tar.gz"
-    assert set(result["phases"]) == {"export", "compile", "verify", "seal", "adopt", "total"}
+    assert set(result["phases"]) == {"export", "compile", "verify", "seal", "serve", "total"}
     assert result["served"] == [{"counters": {"compiled": 1}, "seconds": result["served"][0]["seconds"]}]
     assert result["verify"][0]["rel_rms"] < 1e-5
     meta = read_metadata(result["artifact"])
@@ -224,7 +94,7 @@ def test_double_mint_in_a_fresh_sandbox_is_byte_identical(
     fcntl.flock(held, fcntl.LOCK_SH)
     threading.Timer(3.0, os.close, (held,)).start()
     again = run_worker(
-        {**req, "id": "again", "out": str(tmp_path), "fresh": True, "compare_with": first["artifact"]}
+        {**req, "id": "again", "out": str(tmp_path), "empty_sandbox": True, "compare_with": first["artifact"]}
     )
     assert again["ok"], again
     assert again["differing"] == [] and again["reproducible"] is True
@@ -299,20 +169,21 @@ def test_a_stage_the_spawner_refuses_to_start_fails_its_first_part_typed(
     import os
     import time
 
-    from cgbuild_rules.mint import MintFailure, _Stage
+    from cgbuild_rules.mint import MintFailure
+    from cgbuild_rules.mint.stages import Stage
 
     from cgbuild.protocol import spawn
 
     monkeypatch.setattr(spawn, "_stopping", True)  # what stop_children() leaves behind
     started = time.monotonic()
-    stage = _Stage("check", tmp_path, os.environ, timeout_s=600)
+    stage = Stage("check", tmp_path, os.environ, timeout_s=600)
     with pytest.raises(MintFailure) as failed:
         stage.part("verify")
     assert failed.value.code == "worker-killed" and "verify stage did not start" in failed.value.detail
     assert time.monotonic() - started < 60 and stage.pid is None
 
 
-@pytest.mark.parametrize(("part", "phase"), [("verify", "verify"), ("serve", "adopt")])
+@pytest.mark.parametrize(("part", "phase"), [("verify", "verify"), ("serve", "serve")])
 def test_the_check_stage_dying_in_a_part_fails_that_phase(
     cheap_request: dict[str, Any], part: str, phase: str
 ) -> None:
@@ -333,7 +204,7 @@ def test_bad_requests_are_typed(cheap_request: dict[str, Any]) -> None:
 
 
 def test_generated_sources_lose_compile_commands_and_sandbox_paths() -> None:
-    from cgbuild_rules.mint import _strip_cpp
+    from cgbuild_rules.mint.package import _strip_cpp
 
     cmds = "// Compile cmd\n// g++ /sb/a.cpp\n// Link cmd\n// g++ /sb/a.o\n"
     src = "// kernels in /sb/inductor/x.cpp\nint f();\n\n" + cmds
@@ -348,7 +219,8 @@ def test_generated_sources_lose_compile_commands_and_sandbox_paths() -> None:
 
 
 def test_compile_commands_must_carry_the_clamp() -> None:
-    from cgbuild_rules.mint import MintFailure, _check_clamp
+    from cgbuild_rules.mint import MintFailure
+    from cgbuild_rules.mint.package import _check_clamp
 
     _check_clamp("// g++ a.cpp -O3 -march=x86-64-v3 -mavx2", "x86-64-v3")
     with pytest.raises(MintFailure, match="clamp-not-applied"):
@@ -379,14 +251,15 @@ def test_a_quant_rule_states_its_own_tolerance() -> None:
     """W8A8 is not bf16: fp8-rowwise verifies at 8% rel-rms where bf16 verifies at 5%, the stated
     value is sealed under verify.rule, and rules that state none keep the dtype's."""
     import torch
-    from cgbuild_rules.mint import MintFailure, _rule_tolerance, compare_outputs
+    from cgbuild_rules.mint import MintFailure, compare_outputs
+    from cgbuild_rules.mint.compare import rule_tolerance
 
     want = torch.linspace(-2, 2, 64).bfloat16()
     off = want * 1.06  # 6% off: past bf16's 5%, within the fp8 rule's 8%
     with pytest.raises(MintFailure, match="relative RMS error"):
         compare_outputs(off, want)
-    (row,) = compare_outputs(off, want, tolerance=_rule_tolerance("fp8-rowwise")["rule"])
+    (row,) = compare_outputs(off, want, tolerance=rule_tolerance("fp8-rowwise")["rule"])
     assert row["tolerance"] == 0.08
     with pytest.raises(MintFailure):
         compare_outputs(want * 1.09, want, tolerance="8e-2")
-    assert _rule_tolerance("plain.bf16") == {} and _rule_tolerance("int8-rowwise") == {}
+    assert rule_tolerance("plain.bf16") == {} and rule_tolerance("int8-rowwise") == {}

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_mint import job_for, request_for, session_dirs
+from support.minted import job_for, request_for, session_dirs
 
 from cgbuild.protocol.mint import HOLD_SCHEMA
-from cgbuild.protocol.spawn import Channel, Ended, spawn
+from cgbuild.protocol.spawn import Channel, Ended, Talk, spawn
 from cgbuild.protocol.trace import FACT_KEYS
 
 pytestmark = pytest.mark.slow
@@ -31,9 +31,7 @@ class Worker:
         self.traced: dict[str, Any] | None = None
         self.results: list[dict[str, Any]] = []
         self.then = then
-        self.ended: Ended = spawn(
-            "cgbuild_rules.mint", request=hold, on_message=self.take, channel=self.channel, env=env
-        )
+        self.ended: Ended = spawn("cgbuild_rules.mint", talk=Talk(hold, self.take, self.channel), env=env)
 
     def take(self, message: dict[str, Any]) -> None:
         if "traced" in message:
@@ -77,7 +75,7 @@ def test_a_held_worker_reports_the_trace_rules_facts_then_mints_the_key_it_is_ha
     (result,) = worker.results
     assert result["ok"] is True, result
     assert result["key"] == request["key"] and Path(result["artifact"]).is_file()
-    assert {"export", "compile", "verify", "seal", "adopt"} <= set(result["phases"])
+    assert {"export", "compile", "verify", "seal", "serve"} <= set(result["phases"])
     assert worker.ended.status == 0
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".mint-")]
 

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file, save_model
+from support.cli import cli
 
 from cgbuild.core.errors import UserError
 from cgbuild.identity.layout import Reading, safetensors_dtype, topology_from_reference, topology_mismatch
@@ -121,11 +122,7 @@ shapes = ["1x8"]
 
 
 def plan(ws: Path, label: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), "plan", label, "--json"],
-        capture_output=True,
-        text=True,
-    )
+    return cli(ws, "plan", label, "--json")
 
 
 @pytest.mark.slow

@@ -3,12 +3,11 @@ tree and configuration the package was bound to (rules/bound.py, rules/configure
 
 Every test compares a served call with the live module's own eager output, after a change a
 user makes; each would be compiled and wrong without its guard. Uses the session's real mint
-of the tiny MLP (test_mint's `minted("A")`).
+of the tiny MLP (`art_a`, support/minted.py).
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,26 +15,11 @@ import pytest
 import torch
 from cgbuild_rules.adopt import AdoptRefused, adopt, fit
 from support.artifacts import edited
-from test_mint import minted, session_dirs
+from support.minted import tiny
 
 from cgbuild.store.seal import read_metadata
 
 pytestmark = pytest.mark.slow
-
-
-def tiny(factory: pytest.TempPathFactory, seed: int = 1) -> torch.nn.Module:
-    root, _ = session_dirs(factory)
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    import tiny_entry
-
-    torch.manual_seed(seed)
-    return tiny_entry.Tiny(64).eval()
-
-
-@pytest.fixture(scope="module")
-def art(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(minted(tmp_path_factory, "A")[1]["artifact"])
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -55,10 +39,10 @@ def views() -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", list(views()))
 def test_an_input_laid_out_otherwise_than_traced_is_served_on_a_copy(
-    art: Path, tmp_path_factory: pytest.TempPathFactory, kind: str
+    art_a: Path, tmp_path_factory: pytest.TempPathFactory, kind: str
 ) -> None:
     m = tiny(tmp_path_factory)
-    served = adopt(art, m)
+    served = adopt(art_a, m)
     x = views()[kind]
     assert not (x.is_contiguous() and x.data_ptr() % 16 == 0)
     with torch.no_grad():
@@ -69,8 +53,8 @@ def test_an_input_laid_out_otherwise_than_traced_is_served_on_a_copy(
     assert served.counters == {"compiled": 2, "restrided": 1}  # a traced layout is not copied
 
 
-def test_the_contract_records_the_traced_strides_outside_the_digest(art: Path) -> None:
-    meta = read_metadata(art)
+def test_the_contract_records_the_traced_strides_outside_the_digest(art_a: Path) -> None:
+    meta = read_metadata(art_a)
     (leaf,) = meta["graph"]["contract"]["inputs"][0]["leaves"]
     assert leaf["stride"] == [512, 64, 1]
     copied: list[str] = []
@@ -80,12 +64,12 @@ def test_the_contract_records_the_traced_strides_outside_the_digest(art: Path) -
 
 
 def test_replaced_weights_are_re_bound_by_the_next_call(
-    art: Path, tmp_path_factory: pytest.TempPathFactory
+    art_a: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """A new Parameter, a `.data` assignment, a `load_state_dict(assign=True)`: each re-bound
     by the call that follows it, without `rebind()`."""
     m = tiny(tmp_path_factory)
-    served = adopt(art, m)
+    served = adopt(art_a, m)
     x = torch.randn(1, 8, 64)
     with torch.no_grad():
         close(served(x), m(x))
@@ -101,12 +85,12 @@ def test_replaced_weights_are_re_bound_by_the_next_call(
 
 
 def test_a_move_the_package_cannot_read_is_refused_by_name_and_re_armed_when_undone(
-    art: Path, tmp_path_factory: pytest.TempPathFactory
+    art_a: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """`.data` laid out column-major (the same values, as a `.t().contiguous().t()` leaves it):
     eager is right, the package would read it row-major; refused until laid out as bound."""
     m = tiny(tmp_path_factory)
-    served = adopt(art, m)
+    served = adopt(art_a, m)
     x = torch.randn(1, 8, 64)
     with torch.no_grad():
         m.fc1.weight.data = m.fc1.weight.data.t().contiguous().t()
@@ -139,10 +123,10 @@ class Wrapped(torch.nn.Module):
 
 
 def test_a_submodule_swapped_for_a_wrapper_is_refused_and_re_armed_once_restored(
-    art: Path, tmp_path_factory: pytest.TempPathFactory
+    art_a: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     m = tiny(tmp_path_factory)
-    served = adopt(art, m)
+    served = adopt(art_a, m)
     x = torch.randn(1, 8, 64)
     fc1 = m.fc1
     with torch.no_grad():
@@ -159,12 +143,12 @@ def test_a_submodule_swapped_for_a_wrapper_is_refused_and_re_armed_once_restored
 
 
 def test_rebind_re_arms_an_artifact_refused_at_adopt(
-    art: Path, tmp_path_factory: pytest.TempPathFactory
+    art_a: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     m = tiny(tmp_path_factory)
     fc2 = m.fc2
     m.fc2 = Wrapped(fc2)
-    served = adopt(art, m)
+    served = adopt(art_a, m)
     (refusal,) = served.refusals.values()
     assert refusal.code == "weights-missing"
     assert "fc2: an adapter layer (PEFT LoRA) wraps it" in refusal.detail
@@ -177,9 +161,11 @@ def test_rebind_re_arms_an_artifact_refused_at_adopt(
     assert served.counters == {"compiled": 1}
 
 
-def test_a_same_class_submodule_swap_is_re_bound(art: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_same_class_submodule_swap_is_re_bound(
+    art_a: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     m = tiny(tmp_path_factory)
-    served = adopt(art, m)
+    served = adopt(art_a, m)
     x = torch.randn(1, 8, 64)
     with torch.no_grad():
         m.fc2 = torch.nn.Linear(32, 4).eval()
@@ -189,10 +175,10 @@ def test_a_same_class_submodule_swap_is_re_bound(art: Path, tmp_path_factory: py
 
 @pytest.mark.parametrize("change", ["hook", "pre-hook", "forward", "train"])
 def test_hooks_overrides_and_train_mode_are_refused_until_undone(
-    art: Path, tmp_path_factory: pytest.TempPathFactory, change: str
+    art_a: Path, tmp_path_factory: pytest.TempPathFactory, change: str
 ) -> None:
     m = tiny(tmp_path_factory)
-    served = adopt(art, m)
+    served = adopt(art_a, m)
     x = torch.randn(1, 8, 64)
     undo: Any
     if change == "hook":
@@ -215,10 +201,10 @@ def test_hooks_overrides_and_train_mode_are_refused_until_undone(
 
 
 def test_a_strict_server_refuses_a_changed_module_by_name(
-    art: Path, tmp_path_factory: pytest.TempPathFactory
+    art_a: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     m = tiny(tmp_path_factory)
-    served = adopt(art, m, strict=True)
+    served = adopt(art_a, m, strict=True)
     m.fc1.register_forward_hook(lambda _m, _i, out: out)
     with (
         pytest.raises(
@@ -231,11 +217,11 @@ def test_a_strict_server_refuses_a_changed_module_by_name(
 
 
 def test_a_configuration_value_that_moved_is_refused_by_name(
-    art: Path, tmp_path_factory: pytest.TempPathFactory
+    art_a: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     m = tiny(tmp_path_factory)
     m.fc1.out_features = 31  # what the module says of itself, not what its tensors say
-    served = adopt(art, m)
+    served = adopt(art_a, m)
     (refusal,) = served.refusals.values()
     assert refusal.code == "config-drift" and refusal.detail == "fc1.out_features 32 → 31"
     m.fc1.out_features = 32
@@ -248,7 +234,7 @@ def test_a_configuration_value_that_moved_is_refused_by_name(
 
 
 def test_an_artifact_sealed_without_the_records_adopts_marked_unverified(
-    art: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    art_a: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     def strip(meta: dict[str, Any]) -> None:
         del meta["module"]
@@ -256,7 +242,7 @@ def test_an_artifact_sealed_without_the_records_adopts_marked_unverified(
             for leaf in spec["leaves"]:
                 leaf.pop("stride", None)
 
-    old = edited(art, tmp_path / "old.tar.gz", strip)
+    old = edited(art_a, tmp_path / "old.tar.gz", strip)
     m = tiny(tmp_path_factory)
     m.fc1.out_features = 31  # not seen: nothing recorded to compare it with
     served = adopt(old, m)
@@ -279,27 +265,27 @@ def test_an_artifact_sealed_without_the_records_adopts_marked_unverified(
     ],
 )
 def test_malformed_records_are_refused_as_bad_metadata(
-    art: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, edit: Any, field: str
+    art_a: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, edit: Any, field: str
 ) -> None:
-    bad = edited(art, tmp_path / "bad.tar.gz", edit)
+    bad = edited(art_a, tmp_path / "bad.tar.gz", edit)
     (refusal,) = adopt(bad, tiny(tmp_path_factory)).refusals.values()
     assert refusal.code == "bad-metadata" and field in refusal.detail
 
 
-def test_traced_strides_this_call_cannot_evaluate_are_refused(art: Path) -> None:
+def test_traced_strides_this_call_cannot_evaluate_are_refused(art_a: Path) -> None:
     """A recorded stride naming a symbol the call does not bind has no layout to copy into."""
-    contract = read_metadata(art)["graph"]["contract"]
+    contract = read_metadata(art_a)["graph"]["contract"]
     contract["inputs"][0]["leaves"][0]["stride"] = ["S9", 64, 1]
     why, _ = fit(contract, (torch.randn(1, 8, 64),), {})
     assert why is not None and why.code == "stride" and "['S9', 64, 1] are not checkable" in why.detail
 
 
 def test_a_global_forward_hook_is_refused_until_removed(
-    art: Path, tmp_path_factory: pytest.TempPathFactory
+    art_a: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """torch's process-wide module hooks run in every submodule's eager call, never in the package."""
     m = tiny(tmp_path_factory)
-    served = adopt(art, m)
+    served = adopt(art_a, m)
     x = torch.randn(1, 8, 64)
     handle = torch.nn.modules.module.register_module_forward_hook(lambda _m, _i, out: out)
     try:

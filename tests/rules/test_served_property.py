@@ -7,7 +7,7 @@ does to a live module between calls (input layouts, replaced or re-laid tensors,
 swapped, wrapped or hooked submodules, train/eval, configuration values, explicit re-binds) in
 random orders, so that a guard that holds alone but not after another change is found. Each case
 is a fresh `Tiny` with seeded random weights, adopted from the session's one real mint of it
-(test_mint's `minted("A")`), then 1 to 4 drawn steps and a closing call.
+(`art_a`, support/minted.py), then 1 to 4 drawn steps and a closing call.
 
 Each adopt loads the package (about 13 ms), so a case costs about 30 ms on a busy 2-core box: the
 default 1,200 examples (hypothesis runs ~1,550 cases for them) take 35-45 s, plus the 35-70 s
@@ -24,7 +24,6 @@ import collections
 import gc
 import math
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch
 from cgbuild_rules.adopt import Adopted, AdoptRefused, adopt
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
-from test_mint import minted, session_dirs
+from support.minted import tiny_class as entry_class
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -66,18 +65,8 @@ TALLY: collections.Counter[str] = collections.Counter()
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(minted(tmp_path_factory, "A")[1]["artifact"])
-
-
-@pytest.fixture(scope="module")
 def tiny_class(tmp_path_factory: pytest.TempPathFactory) -> type[nn.Module]:
-    root, _ = session_dirs(tmp_path_factory)
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    import tiny_entry
-
-    return tiny_entry.Tiny
+    return entry_class(tmp_path_factory)
 
 
 class Wrapped(nn.Module):
@@ -435,11 +424,11 @@ def _maps_left() -> int | None:
     data=st.data(),
 )
 def serve_cases(
-    art: Path, tiny_class: type[nn.Module], seed: int, strict: bool, steps: list[str], data: st.DataObject
+    art_a: Path, tiny_class: type[nn.Module], seed: int, strict: bool, steps: list[str], data: st.DataObject
 ) -> None:
     torch.manual_seed(seed)
     m = tiny_class(64).eval()
-    case = Case(m, adopt(art, m, strict=strict), strict, {"fc1": m.fc1, "fc2": m.fc2})
+    case = Case(m, adopt(art_a, m, strict=strict), strict, {"fc1": m.fc1, "fc2": m.fc2})
     TALLY["cases"] += 1
     with torch.no_grad():
         for family in [*steps, "call"]:  # closing call: every move is judged by one
@@ -449,7 +438,9 @@ def serve_cases(
                 MOVES[family](case, data)
 
 
-def test_every_call_is_compiled_and_right_or_refused_by_name(art: Path, tiny_class: type[nn.Module]) -> None:
+def test_every_call_is_compiled_and_right_or_refused_by_name(
+    art_a: Path, tiny_class: type[nn.Module]
+) -> None:
     """Run on one intra-op thread: on a busy 2-core box, OpenMP's barriers around these tiny
     kernels cost milliseconds a call (2.5x the whole run); what is judged is routing, not kernels."""
     left = _maps_left()
@@ -460,7 +451,7 @@ def test_every_call_is_compiled_and_right_or_refused_by_name(art: Path, tiny_cla
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        serve_cases(art, tiny_class)
+        serve_cases(art_a, tiny_class)
     finally:
         torch.set_num_threads(threads)
     print(f"\n{EXAMPLES} examples: {dict(sorted(TALLY.items()))}")
@@ -472,10 +463,10 @@ def test_every_call_is_compiled_and_right_or_refused_by_name(art: Path, tiny_cla
 
 # ---- known gaps, pinned ------------------------------------------------------------------------
 @pytest.mark.parametrize("fqn", ["fc2.bias", "fc2.weight"])
-def test_a_data_view_of_the_bound_storage_is_seen(art: Path, tiny_class: type[nn.Module], fqn: str) -> None:
+def test_a_data_view_of_the_bound_storage_is_seen(art_a: Path, tiny_class: type[nn.Module], fqn: str) -> None:
     torch.manual_seed(0)
     m = tiny_class(64).eval()
-    served = adopt(art, m)
+    served = adopt(art_a, m)
     x = torch.randn(*TRACED)
     t = m.get_parameter(fqn)
     with torch.no_grad():
@@ -491,15 +482,15 @@ def test_a_data_view_of_the_bound_storage_is_seen(art: Path, tiny_class: type[nn
     reason="torch's AOTIModelPackageLoader dlopens a fresh extracted copy of the model .so per load "
     "and never unmaps it: each adopt leaves 6 mappings and ~0.3 MB behind, however it is released",
 )
-def test_a_dropped_adoption_unmaps_its_package(art: Path, tiny_class: type[nn.Module]) -> None:
+def test_a_dropped_adoption_unmaps_its_package(art_a: Path, tiny_class: type[nn.Module]) -> None:
     m = tiny_class(64).eval()
-    adopt(art, m)  # the first load maps what every later one shares
+    adopt(art_a, m)  # the first load maps what every later one shares
     gc.collect()
     before = _maps()
     if before is None:
         pytest.skip("no /proc/self/maps here")
     for _ in range(20):
-        served = adopt(art, m)
+        served = adopt(art_a, m)
         served.release()
         del served
     gc.collect()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from cgbuild_rules.digest import TraceError
 from cgbuild_rules.trace import REQUEST_SCHEMA, EntryError, apply_quant, load_entry, run_job
-from test_digest import BANKED, TOY, flux_job, make_job
+from support.jobs import BANKED, TOY, flux_job, make_job
 from torch import nn
 
 CPU_ONLY_TORCH = torch.version.cuda is None

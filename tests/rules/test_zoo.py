@@ -23,7 +23,8 @@ import pytest
 import torch
 from cgbuild_rules.adopt import AdoptRefused, adopt
 from cgbuild_rules.mint import TOLERANCE
-from support.zoo import artifact, cli, minted, rel_rms, served_module
+from support.cli import cli
+from support.zoo import artifact, minted, rel_rms, served_module
 
 from cgbuild.store.seal import read_metadata
 

@@ -8,14 +8,14 @@ import json
 import os
 import secrets
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from s3server import BUCKET, S3, keypair, serve
+from support.cli import cli
+from support.publishers import keypair
+from support.s3 import BUCKET, S3
 
 from cgbuild.core.canon import canonical_json, file_digest
 from cgbuild.store import trust
@@ -24,11 +24,6 @@ from cgbuild.store.remote_gc import collect
 from cgbuild.store.s3 import Remote
 from cgbuild.store.shared import SharedStore
 from cgbuild.store.trust import SIGNING_KEY_ENV, load_signer, public_key_bytes
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3]:
-    yield from serve(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -196,12 +191,7 @@ def test_gc_remote_cli_pins_plans_and_refuses_bad_input(s3: S3, tmp_path: Path, 
     plan.write_text(json.dumps({"schema": "cgbuild.plan/1", "targets": []}))
 
     def gc(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), "gc", *args],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **s3.env},
-        )
+        return cli(ws, "gc", *args, env={**os.environ, **s3.env})
 
     ok = gc("--remote", "--grace", "0", "--root", str(plan), "--json")
     assert ok.returncode == 0, ok.stderr

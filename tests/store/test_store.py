@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from cgbuild.store.local import Corrupt, Missing, Quarantined, Store, StoreError
+from cgbuild.store.errors import Corrupt, Missing, Quarantined, StoreError
+from cgbuild.store.local import Store
 
 
 def _blob(path: Path, data: bytes) -> Path:

@@ -7,26 +7,16 @@ import errno
 import json
 import os
 import types
-import zipfile
 from pathlib import Path
 
 import pytest
+from support.artifacts import sealed_for
 
 from cgbuild.store import local, refs
-from cgbuild.store.local import DiskFull, MalformedRef, Store
-from cgbuild.store.seal import seal
+from cgbuild.store.errors import DiskFull, MalformedRef
+from cgbuild.store.local import Store
 
 K1, K2, K3 = "a1" * 32, "b2" * 32, "c3" * 32
-
-
-def artifact(tmp: Path, key: str) -> Path:
-    """A real sealed artifact for `key` (a tiny zip stands in for the AOTI package)."""
-    pkg = tmp / f"{key[:4]}.pt2"
-    with zipfile.ZipFile(pkg, "w") as z:
-        z.writestr("model/data/x", key)
-    out = tmp / f"{key[:4]}.tar.gz"
-    seal(out, {"key": key}, {"model.pt2": pkg})
-    return out
 
 
 MALFORMED = {
@@ -47,8 +37,8 @@ MALFORMED = {
 @pytest.mark.parametrize("kind", sorted(MALFORMED))
 def test_a_malformed_ref_is_reported_by_readers_and_quarantined_by_writers(tmp_path: Path, kind: str) -> None:
     store = Store(tmp_path / "store")
-    store.admit(K1, artifact(tmp_path, K1))
-    store.admit(K3, artifact(tmp_path, K3))
+    store.admit(K1, sealed_for(tmp_path, K1))
+    store.admit(K3, sealed_for(tmp_path, K3))
     ref = store.ref_path(K1)
     MALFORMED[kind](ref, store.read_ref(K1).size)  # type: ignore[union-attr]
     reader = Store(tmp_path / "store")
@@ -62,7 +52,7 @@ def test_a_malformed_ref_is_reported_by_readers_and_quarantined_by_writers(tmp_p
     assert verdicts[K3].status == "ok"
     assert not ref.exists() and store.ref_state(K1) == "quarantined"
     assert store.quarantine_record(K1)["reason"].startswith("malformed-ref")  # type: ignore[index]
-    assert store.admit(K1, artifact(tmp_path, K1)).status == "admitted"  # repaired
+    assert store.admit(K1, sealed_for(tmp_path, K1)).status == "admitted"  # repaired
     assert store.ref_state(K1) == "fresh" and store.quarantine_record(K1) is None
 
 
@@ -71,7 +61,7 @@ def test_admission_and_gc_retire_malformed_refs(tmp_path: Path) -> None:
     for key in (K1, K2):
         store.ref_path(key).parent.mkdir(parents=True, exist_ok=True)
         store.ref_path(key).write_text("[]")
-    assert store.admit(K1, artifact(tmp_path, K1)).status == "admitted"  # mint and fetch admit
+    assert store.admit(K1, sealed_for(tmp_path, K1)).status == "admitted"  # mint and fetch admit
     report = store.gc()
     assert report.refs_quarantined == [K2] and store.ref_state(K2) == "quarantined"
     assert store.ref_state(K1) == "fresh"
@@ -79,8 +69,8 @@ def test_admission_and_gc_retire_malformed_refs(tmp_path: Path) -> None:
 
 def test_a_ref_naming_another_keys_object_is_quarantined_by_verify(tmp_path: Path) -> None:
     store = Store(tmp_path / "store")
-    store.admit(K1, artifact(tmp_path, K1))
-    other = store.admit(K2, artifact(tmp_path, K2))
+    store.admit(K1, sealed_for(tmp_path, K1))
+    other = store.admit(K2, sealed_for(tmp_path, K2))
     ref = store.ref_path(K1)
     doc = ref.read_text()
     first = store.read_ref(K1)
@@ -107,8 +97,8 @@ def cross(store: Store, key: str, other: str) -> None:
 
 def test_a_ref_naming_another_keys_object_is_quarantined_by_gc_and_admission(tmp_path: Path) -> None:
     store = Store(tmp_path / "store")
-    store.admit(K1, artifact(tmp_path, K1))
-    store.admit(K2, artifact(tmp_path, K2))
+    store.admit(K1, sealed_for(tmp_path, K1))
+    store.admit(K2, sealed_for(tmp_path, K2))
     own = store.read_ref(K1)
     cross(store, K1, K2)
     assert store.ref_state(K1) == "fresh"  # plan opens no artifact: it cannot tell
@@ -118,17 +108,17 @@ def test_a_ref_naming_another_keys_object_is_quarantined_by_gc_and_admission(tmp
     assert "key-mismatch" in store.quarantine_record(K1)["reason"]  # type: ignore[index]
     assert own is not None and own.object in report.objects_removed  # K1's own bytes: unreachable
     assert store.ref_state(K2) == "fresh" and store.verify(K2).status == "ok"  # K2's object stays
-    store.admit(K1, artifact(tmp_path, K1))
+    store.admit(K1, sealed_for(tmp_path, K1))
     cross(store, K1, K2)
     # a mint of K1 finds the crossed ref in its way: retired, not a mint-once conflict
-    assert store.admit(K1, artifact(tmp_path, K1)).status == "admitted"
+    assert store.admit(K1, sealed_for(tmp_path, K1)).status == "admitted"
     assert store.check_sealed_key(K1) is None and store.ref_state(K2) == "fresh"
 
 
 def test_readers_create_and_lock_nothing(tmp_path: Path) -> None:
     root = tmp_path / "store"
     writer = Store(root)
-    writer.admit(K1, artifact(tmp_path, K1))
+    writer.admit(K1, sealed_for(tmp_path, K1))
     for name in ("lock", "tmp", "quarantine"):
         p = root / name
         p.unlink() if p.is_file() else __import__("shutil").rmtree(p)
@@ -147,7 +137,7 @@ def test_a_full_disk_at_admission_fails_that_key_and_admits_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing_fsync: int
 ) -> None:
     store = Store(tmp_path / "store")
-    art = artifact(tmp_path, K1)
+    art = sealed_for(tmp_path, K1)
     calls = {"n": 0}
 
     def fsync(fd: int) -> None:
@@ -165,7 +155,7 @@ def test_a_full_disk_at_admission_fails_that_key_and_admits_nothing(
     monkeypatch.undo()
     assert store.read_ref(K1) is None and store.ref_state(K1) == "missing"  # nothing half-admitted
     assert list((store.root / "tmp").iterdir()) == []
-    assert store.admit(K2, artifact(tmp_path, K2)).status == "admitted"  # the next key is unharmed
+    assert store.admit(K2, sealed_for(tmp_path, K2)).status == "admitted"  # the next key is unharmed
     store.gc()  # an object installed before the ref failed is unreachable: swept
     assert store.verify_all() and all(v.status == "ok" for v in store.verify_all())
     assert store.admit(K1, art).status == "admitted"

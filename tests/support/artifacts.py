@@ -1,12 +1,24 @@
-"""Crafting sealed artifacts from real ones, for the refusals adopt must make."""
+"""Sealed artifacts made for a test: stand-ins sealed from scratch, and real ones edited to be
+refused."""
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cgbuild.store.seal import read_metadata, seal, unseal
+
+
+def sealed_for(tmp: Path, key: str) -> Path:
+    """A real sealed artifact for `key` (a tiny zip stands in for the AOTI package)."""
+    pkg = tmp / f"{key[:4]}.pt2"
+    with zipfile.ZipFile(pkg, "w") as z:
+        z.writestr("model/data/x", key)
+    out = tmp / f"{key[:4]}.tar.gz"
+    seal(out, {"key": key}, {"model.pt2": pkg})
+    return out
 
 
 def edited(src: Path, dest: Path, edit: Callable[[dict[str, Any]], Any]) -> Path:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +13,9 @@ import torch
 
 from cgbuild.config import cgfile
 from cgbuild.store.local import Store
+from support.cli import cli
 
 ZOO = Path(__file__).resolve().parents[1] / "zoo"
-
-
-def cli(ws: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True
-    )
 
 
 def minted(

@@ -1,4 +1,5 @@
-"""A real S3 HTTP endpoint on loopback for the shared-store tests, and a real proxy in front of it.
+"""A real S3 HTTP endpoint on loopback (the `s3` fixture) for the shared-store tests, and a real
+proxy in front of it.
 
 moto's server mode speaks the S3 wire protocol (create-only writes with If-None-Match, multipart
 uploads, conditional deletes), so cgbuild's own boto3 client talks to it exactly as to a bucket.
@@ -16,7 +17,6 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -109,7 +109,7 @@ class Proxy:
 
 @dataclass
 class S3:
-    """The session's S3 endpoint; `env` is what a cgbuild process needs to reach it."""
+    """A test module's S3 endpoint; `env` is what a cgbuild process needs to reach it."""
 
     endpoint: str
     upstream: tuple[str, int]
@@ -121,10 +121,12 @@ class S3:
         return boto3.client("s3", endpoint_url=self.endpoint)
 
 
-def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3]:
-    """moto's S3 server on a free loopback port, with dummy credentials in this process's
-    environment (so boto3's default chain finds them, as a cgbuild child process would); the
-    body of a session fixture."""
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3]:
+    """moto's S3 server on a free loopback port for one test module, with dummy credentials in
+    this process's environment while the module runs (boto3's default chain finds them, and so do
+    the cgbuild processes and Ray nodes started meanwhile). A module's own server: no module sees
+    another's objects or environment."""
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -159,12 +161,3 @@ def child_env(s3: S3, **extra: str | None) -> dict[str, str]:
         else:
             env[k] = v
     return env
-
-
-def keypair(folder: Path, name: str) -> tuple[Path, str]:
-    """(private key path, trusted entry) of a new publisher key."""
-    from cgbuild.store.trust import keygen
-
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.pem"
-    return path, keygen(path, name)

@@ -1,0 +1,216 @@
+"""One artifact read, checked against this host, loaded through the package's C++ loader and
+armed (bound, its lane chosen), or refused with its reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from cgbuild_rules.adopt.bind import adapter_hint, bind_live, layout_refusal
+from cgbuild_rules.adopt.host import host_refusal, module_device
+from cgbuild_rules.adopt.refusal import REARMABLE, Refusal, log
+from cgbuild_rules.bound import (
+    Structure,
+    Watch,
+    structure,
+)
+from cgbuild_rules.lanes import bindings, device_memory_bytes
+from cgbuild_rules.loader import Package
+from torch import nn
+
+from cgbuild import lanes
+from cgbuild.core.codes import Code
+from cgbuild.lanes import Refit
+from cgbuild.store.errors import StoreError
+from cgbuild.store.local import Store
+from cgbuild.store.metadata import metadata_problem
+from cgbuild.store.s3 import RemoteError
+from cgbuild.store.seal import LITERALS, PACKAGE, SealError, read_metadata, unseal
+from cgbuild.store.shared import SharedStore
+
+
+# ---- artifacts ---------------------------------------------------------------------------------
+@dataclass
+class Artifact:
+    """One sealed artifact as adopted for a module: armed (`package` set) or refused."""
+
+    key: str
+    label: str
+    metadata: dict[str, Any]
+    package: Package | None = None
+    refusal: Refusal | None = None
+    literals: dict[str, torch.Tensor] = field(default_factory=dict)
+    seconds: float = 0.0
+    lane: Refit | None = None
+    """The kernel lane bound before the first call and why (None: the artifact has no lanes)."""
+    watch: Watch | None = None
+    """What the package is bound to; while refused for a binding reason, the module as refused
+    (nothing is retried until something in it moves)."""
+    baseline: Structure | None = None
+    """The module tree as first bound: a re-arm requires the live tree to be it again."""
+    unverified: tuple[str, ...] = ()
+    """Checks this artifact cannot support (`config`: sealed before the configuration record)."""
+    check_config: bool = True
+    """False for a checkpoint's tensors: no model code, so no configuration beside the program's."""
+    reload: Callable[[nn.Module], Artifact] | None = None
+    """Load it again (an artifact refused before its package was loaded is re-armed so)."""
+
+    @property
+    def contract(self) -> dict[str, Any]:
+        return self.metadata.get("graph", {}).get("contract", {})
+
+    @property
+    def dynamic(self) -> bool:
+        return bool(self.contract.get("symbols"))
+
+
+def choose_lane(
+    meta: Mapping[str, Any], device: torch.device, *, memory_bytes: int | None = None, pin: str | None = None
+) -> tuple[Refit | None, dict[str, torch.Tensor]]:
+    """The lane this device serves and the switch values that bind it (docs/lanes.md).
+
+    Re-applies the fit rule to THIS device's memory (`memory_bytes` overrides it: a smaller card,
+    a share of a larger one) on the peaks the mint recorded, rounded up: `lane-adopted`,
+    `lane-refit`, `lane-refit-no-fit` or `lane-unverified`. `pin` names a lane to serve instead
+    (`lane-pinned`); it must be one the artifact carries. Never re-benchmarks.
+    """
+    block = meta.get("lanes")
+    if not block or not block.get("axes"):
+        return None, {}
+    rows = block["axes"]
+    axes = [r["axis"] for r in rows]
+    carried = lanes.combinations([(r["axis"], r["values"]) for r in rows])
+    if pin is not None:
+        if pin not in carried:
+            raise ValueError(f"lane {pin!r} is not in this artifact (it carries {', '.join(carried)})")
+        choice = Refit(pin, Code.LANE_PINNED, f"{pin}: pinned by the caller")
+    else:
+        memory = memory_bytes if memory_bytes is not None else device_memory_bytes(device)
+        choice = lanes.refit(block["verdict"], memory)
+    return choice, bindings(rows, lanes.split(choice.lane, axes), device)
+
+
+def _arm(
+    art: Artifact,
+    files: Mapping[str, Path],
+    module: nn.Module,
+    device: torch.device,
+    memory_bytes: int | None = None,
+    pin: str | None = None,
+) -> None:
+    if LITERALS in files:
+        from safetensors.torch import load_file
+
+        try:
+            art.literals = {k: v.to(device) for k, v in load_file(str(files[LITERALS])).items()}
+        except Exception as e:  # safetensors' own error type: the literals file is not one
+            art.refusal = Refusal(Code.BAD_LITERALS, f"{LITERALS}: {type(e).__name__}: {e}")
+            return
+    art.lane, switch = choose_lane(art.metadata, device, memory_bytes=memory_bytes, pin=pin)
+    art.literals.update(switch)  # bound with the rest below: before the first call, kept by rebind
+    if art.lane is not None:
+        log.info("%s: lane %s (%s: %s)", art.label, art.lane.lane, art.lane.code, art.lane.detail)
+    try:
+        package = Package(files[PACKAGE], device_index=device.index if device.index is not None else -1)
+    except Exception as e:
+        art.refusal = Refusal(Code.LOAD_FAILED, f"{type(e).__name__}: {e}")
+        return
+    table = {
+        r["fqn"]
+        for group in ("state", "literal")
+        for r in (art.metadata.get("constants") or {}).get(group, [])
+    }
+    # The package's list is the truth of what it binds; the sealed table must describe each
+    # (dtype, shape, stride to check). A table naming more is an artifact sealed before the
+    # table was cut to the package's list: the extra rows are never bound.
+    extra = sorted(set(package.constant_fqns) - table)
+    if extra:
+        art.refusal = Refusal(
+            Code.CONSTANT_TABLE_MISMATCH, f"package binds {extra[:3]} that the sealed table does not describe"
+        )
+        return
+    if refusal := bind_live(art, package, module, device):
+        art.refusal = refusal
+        return
+    art.package = package
+    art.baseline = structure(module)
+
+
+def load_artifact(
+    source: str | os.PathLike[str],
+    module: nn.Module,
+    *,
+    store: Store | SharedStore | None = None,
+    label: str | None = None,
+    memory_bytes: int | None = None,
+    lane: str | None = None,
+    check_config: bool = True,
+) -> Artifact:
+    """Resolve, check and arm one artifact for `module`; a refusal is recorded, never raised.
+
+    `check_config=False` skips the configuration record (a checkpoint's tensors have none: the
+    program is the artifact's own).
+
+    `memory_bytes` / `lane`: the lane re-fit's device memory override and a pinned lane
+    (`choose_lane`); a pinned lane the artifact does not carry raises ValueError. A
+    `SharedStore` pulls a missing key first and refuses an artifact no trusted publisher signed
+    (`unsigned`, `unknown-signer`, `bad-signature`), from the remote and from its cache alike.
+    """
+    t = time.perf_counter()
+    device = module_device(module)
+    key = str(source)
+    path = Path(source)
+    try:
+        if store is not None:
+            path = store.resolve(key, verify=True).path
+        meta = read_metadata(path)
+    except (StoreError, RemoteError, SealError, OSError, ValueError) as e:
+        code = getattr(e, "code", Code.BAD_ARTIFACT)
+        return Artifact(
+            key, label or key[:12], {}, refusal=Refusal(code, str(e)), seconds=time.perf_counter() - t
+        )
+    art = Artifact(str(meta.get("key")), label or str(meta.get("key", ""))[:12], meta)
+    if problem := metadata_problem(meta):
+        art.refusal = Refusal(Code.BAD_METADATA, f"{path}: {problem}")
+    elif store is not None and art.key != key:
+        art.refusal = Refusal(
+            Code.KEY_MISMATCH, f"store key {key[:12]} holds an artifact that says {art.key[:12]}"
+        )
+    else:
+        art.refusal = host_refusal(meta, device) or layout_refusal(meta, module)
+        if art.refusal is not None and art.refusal.code in REARMABLE:
+            art.refusal = Refusal(art.refusal.code, f"{art.refusal.detail}{adapter_hint(module)}")
+    art.check_config = check_config
+    if check_config and not isinstance(meta.get("module"), Mapping):
+        art.unverified = ("config",)
+        log.info("%s: sealed without a configuration record: its configuration is unverified", art.label)
+    art.reload = functools.partial(
+        load_artifact,
+        source,
+        store=store,
+        label=label,
+        memory_bytes=memory_bytes,
+        lane=lane,
+        check_config=check_config,
+    )
+    if art.refusal is None:
+        scratch = Path(tempfile.mkdtemp(prefix="cgbuild-adopt-"))
+        try:
+            _arm(art, unseal(path, scratch), module, device, memory_bytes, lane)
+        except SealError as e:  # a member, or an entry of the package, that must not be unpacked
+            art.refusal = Refusal(e.code, str(e))
+        except (RuntimeError, OSError) as e:  # constants the package would not take
+            art.refusal = Refusal(Code.LOAD_FAILED, f"{type(e).__name__}: {e}")
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)  # the loader has its own copy by now
+    art.seconds = time.perf_counter() - t
+    return art

@@ -1,0 +1,182 @@
+"""A call against the traced contract: dtypes, devices, shapes, symbol ranges and strides, and
+the inputs copied into the traced layout where only their strides or alignment differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from cgbuild_rules.adopt.refusal import Refusal
+from cgbuild_rules.weights import ALIGN
+from torch.utils import _pytree as pytree
+
+from cgbuild.core.codes import Code
+
+
+# ---- call contracts ----------------------------------------------------------------------------
+def _dim_value(expr: str, bound: Mapping[str, int]) -> int | None:
+    """Evaluate a rendered size (`7`, `S0`, `2*S0`, `S0 + 1`); None if it is not that simple."""
+    total = 0
+    for term in expr.replace(" ", "").split("+"):
+        prod = 1
+        for factor in term.split("*"):
+            if factor.isdigit():
+                prod *= int(factor)
+            elif factor in bound:
+                prod *= bound[factor]
+            else:
+                return None
+        total += prod
+    return total
+
+
+def _contiguous(shape: list[int]) -> list[int]:
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= max(size, 1)
+    return out[::-1]
+
+
+def _as_traced(g: torch.Tensor, want: list[int]) -> torch.Tensor | None:
+    """`g` itself when the package may read it as traced (the strides it was traced with on
+    every dimension longer than one, an aligned start), else a copy laid out that way; None
+    for an input that cannot be laid out so (overlapping traced strides)."""
+    if g.numel() == 0:
+        return g
+    same = all(n <= 1 or s == w for n, s, w in zip(g.shape, g.stride(), want, strict=True))
+    if same and g.data_ptr() % ALIGN == 0:
+        return g
+    try:
+        out = torch.empty_strided(g.shape, want, dtype=g.dtype, device=g.device)
+    except RuntimeError:
+        return None
+    return out.copy_(g)
+
+
+def fit(
+    contract: Mapping[str, Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    restrided: list[str] | None = None,
+) -> tuple[Refusal | None, list[Any]]:
+    """Does this call fit the contract? Returns (why not, or None) and the call's leaves in order.
+
+    A package reads each input with the strides it was traced with, unchecked: an expanded
+    (stride-0), transposed, sliced or channels-last view would be read as if laid out as traced.
+    So an input whose strides (on dimensions longer than one) or 16-byte alignment differ is
+    copied into the traced layout first, its name appended to `restrided`. Artifacts sealed
+    before the contract recorded strides were traced with contiguous inputs (every entry then
+    built them so) and are held to that.
+    """
+    inputs = contract.get("inputs") or []
+    positional = [i for i in inputs if not i.get("keyword")]
+    keywords = {i["name"] for i in inputs if i.get("keyword")}
+    if len(args) != len(positional) or set(kwargs) != keywords:
+        takes = f"{len(positional)} positional + {sorted(keywords)}"
+        return Refusal(
+            Code.CALL_STRUCTURE,
+            f"call passes {len(args)} positional + {sorted(kwargs)}, artifact takes {takes}",
+        ), []
+    bounds = {s["name"]: (s.get("min"), s.get("max")) for s in contract.get("symbols") or []}
+    bound: dict[str, int] = {}
+    leaves: list[Any] = []
+    pending: list[tuple[str, str, int]] = []
+    tensors: list[tuple[str, torch.Tensor, Mapping[str, Any]]] = []
+    positions: list[int] = []
+    arg_iter = iter(args)
+    for spec in inputs:
+        value = kwargs[spec["name"]] if spec.get("keyword") else next(arg_iter)
+        got = pytree.tree_leaves(value)
+        want = spec.get("leaves") or []
+        if len(got) != len(want):
+            return Refusal(
+                Code.CALL_STRUCTURE, f"{spec['name']}: {len(got)} leaves, artifact takes {len(want)}"
+            ), []
+        for j, (g, w) in enumerate(zip(got, want, strict=True)):
+            where = f"{spec['name']}" + (f"[{j}]" if len(want) > 1 else "")
+            if not isinstance(w, dict):
+                if isinstance(g, torch.Tensor) or g != w:
+                    return Refusal(Code.CONSTANT_ARG, f"{where}: {g!r} where the program baked {w!r}"), []
+                leaves.append(g)
+                continue
+            if (why := _tensor_refusal(where, g, w, bounds, bound, pending)) is not None:
+                return why, []
+            positions.append(len(leaves))
+            tensors.append((where, g, w))
+            leaves.append(g)
+    why = _pending_refusal(pending, bound) or _laid_out(tensors, leaves, positions, bound, restrided)
+    return why, [] if why else leaves
+
+
+def _tensor_refusal(
+    where: str,
+    g: Any,
+    w: Mapping[str, Any],
+    bounds: Mapping[str, tuple[int | None, int | None]],
+    bound: dict[str, int],
+    pending: list[tuple[str, str, int]],
+) -> Refusal | None:
+    """Why tensor leaf `g` does not fit its traced leaf `w`: its kind, dtype, device, rank and each
+    size (a symbol binds on first sight and must agree after, within its range; an expression of
+    symbols is checked once all are bound, from `pending`)."""
+    if not isinstance(g, torch.Tensor):
+        return Refusal(Code.NOT_A_TENSOR, f"{where}: {type(g).__name__}, artifact takes a tensor")
+    dtype = str(g.dtype).removeprefix("torch.")
+    if dtype != w["dtype"]:
+        return Refusal(Code.DTYPE, f"{where}: {dtype}, artifact takes {w['dtype']}")
+    if g.device.type != w["device"]:
+        return Refusal(Code.DEVICE, f"{where}: on {g.device.type}, artifact takes {w['device']}")
+    if g.dim() != len(w["shape"]):
+        return Refusal(Code.SHAPE, f"{where}: rank {g.dim()}, artifact takes {len(w['shape'])}")
+    for axis, (size, dim) in enumerate(zip(g.shape, w["shape"], strict=True)):
+        if isinstance(dim, int):
+            if size != dim:
+                return Refusal(Code.SHAPE, f"{where} dim {axis}: {size}, artifact takes {dim}")
+        elif dim in bounds:
+            lo, hi = bounds[dim]
+            if bound.setdefault(dim, size) != size:
+                return Refusal(Code.SHAPE, f"{where} dim {axis}: {size}, but {dim} = {bound[dim]}")
+            if (lo is not None and size < lo) or (hi is not None and size > hi):
+                return Refusal(Code.SYMBOL_RANGE, f"{where} dim {axis}: {size} outside {dim} ∈ [{lo}, {hi}]")
+        else:
+            pending.append((f"{where} dim {axis}", dim, size))
+    return None
+
+
+def _pending_refusal(pending: list[tuple[str, str, int]], bound: Mapping[str, int]) -> Refusal | None:
+    """Why a size traced as an expression of symbols is not what the bound symbols make it."""
+    for where, expr, size in pending:
+        value = _dim_value(expr, bound)
+        if value is None:
+            return Refusal(Code.SHAPE, f"{where}: size {expr!r} is not checkable here")
+        if value != size:
+            return Refusal(Code.SHAPE, f"{where}: {size}, artifact takes {expr} = {value}")
+    return None
+
+
+def _laid_out(
+    tensors: list[tuple[str, Any, Mapping[str, Any]]],
+    leaves: list[Any],
+    positions: list[int],
+    bound: Mapping[str, int],
+    restrided: list[str] | None,
+) -> Refusal | None:
+    """Each tensor leaf in its traced layout (copied where its strides or alignment differ, in
+    `leaves` at its position), or why one cannot be."""
+    for i, (where, g, w) in enumerate(tensors):
+        recorded = w.get("stride")
+        shape = list(g.shape)
+        want = _contiguous(shape) if recorded is None else [_dim_value(str(d), bound) for d in recorded]
+        if any(d is None for d in want) or len(want) != g.dim():
+            return Refusal(Code.STRIDE, f"{where}: traced strides {recorded} are not checkable here")
+        laid = _as_traced(g, want)  # type: ignore[arg-type]
+        if laid is None:
+            return Refusal(Code.STRIDE, f"{where}: cannot lay out {shape} with traced strides {want}")
+        if laid is not g:
+            leaves[positions[i]] = laid
+            if restrided is not None:
+                restrided.append(where)
+    return None

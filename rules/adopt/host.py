@@ -1,0 +1,77 @@
+"""This host's facts against an artifact's recorded ones, checked BEFORE anything is loaded (a
+package that cannot load here may segfault rather than raise): the device's sm, the torch
+version, the ISA, the compiler family, the C/C++ runtime versions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from cgbuild_rules.adopt.refusal import Refusal
+from cgbuild_rules.loader import host_runtime
+from torch import nn
+
+from cgbuild.core.codes import Code
+from cgbuild.identity import compiler
+
+
+# ---- host facts --------------------------------------------------------------------------------
+def device_sm(device: torch.device) -> str:
+    """`cpu`, or `sm_<major><minor>` of a CUDA device: the only hardware key axis."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"sm_{major}{minor}"
+    return device.type
+
+
+def module_device(module: nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    for b in module.buffers():
+        return b.device
+    return torch.device("cpu")
+
+
+def torch_compiler_family() -> str | None:
+    """The compiler family this torch was built with (from its build configuration)."""
+    config = torch.__config__.show()
+    if re.search(r"\bGCC\b", config):
+        return "gcc"
+    if re.search(r"\bclang\b", config, re.IGNORECASE):
+        return "clang"
+    return None
+
+
+def host_refusal(meta: Mapping[str, Any], device: torch.device) -> Refusal | None:
+    """The first recorded fact this host or device contradicts, checked before any load."""
+    if meta.get("kind") != "aot-inductor":
+        return Refusal(Code.BAD_ARTIFACT, f"kind {meta.get('kind')!r} is not an AOTInductor artifact")
+    here = device_sm(device)
+    if meta.get("sm") != here:
+        return Refusal(Code.WRONG_SM, f"artifact is for {meta.get('sm')}, the module is on {device} ({here})")
+    if meta.get("torch") != torch.__version__:
+        return Refusal(
+            Code.TORCH_VERSION,
+            f"artifact was built with torch {meta.get('torch')}, "
+            f"this process runs {torch.__version__} (packages are ABI-locked)",
+        )
+    host = meta.get("host") or {}
+    isa = compiler.isa_refusal(host.get("isa") or {})
+    if isa:
+        return Refusal(Code.HOST_ISA, isa)
+    family = (host.get("cxx") or {}).get("family")
+    built_with = torch_compiler_family()
+    if family and built_with and family != built_with:
+        return Refusal(Code.COMPILER_FAMILY, f"package built with {family}, torch with {built_with}")
+    provided = host_runtime()
+    for name, need in (host.get("runtime") or {}).items():
+        want = tuple(int(x) for x in need.split("."))
+        if name in provided and provided[name] < want:
+            have = ".".join(map(str, provided[name]))
+            return Refusal(Code.HOST_RUNTIME, f"package needs {name}_{need}, this host provides {have}")
+    return None

@@ -1,0 +1,241 @@
+"""`Adopted`: the live module served through its armed artifacts, each call routed to the
+artifact whose contract fits, re-bound when its bindings moved and still match, else served
+eager with the reason named and counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from cgbuild_rules.adopt.artifact import Artifact, load_artifact
+from cgbuild_rules.adopt.bind import CheckpointTensors, adapter_hint, bind_live, layout_refusal, tie_aliases
+from cgbuild_rules.adopt.contract import fit
+from cgbuild_rules.adopt.host import module_device
+from cgbuild_rules.adopt.refusal import REARMABLE, AdoptRefused, Refusal, log
+from cgbuild_rules.bound import (
+    Moved,
+    Watch,
+    structure_moved,
+)
+from torch import nn
+
+from cgbuild.core.codes import Code
+from cgbuild.lanes import Refit
+from cgbuild.store.errors import StoreError
+from cgbuild.store.local import Store
+from cgbuild.store.s3 import RemoteError
+from cgbuild.store.seal import SealError, read_metadata
+from cgbuild.store.shared import SharedStore
+
+
+class Adopted:
+    """A module served through its artifacts: `__call__` runs compiled when a call fits one, else
+    eager, naming and counting the reason. Never raises because of an artifact.
+
+    Before each compiled call the artifact's watch (`cgbuild_rules.bound`) proves the module
+    still holds what the package was bound to. When something moved, the artifact is re-bound
+    on the spot if the module still matches it (counted `rebound`), else refused for this call
+    and the next (`module-changed`, naming what moved and why it cannot be re-bound) until the
+    module matches again. A call whose inputs are laid out otherwise than traced is served on
+    copies laid out as traced (counted `restrided`).
+    """
+
+    def __init__(self, module: nn.Module, artifacts: Iterable[Artifact], *, strict: bool = False) -> None:
+        self.module = module
+        self.strict = strict
+        # strict: raise AdoptRefused instead of serving a call eager (a caller with no eager path)
+        self._eager = type(module).forward.__get__(module)
+        # Static classes before dynamic ones: an exact bucket beats a range that also covers it.
+        self.artifacts = sorted(artifacts, key=lambda a: a.dynamic)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.last_reason: Refusal | None = None
+        self._warned: set[str] = set()
+
+    @property
+    def armed(self) -> list[Artifact]:
+        return [a for a in self.artifacts if a.package is not None and a.refusal is None]
+
+    @property
+    def refusals(self) -> dict[str, Refusal]:
+        return {a.label: a.refusal for a in self.artifacts if a.refusal is not None}
+
+    @property
+    def unverified(self) -> dict[str, tuple[str, ...]]:
+        """label → the checks an armed artifact cannot support (sealed before their record)."""
+        return {a.label: a.unverified for a in self.armed if a.unverified}
+
+    @property
+    def lanes(self) -> dict[str, Refit]:
+        """label → the lane each armed artifact serves and why (`lane-adopted`, `lane-refit`, …)."""
+        return {a.label: a.lane for a in self.armed if a.lane is not None}
+
+    def route(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], restrided: list[str] | None = None
+    ) -> tuple[Artifact | None, list[Any], Refusal | None]:
+        """The artifact this call runs on (with its leaves), or None and the reason it runs eager."""
+        armed = self.armed
+        if not armed:
+            first = next(iter(self.refusals.values()), Refusal(Code.NO_ARTIFACT, "no artifact adopted"))
+            return None, [], first
+        closest: Refusal | None = None
+        for art in armed:
+            copied: list[str] = []
+            why, leaves = fit(art.contract, args, kwargs, copied)
+            if why is None:
+                if restrided is not None:
+                    restrided.extend(copied)
+                return art, leaves, None
+            if closest is None:
+                closest = Refusal(why.code, f"{art.label}: {why.detail}")
+        assert closest is not None
+        return None, [], closest
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._retry_refused()
+        restrided: list[str] = []
+        art, leaves, why = self.route(args, kwargs, restrided)
+        if art is not None and art.watch is not None and (moved := art.watch.moved()) is not None:
+            refusal = self._rearm(art)
+            if refusal is None:
+                self.counters["rebound"] += 1
+            else:
+                why = self._hold(art, moved, refusal)
+        if art is not None and art.package is not None and art.refusal is None:
+            try:
+                out = art.package.run_flat([x for x in leaves if isinstance(x, torch.Tensor)])
+                self.counters["compiled"] += 1
+                if restrided:
+                    self.counters["restrided"] += 1
+                return out
+            except Exception as e:  # a compiled failure disarms the artifact and serves eager
+                art.refusal = Refusal(Code.COMPILED_ERROR, f"{type(e).__name__}: {e}")
+                art.package = None
+                why = art.refusal
+        assert why is not None  # no artifact, or one refused on the way: each says why
+        if self.strict:
+            raise AdoptRefused(why)
+        self.counters[f"eager:{why.code}"] += 1
+        self.last_reason = why
+        if why.code not in self._warned:
+            self._warned.add(why.code)
+            log.warning("serving %s eager: %s (%s)", type(self.module).__name__, why.code, why.detail)
+        return self._eager(*args, **kwargs)
+
+    def _rearm(self, art: Artifact) -> Refusal | None:
+        """Bind `art` to the live module again if it matches it (tree as first bound, configuration,
+        layout, every bound tensor); else the first reason it does not."""
+        assert art.package is not None
+        module = self.module
+        if art.baseline is not None and (moved := structure_moved(art.baseline, module)) is not None:
+            return Refusal(Code.MODULE_CHANGED, f"{moved}{adapter_hint(module)}")
+        refusal = layout_refusal(art.metadata, module)
+        if refusal is not None:
+            return Refusal(refusal.code, f"{refusal.detail}{adapter_hint(module)}")
+        if refusal := bind_live(art, art.package, module, module_device(module)):
+            return refusal
+        art.refusal = None
+        return None
+
+    def _retry_refused(self) -> None:
+        """Re-arm a loaded artifact refused for what the module held, once the module moved."""
+        for art in self.artifacts:
+            if art.package is None or art.refusal is None or art.refusal.code not in REARMABLE:
+                continue
+            moved = art.watch.moved() if art.watch is not None else None
+            if art.watch is not None and moved is None:
+                continue
+            refusal = self._rearm(art)
+            if refusal is None:
+                self.counters["rebound"] += 1
+            else:
+                self._hold(art, moved, refusal)
+
+    def _hold(self, art: Artifact, moved: Moved | None, refusal: Refusal) -> Refusal:
+        """Refuse `art` for what the module holds now, and watch the module as it is refused (it
+        is not retried until something in it moves). Returns the refusal it sets."""
+        detail = f"{moved}; not re-bound: {refusal.code}: {refusal.detail}" if moved else refusal.detail
+        art.refusal = held = Refusal(Code.MODULE_CHANGED, detail) if moved else refusal
+        art.watch = Watch(self.module, art.watch.names if art.watch else ())
+        return held
+
+    def rebind(self) -> None:
+        """Bind every artifact to the module's tensors again, re-arming those refused for what the
+        module held once it matches them. Calls re-bind by themselves when something moved; this
+        also re-arms an artifact refused before its package was loaded (e.g. adopted with an
+        unfused adapter in place), and names each refusal in `refusals`."""
+        for i, art in enumerate(self.artifacts):
+            if art.refusal is not None and art.refusal.code not in REARMABLE:
+                continue
+            if art.package is None:
+                if art.reload is not None:
+                    self.artifacts[i] = art.reload(self.module)
+                continue
+            refusal = self._rearm(art)
+            if refusal is not None:
+                self._hold(art, None, refusal)
+
+    def install(self) -> Adopted:
+        """Serve `module(...)` through this object (an instance attribute; hooks stay intact)."""
+        self.module.forward = self  # type: ignore[method-assign]
+        return self
+
+    def release(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+def adopt(
+    artifact: str | os.PathLike[str],
+    module: nn.Module,
+    *,
+    store: Store | SharedStore | None = None,
+    strict: bool = False,
+    memory_bytes: int | None = None,
+    lane: str | None = None,
+) -> Adopted:
+    """Adopt one sealed artifact (a path, or a key when `store` is given) for `module`.
+
+    With `strict`, a refused artifact raises `AdoptRefused`; otherwise it serves eager, named.
+    The kernel lane is re-fitted to this device (`memory_bytes` overrides its memory) or pinned
+    (`lane`) and bound before the first call; `Adopted.lanes` says which and why.
+    """
+    art = load_artifact(artifact, module, store=store, memory_bytes=memory_bytes, lane=lane)
+    if strict and art.refusal is not None:
+        raise AdoptRefused(art.refusal)
+    return Adopted(module, [art], strict=strict)
+
+
+def serve_checkpoint(
+    artifact: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    store: Store | SharedStore | None = None,
+    memory_bytes: int | None = None,
+    lane: str | None = None,
+) -> Adopted:
+    """Serve a sealed artifact from a checkpoint's tensors alone, without the model's code.
+
+    The package carries the program and binds its constants by name, so a serving worker that
+    has the weights (e.g. `cgbuild_rules.weights.read_checkpoint(path, "cuda")`) need not import
+    the entry or its libraries. The same checks as `adopt` run on the tensors; what differs is
+    the fallback: there is no eager path without the module, so an artifact this host or these
+    tensors refuse raises `AdoptRefused`, and so does a call outside the artifact's contract.
+    Trace-baked literals come from the artifact. Weight swaps: assign new tensors to
+    `served.module` (same names) and call `served.rebind()`.
+    """
+    meta: Mapping[str, Any] = {}
+    path = Path(artifact)
+    with contextlib.suppress(StoreError, RemoteError, SealError, OSError, ValueError):
+        meta = read_metadata(store.resolve(str(artifact), verify=True).path if store is not None else path)
+    holder = CheckpointTensors(tie_aliases(meta, tensors))
+    art = load_artifact(
+        artifact, holder, store=store, memory_bytes=memory_bytes, lane=lane, check_config=False
+    )
+    if art.refusal is not None:
+        raise AdoptRefused(art.refusal)
+    return Adopted(holder, [art], strict=True)

@@ -1,0 +1,308 @@
+"""The check stage (verify, measure, serve in one process started beside the compile) and the
+lane verdict the worker fits from its measurements.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cgbuild_rules.mint.compare import compare_outputs, tolerance_of
+from cgbuild_rules.mint.failure import MintFailure
+from cgbuild_rules.mint.stages import Stage, await_go, fault
+
+from cgbuild.core import fs
+from cgbuild.core.codes import Code
+from cgbuild.protocol.mint import (
+    MintRequest,
+)
+from cgbuild.store.seal import LITERALS, PACKAGE, read_metadata
+
+
+@dataclass
+class _Checked:
+    """What the `check` stage keeps between its parts: the entry's module (built once, seed-0
+    weights), its literals, and the package bound for verification."""
+
+    job: Any
+    built: Any
+    base_bytes: int
+    literals: dict[str, Any] = field(default_factory=dict)
+    own: dict[str, Any] = field(default_factory=dict)
+    """The module's own values of those literals (what it was built with), put back before the
+    serve part: a serving process's module holds its own, not the compile's."""
+    package: Any = None
+    bound: dict[str, Any] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """The sealed switch table, as verify found it on the module."""
+
+
+def _verify(req: Mapping[str, Any], work: Path, c: _Checked) -> dict[str, Any]:
+    """The compiled package through the real loader against the module's eager output (with the
+    literals the compile wrote), and every lane of it when the request has lanes."""
+    fault("verify")
+    import torch
+    from cgbuild_rules import trace
+    from cgbuild_rules.adopt.bind import attribute
+    from cgbuild_rules.loader import Package, state_tensors
+
+    job, built = c.job, c.built
+    if (work / LITERALS).exists():
+        from safetensors.torch import load_file
+
+        c.literals = {k: v.to(job.device) for k, v in load_file(str(work / LITERALS)).items()}
+        for fqn, value in c.literals.items():
+            c.own[fqn] = attribute(built.module, fqn)
+            trace._set_attribute(built.module, fqn, value)
+    with torch.no_grad():
+        want = built.module(*built.args, **built.kwargs)
+    c.package = Package(work / PACKAGE)
+    live = {**state_tensors(built.module), **c.literals}
+    missing = sorted(set(c.package.constant_fqns) - set(live))
+    if missing:
+        raise MintFailure(
+            Code.CONSTANT_TABLE_MISMATCH, f"the package needs constants the module lacks: {missing[:5]}"
+        )
+    c.bound = {fqn: live[fqn] for fqn in c.package.constant_fqns}
+    c.package.bind(c.bound)
+    with torch.no_grad():
+        got = c.package(*built.args, **built.kwargs)
+    result: dict[str, Any] = {"ok": True, "errors": compare_outputs(got, want, tolerance_of(job.quant))}
+    if req.get("lanes"):
+        result["lanes"] = _verify_lanes(req, job, built, c.package, c.bound)
+        c.rows = result["lanes"]["rows"]
+    return result
+
+
+def stage_check(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
+    """verify, measure and serve in ONE process, started beside the compile.
+
+    Importing torch and the entry and building the module with its seed-0 weights (about 20 s
+    for klein-4B) happen while the compile runs; each part then waits for its input from the
+    worker (`go-verify`, `go-measure` with the candidates, `go-serve` with the sealed artifact)
+    and writes `<part>.json`. A part that fails ends the stage with its failure (`check.json`).
+    """
+    import torch
+    from cgbuild_rules import lanes as lane_rt
+    from cgbuild_rules import trace
+
+    job = trace.parse_job(req["job"])
+    base = lane_rt.process_bytes()  # the bare process, before the module or package exist
+    c = _Checked(job, trace.build(job, "real"), base)
+    req = await_go(work, "verify")["request"]  # a hold's key request is known only now
+    fs.write_atomic(work / "verify.json", json.dumps(_verify(req, work, c)))
+    candidates = await_go(work, "measure")["candidates"]
+    if candidates:
+        threads = torch.get_num_threads()
+        try:
+            fs.write_atomic(work / "measure.json", json.dumps(_measure(req, c, candidates)))
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        fs.write_atomic(work / "measure.json", json.dumps({"ok": True, "runs": {}}))
+    artifact = await_go(work, "serve")["artifact"]
+    for fqn, value in c.own.items():
+        if value is not None:
+            trace._set_attribute(c.built.module, fqn, value)
+    fs.write_atomic(work / "serve.json", json.dumps(_serve(req, c.job, c.built, artifact)))
+    return {"ok": True}
+
+
+def stage_serve(req: Mapping[str, Any], work: Path, artifact: str) -> dict[str, Any]:
+    """The sealed artifact as a serving process meets it (`cgbuild verify --run`'s own process;
+    a mint's check stage runs the same `_serve` on the module it built): the live module
+    from the entry (seed-0 weights, its own literals), `adopt` (strict: a refusal fails the mint
+    with adopt's own code), the entry's call served through it, which must run compiled (no
+    eager fallback, by the router's counters), compared against eager. An artifact with lanes
+    is adopted once per lane it can serve, each pinned, against eager with the same lane.
+    """
+    from cgbuild_rules import trace
+
+    job = trace.parse_job(req["job"])
+    return _serve(req, job, trace.build(job, "real"), artifact)
+
+
+def _serve(req: Mapping[str, Any], job: Any, built: Any, artifact: str) -> dict[str, Any]:
+    fault("serve")
+    import torch
+    from cgbuild_rules import lanes as lane_rt
+    from cgbuild_rules.adopt import AdoptRefused, adopt
+
+    from cgbuild import lanes
+
+    block = read_metadata(artifact).get("lanes") or {}
+    rows = block.get("axes") or []
+    axes = [r["axis"] for r in rows]
+    excluded = set(block.get("excluded") or {})
+    choices: list[str | None] = [
+        lane
+        for lane in lanes.combinations([(r["axis"], r["values"]) for r in rows])
+        if not {f"{a}.{v}" for a, v in lanes.split(lane, axes).items()} & excluded
+    ] or [None]
+    errors: list[dict[str, Any]] = []
+    served: list[dict[str, Any]] = []
+    for lane in choices:
+        if lane is not None:
+            lane_rt.set_lanes(built.module, lanes.split(lane, axes))
+        with torch.no_grad():
+            want = built.module(*built.args, **built.kwargs)
+        try:
+            adopted = adopt(artifact, built.module, strict=True, lane=lane)
+        except AdoptRefused as e:
+            detail = f"adopt refuses the sealed artifact: {e.refusal.detail}"
+            raise MintFailure(e.refusal.code, detail) from None
+        with torch.no_grad():
+            got = adopted(*built.args, **built.kwargs)
+        counters = dict(adopted.counters)
+        if counters != {"compiled": 1}:
+            why = adopted.last_reason
+            code, detail = (why.code, why.detail) if why else (Code.VERIFY_FAILED, f"counters {counters}")
+            raise MintFailure(code, f"adopted, but the entry's own call was served eager: {detail}")
+        tag = {} if lane is None else {"lane": lane}
+        errors += [{**e, **tag} for e in compare_outputs(got, want, tolerance_of(job.quant))]
+        served.append({**tag, "counters": counters, "seconds": round(adopted.armed[0].seconds, 3)})
+    return {"ok": True, "errors": errors, "served": served}
+
+
+def _lane_rows(req: Mapping[str, Any], job: Any, module: Any) -> list[dict[str, Any]]:
+    from cgbuild_rules import lanes as lane_rt
+
+    declared = [axis for axis, _ in req["lanes"]["axes"]]
+    try:
+        return lane_rt.lane_rows(module, declared, job.spec.get("lanes") or {})
+    except ValueError as e:
+        raise MintFailure(Code.ENTRY_ERROR, str(e)) from None
+
+
+def _verify_lanes(
+    req: Mapping[str, Any], job: Any, built: Any, package: Any, bound: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Every lane of the ONE compiled artifact against eager with the same lane, and each value
+    against its axis's reference (the numerics self-check that makes it a candidate)."""
+    import torch
+    from cgbuild_rules import lanes as lane_rt
+
+    rows = _lane_rows(req, job, built.module)
+
+    def eager(choice: Mapping[str, str]) -> Any:
+        lane_rt.set_lanes(built.module, choice)
+        with torch.no_grad():
+            return built.module(*built.args, **built.kwargs)
+
+    def compiled(choice: Mapping[str, str]) -> Any:
+        package.bind({**bound, **lane_rt.bindings(rows, choice, job.device)})
+        with torch.no_grad():
+            return package(*built.args, **built.kwargs)
+
+    compare = functools.partial(compare_outputs, tolerance=tolerance_of(job.quant))
+    checks = lane_rt.verify_lanes(rows, eager, compiled, compare)
+    return {"rows": rows, **checks}
+
+
+def _measure(req: Mapping[str, Any], c: _Checked, candidates: Sequence[str]) -> dict[str, Any]:
+    """Every candidate lane's benchmark, in turn, on the module and package this stage already
+    holds (cgbuild_rules.lanes.measure): each lane is bound in its place before its own warm-ups,
+    peak reset and timed calls. A lane measured later does not inherit an earlier one's peak: the
+    GPU's counter and the CPU's resident high-water mark are reset per lane, after freed memory
+    was returned."""
+    fault("measure")
+    import gc
+
+    import torch
+    from cgbuild_rules import lanes as lane_rt
+
+    from cgbuild import lanes
+
+    job, built = c.job, c.built
+    if job.device == "cpu":
+        # One intra-op thread: on a shared host a parallel region waits for every thread it
+        # started, and another process on a core stalls each call by a scheduler slice (24 ms
+        # per call measured here at 2 threads, against 0.1 ms alone), which would rank lanes by
+        # the neighbours' load. The thread count is in the evidence.
+        torch.set_num_threads(1)
+    rows, axes = c.rows, [r["axis"] for r in c.rows]
+    device = torch.device(job.device)
+
+    def call() -> Any:
+        return c.package(*built.args, **built.kwargs)
+
+    runs: dict[str, Any] = {}
+    for lane in candidates:
+        print(f"lanes: measuring {lane}", file=sys.stderr, flush=True)
+        c.package.bind({**c.bound, **lane_rt.bindings(rows, lanes.split(lane, axes), job.device)})
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        runs[lane] = lane_rt.measure(call, device, c.base_bytes if device.type == "cpu" else 0)
+    return {"ok": True, "runs": runs, "device": lane_rt.device_facts(device)}
+
+
+def lane_verdict(
+    req: MintRequest,
+    built: Mapping[str, Any],
+    checked: Mapping[str, Any],
+    check: Stage,
+    progress: Callable[[str], None] | None,
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Candidates from capability, measured in the check stage, the rule's verdict.
+
+    Returns (the sealed `lanes` block: discrete facts only; the evidence: raw timings, samples,
+    the device, never sealed), or (None, None) when the request declares no lanes.
+    """
+    from cgbuild import lanes
+
+    want = req.lanes
+    if not want:
+        check.part("measure", {"candidates": []})
+        return None, None
+    rows = checked["lanes"]["rows"]
+    used = {r["axis"] for r in rows}
+    declared = [(axis, values) for axis, values in want["axes"] if axis in used]
+    needs = {a: {v: lanes.Needs.from_json(n) for v, n in want["needs"][a].items()} for a, _ in want["axes"]}
+    triton = lanes.has_triton(built["toolchain"]["components"])
+    numerics = {
+        a: {v: bool(r["ok"]) for v, r in vals.items()} for a, vals in checked["lanes"]["numerics"].items()
+    }
+    excluded = lanes.exclusions(want["axes"], needs, req.sm, triton)
+    excluded.update(
+        {f"{a}.{v}": "numerics" for a, vals in numerics.items() for v, ok in vals.items() if not ok}
+    )
+    candidates = lanes.candidates(declared, needs, req.sm, triton, numerics)
+    runs: dict[str, Any] = {}
+    if candidates and progress:
+        progress(f"lanes: measuring {', '.join(candidates)}")
+    stage = check.part("measure", {"candidates": candidates})
+    if candidates:
+        runs = {lane: {"lane": lane, **stage["runs"][lane], "device": stage["device"]} for lane in candidates}
+        sku = want["sku"]
+        measured = [
+            lanes.Measured(lane, runs[lane]["median_ns"], runs[lane]["peak_bytes"]) for lane in candidates
+        ]
+        verdict = lanes.decide(measured, sku["name"], sku["memory_bytes"])
+    elif rows:  # one combination survives capability: nothing to choose, nothing measured
+        surviving = [(r["axis"], [v for v in r["values"] if numerics[r["axis"]][v]]) for r in rows]
+        verdict = lanes.unmeasured(lanes.combinations(surviving)[0], Code.ONE_CANDIDATE)
+    else:  # this module uses none of the declared axes
+        verdict = None
+    block = {
+        "schema": lanes.LANES_SCHEMA,
+        "axes": [{"axis": r["axis"], "values": r["values"], "fqn": r["fqn"]} for r in rows],
+        "excluded": excluded,
+        "verdict": verdict,
+    }
+    evidence = {
+        "schema": "cgbuild.lane-evidence-run/1",
+        "sm": req.sm,
+        "sku": want["sku"],
+        "candidates": candidates,
+        "measured": runs,
+        "numerics": checked["lanes"]["numerics"],
+        "excluded": excluded,
+        "verdict": verdict,
+    }
+    return block, evidence

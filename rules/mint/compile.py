@@ -1,0 +1,297 @@
+"""The compile stage: refuse a key this machine cannot build, trace, re-derive the toolchain and
+the layout (refusing drift), compile weightless under the one compile policy, normalize.
+
+The sealed constant table is the package loader's own constant list (docs/adopt.md: unused
+tensors and BatchNorm counters are not in it; tied tensors are one row with their `aliases`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from cgbuild_rules.mint.failure import MintFailure
+from cgbuild_rules.mint.package import normalize_package
+from cgbuild_rules.mint.stages import await_go, fault
+
+from cgbuild.core import fs
+from cgbuild.core.codes import Code
+from cgbuild.core.platform import normalize_arch
+from cgbuild.identity import compiler, policy
+from cgbuild.identity.toolchain import TRACE_ONLY
+from cgbuild.protocol.mint import (
+    HOLD_SCHEMA,
+)
+from cgbuild.protocol.trace import FACT_KEYS
+from cgbuild.store.seal import LITERALS, PACKAGE
+
+
+def _sm_here(device: str) -> str | None:
+    """This machine's sm for a job's device (None: it has none)."""
+    import torch
+
+    if device == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def _device_refusal(device: str, sm: str, here: str | None) -> None:
+    """Refuse a key whose sm is not this machine's (`here`: `_sm_here(device)`)."""
+    if device == "cpu":
+        return
+    if here is None:
+        raise MintFailure(
+            Code.WRONG_DEVICE,
+            f"key needs {sm} (cuda); this machine has no CUDA device",
+            needed=sm,
+            found="cpu",
+        )
+    if here != sm:
+        raise MintFailure(
+            Code.WRONG_DEVICE, f"key needs {sm}; this machine's device is {here}", needed=sm, found=here
+        )
+
+
+def _toolchain(req: Mapping[str, Any]) -> dict[str, Any]:
+    from cgbuild.identity import toolchain, toolchain_changes
+
+    expected = req["toolchain"]
+    plat = expected["platform"]
+    block = toolchain.probe(req.get("cxx"))[plat]
+    here = {"platform": plat, "fold": toolchain.fold(block["components"]), "components": block["components"]}
+    if here["fold"] != expected["fold"]:
+        changes = toolchain_changes.component_changes(expected.get("components") or {}, here["components"])
+        lines = [toolchain_changes.format_change(c) for c in changes] or ["components unknown to the request"]
+        raise MintFailure(
+            Code.TOOLCHAIN_DRIFT,
+            f"toolchain {plat} moved: {'; '.join(lines)}",
+            old=expected["fold"],
+            new=here["fold"],
+            changes=lines,
+        )
+    refusal = compiler.isa_refusal(here["components"]["isa"])
+    if refusal:
+        raise MintFailure(Code.WRONG_HOST, refusal)
+    return here
+
+
+def _constants_table(ep: Any, bound: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """The constants the compiled package binds (`bound`, its loader's FQNs), with their layout:
+    state constants (bound from the live module at adopt) and literals (sealed).
+
+    Exactly what the package names, never what the export lifted: Inductor drops tensors the
+    program never reads (a BatchNorm's `num_batches_tracked`, an unused encoder) and binds a
+    tied tensor under ONE of its names. Each state row lists under `aliases` the other
+    state-dict names that were that same tensor at trace (a tied embedding and LM head): the
+    program reads them through the bound name, so adopt requires the live module to keep them
+    tied. A package constant the export does not know raises `constant-table-mismatch`.
+    """
+    from cgbuild_rules.digest import dtype_name
+    from cgbuild_rules.loader import same_view
+
+    names = set(bound)
+    wanted = set(names)
+    table: dict[str, list[dict[str, Any]]] = {"state": [], "literal": []}
+    for s in ep.graph_signature.input_specs:
+        kind = s.kind.name
+        if s.target not in wanted:
+            continue
+        if kind == "PARAMETER" or (kind == "BUFFER" and s.persistent is not False):
+            group, t = "state", ep.state_dict[s.target]
+        elif kind in ("BUFFER", "CONSTANT_TENSOR"):
+            group, t = "literal", ep.constants[s.target]
+        else:
+            continue
+        wanted.discard(s.target)
+        row: dict[str, Any] = {
+            "fqn": str(s.target),
+            "dtype": dtype_name(t.dtype),
+            "shape": [int(d) for d in t.shape],
+            "stride": [int(d) for d in t.stride()],
+        }
+        if group == "state":
+            row["aliases"] = sorted(
+                name
+                for name, other in ep.state_dict.items()
+                if name != s.target and name not in names and same_view(t, other)
+            )
+        table[group].append(row)
+    if wanted:
+        raise MintFailure(
+            Code.CONSTANT_TABLE_MISMATCH,
+            f"the package binds constants the exported program does not lift: {sorted(wanted)[:5]}",
+        )
+    return {g: sorted(rows, key=lambda r: r["fqn"]) for g, rows in table.items()}
+
+
+def _quant_floor(quant: str, device: str, sm: str) -> None:
+    """Refuse a key whose quant rule cannot run here: the rule's floor and the capability of THIS
+    torch on this sm (the same pure function the plan used), then, on a GPU, the kernel itself."""
+    import torch
+    from cgbuild_rules import quant as quant_rules
+
+    from cgbuild.identity import layout
+
+    rule = layout.QUANT_RULES.get(quant)
+    if rule is None:
+        raise MintFailure(Code.LAYOUT_DRIFT, f"this worker has no quant rule {quant!r}")
+    floor = layout.floor_refusal(rule, sm, torch.__version__)
+    if floor is not None:
+        raise MintFailure(floor[0], floor[1])
+    if device == "cuda":
+        ok, why = quant_rules.probe(quant, torch.device("cuda"))
+        if not ok:
+            raise MintFailure(Code.LAYOUT_TOOLCHAIN_UNSUPPORTED, why)
+
+
+def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] | None:
+    """Re-derive the layout axis here and return the sealed `layout` block (its tensor table is
+    what adopt checks a live module against); refuse `layout-drift` when it differs from the key.
+
+    The topology is derived from the state this worker traced: a plan only keys a reference
+    whose headers equal the traced tensors (else `layout-topology-mismatch`), so both give one
+    digest and a mint needs no access to the reference. When they differ here and the reference
+    is readable, the refusal names the first tensor. Requests without a `layout` block
+    (hand-made ones) seal none; adopt then checks weights only.
+    """
+    want = req.get("layout")
+    if not want:
+        return None
+    from cgbuild.core.errors import UserError
+    from cgbuild.identity import layout
+
+    rule = layout.QUANT_RULES.get(want["quant"])
+    if rule is None:
+        raise MintFailure(Code.LAYOUT_DRIFT, f"this worker has no quant rule {want['quant']!r}")
+    rows = layout.from_trace(traced)
+    here = layout.layout_identity(layout.topology_digest(rows), rule)
+    asked = {"topology": want.get("topology"), "quant": want.get("quant_digest")}
+    if here != asked:
+        if want.get("reference") and here["topology"] != asked["topology"]:
+            try:
+                reading = layout.Reading.from_json(want.get("reading"))
+                ref_rows = layout.topology_from_reference(Path(want["reference"]), want["component"], reading)
+                mismatch = layout.topology_mismatch(ref_rows, rows)
+            except UserError:
+                mismatch = None
+            if mismatch:
+                raise MintFailure(Code.LAYOUT_TOPOLOGY_MISMATCH, mismatch)
+        moved = [k for k in ("topology", "quant") if here[k] != asked[k]]
+        raise MintFailure(
+            Code.LAYOUT_DRIFT,
+            f"layout {', '.join(moved)} moved: {str(asked[moved[0]])[:12]} → {here[moved[0]][:12]}",
+            old=asked,
+            new=here,
+        )
+    return {
+        **here,
+        "stamp": req.get("stamp"),
+        "rule": {"name": rule.name, "version": rule.version, "facts": rule.facts},
+        "dtype": want.get("dtype"),
+        "tensors": sorted(rows),
+    }
+
+
+def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
+    """Trace (`trace.json`: the graph facts and this machine's sm), then, on the worker's go,
+    refuse drift and compile. A held stage (started by a `MintHold`) traces before any key
+    exists, on the device when this machine has it (else fake, for the plan alone), and reads
+    the key's request at the go; an ordinary one refuses a wrong device before tracing."""
+    import importlib.metadata as md
+
+    import torch
+    from cgbuild_rules import trace
+    from cgbuild_rules.loader import Package
+
+    job = trace.parse_job(req["job"])
+    held = req.get("schema") == HOLD_SCHEMA
+    here = _sm_here(job.device)
+    if not held:
+        _device_refusal(job.device, req["sm"], here)
+        _quant_floor(job.quant, job.device, req["sm"])
+    fault("trace")
+    t = time.perf_counter()
+    ep, facts = trace.export_job(job, "fake" if here is None else "empty")
+    export_s = time.perf_counter() - t
+    fs.write_atomic(
+        work / "trace.json", json.dumps({"ok": True, **{k: facts[k] for k in FACT_KEYS}, "sm": here})
+    )
+    req = await_go(work, "compile")["request"]  # a hold's key request is known only now
+    fault("compile")
+    if held:
+        _device_refusal(job.device, req["sm"], here)
+        _quant_floor(job.quant, job.device, req["sm"])
+    tc = _toolchain(req)
+    if facts["graph_digest"] != req["graph_digest"]:
+        raise MintFailure(
+            Code.GRAPH_DRIFT,
+            f"graph digest {req['graph_digest'][:12]} → {facts['graph_digest'][:12]}: "
+            "this machine traces a different program than the key was built for",
+            old=req["graph_digest"],
+            new=facts["graph_digest"],
+        )
+    layout_block = _layout(req, facts["topology"])
+    t = time.perf_counter()
+    applied, aoti = _compile(ep, req, tc, work)
+    compile_s = time.perf_counter() - t
+    # Loading never calls the package (calling it unbound would segfault); it names what it binds.
+    table = _constants_table(ep, Package(work / PACKAGE).constant_fqns)
+    if table["literal"]:
+        from safetensors.torch import save_file
+
+        values = {r["fqn"]: ep.constants[r["fqn"]].detach().contiguous().cpu() for r in table["literal"]}
+        save_file(values, str(work / LITERALS))
+    forensics: dict[str, str] = {"python": ".".join(platform.python_version_tuple()[:2])}
+    for dist in TRACE_ONLY:
+        with contextlib.suppress(md.PackageNotFoundError):
+            forensics[dist] = md.version(dist)
+    return {
+        "ok": True,
+        "graph_digest": facts["graph_digest"],
+        "contract": facts["contract"],
+        "nodes": facts["nodes"],
+        "module": facts["module"],
+        "toolchain": tc,
+        "policy": applied,
+        "constants": table,
+        "layout": layout_block,
+        "aoti": aoti,
+        "torch": torch.__version__,
+        "forensics": forensics,
+        "seconds": {"export": round(export_s, 3), "compile": round(compile_s, 3)},
+    }
+
+
+def _compile(
+    ep: Any, req: Mapping[str, Any], tc: Mapping[str, Any], work: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """AOTI-compile `ep` weightless under the one compile policy and normalize the package into
+    `work`: (the policy's inductor configs as applied, the package's AOTI facts)."""
+    import torch
+    from cgbuild_rules import trace
+
+    arch = normalize_arch(platform.machine())
+    # A torch without `cpp.march` builds -march=native; the toolchain then keys this host's level.
+    clamps = tc["components"]["isa"].get("keyed") != "host"
+    configs: dict[str, Any] = policy.inductor_configs(arch, clamps=clamps)
+    applied = dict(configs)
+    configs["cpp.cxx"] = (None, req["cxx_path"])
+    raw = work / "raw" / PACKAGE
+    raw.parent.mkdir(exist_ok=True)
+    try:
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=configs)
+    except MemoryError as e:
+        raise MintFailure(Code.OOM, f"compile ran out of memory: {e}") from None
+    except Exception as e:
+        raise MintFailure(Code.COMPILE_FAILED, f"{type(e).__name__}: {trace._one_line(str(e))}") from None
+    clamp = policy.isa_clamp(arch)
+    march = str(clamp["march"]) if clamp and clamps else None
+    return applied, normalize_package(raw, work / PACKAGE, req["sandbox"], march)
