@@ -66,11 +66,17 @@ def qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+class Attached:
+    """A router set on a module to serve its calls (`Adopted`): not a setting of the module."""
+
+
 def settings(m: nn.Module) -> Iterator[tuple[str, Any]]:
     """A module's own public attributes that are neither tensors nor modules (`eps`, `heads`,
-    `processor`): what a traced program bakes in as constants. `training` is watched apart."""
+    `processor`): what a traced program bakes in as constants. `training` is watched apart, and
+    a router attached to serve the module's calls is none of them."""
     for name, value in m.__dict__.items():
-        if not (name.startswith("_") or name == "training" or isinstance(value, torch.Tensor | nn.Module)):
+        kept = isinstance(value, torch.Tensor | nn.Module | Attached)
+        if not (name.startswith("_") or name == "training" or kept):
             yield name, value
 
 

@@ -341,8 +341,10 @@ def build(job: Job, mode: Mode, fn: Callable[[dict[str, Any]], Any] | None = Non
         _retie(built.module, ties)
 
         def real(x: Any) -> Any:
+            """Zeros laid out as the entry laid its input out: a program traced on other strides
+            than its callers pass reads their memory as if laid out otherwise (wrong answers)."""
             if isinstance(x, torch.Tensor) and x.is_meta:
-                return torch.zeros(x.shape, dtype=x.dtype, device=device)
+                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device).zero_()
             return x
 
         built.args = tree_map(real, built.args)

@@ -4,8 +4,9 @@ Every selected target must be fresh (a verified artifact for its key is in the s
 manifest that named a key nothing was built for would only serve eager in production, so a
 selection with any other target is refused (exit 2) naming each one and its status. A manifest
 serves one family's modules, so the selection must stay inside one family. The manifest
-(`cgbuild.serving-manifest/2`, `cgbuild.protocol.manifest`) lists, per module, every graph
-class × layout × sm selected with its key and layout stamp; `adopt_manifest` keeps the entries
+(`cgbuild.serving-manifest/3`, `cgbuild.protocol.manifest`) lists, per module, where it attaches
+in a pipeline and every graph class × layout × sm selected with its key, layout stamp, envelope
+and whether its layout is compiled-only; `adopt_manifest` keeps the entries
 of the serving device's sm and one layout. Written to FILE atomically, else to stdout.
 """
 
@@ -58,7 +59,12 @@ def run(args: argparse.Namespace) -> int:
             f"{names}{more}; mint them first (cgbuild mint '{args.label}') or select fresh targets only",
             **where,
         )
-    doc = manifest.build(families[0], targets)
+    from cgbuild.identity.layout import QUANT_RULES
+
+    fam = ws.cg.families[families[0]]
+    serves = {name: m.serves for name, m in fam.modules.items()}
+    compiled_only = {name: QUANT_RULES[lay.quant].compiled_only for name, lay in ws.cg.layouts.items()}
+    doc = manifest.build(families[0], targets, serves, compiled_only)
     if not args.output:
         print_json(doc)
         return 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cgbuild.config.lanes import RULE_AXES, family_lanes
 from cgbuild.config.reader import (
     CONTROL,
     Reader,
@@ -25,14 +26,13 @@ from cgbuild.config.reader import (
     is_num_list,
     is_str,
     is_str_list,
-    kind,
 )
 from cgbuild.config.tomlpos import KeyLines
 from cgbuild.core import userfile
 from cgbuild.core.errors import UserError
 from cgbuild.core.publickey import public_key_bytes
 from cgbuild.identity.layout import QUANT_RULES, Reading, compute_dtype
-from cgbuild.lanes import Needs, read_lane_table
+from cgbuild.lanes import Needs
 
 SM = re.compile(r"cpu|sm_[0-9]{2,3}[a-z]?")
 SHAPE = re.compile(r"([1-9][0-9]{0,6})x([1-9][0-9]{0,6})")
@@ -89,6 +89,12 @@ class Module:
     name: str
     component: str
     envelope: Envelope
+    serves: str = ""
+    """The pipeline attribute this module's artifacts serve (`transformer`, `vae.decode`): where
+    `adopt_pipeline` attaches them. Defaults to the module's name."""
+    layouts: tuple[str, ...] = ()
+    """The family's layouts this module is minted in; the family's own when not declared (a VAE
+    decoder kept bf16 beside an fp8 transformer)."""
 
 
 @dataclass(frozen=True)
@@ -264,7 +270,7 @@ def _layouts(r: Reader, data: dict[str, Any], root: Path) -> dict[str, Layout]:
 def _components_declared(r: Reader, layouts: dict[str, Layout], families: dict[str, Family]) -> None:
     """A layout's `prefix` or `tied` for a component no module using it has is a typo: refused."""
     for lay in layouts.values():  # a declaration for a component no module of the layout has is a typo
-        have = {m.component for f in families.values() if lay.name in f.layouts for m in f.modules.values()}
+        have = {m.component for f in families.values() for m in f.modules.values() if lay.name in m.layouts}
         for key, declared in (("prefix", lay.prefix), ("tied", lay.tied)):
             for component, _ in declared:
                 if component not in have:
@@ -394,9 +400,11 @@ def _family(r: Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict[
     modules_raw = r.table(t.get("module", {}), (*where, "module"), None)
     if not modules_raw:
         raise r.fail("no [family.<name>.module.*] declared", *where, "module")
-    modules = {m: _module(r, (*where, "module", m), m, spec) for m, spec in modules_raw.items()}
+    modules = {
+        m: _module(r, (*where, "module", m), m, spec, tuple(fam_layouts)) for m, spec in modules_raw.items()
+    }
     rules = {layouts[lay].quant for lay in fam_layouts}
-    lanes, table = _lanes(r, where, t["lanes"], entry, rules) if "lanes" in t else ((), {})
+    lanes, table = family_lanes(r, where, t["lanes"], entry, rules) if "lanes" in t else ((), {})
     return Family(
         name,
         entry,
@@ -410,112 +418,13 @@ def _family(r: Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict[
     )
 
 
-def _axis_owners() -> dict[str, str]:
-    """Every quant rule's lane axis → the rule that owns it; two rules may not claim one axis."""
-    owners: dict[str, str] = {}
-    for rule in QUANT_RULES.values():
-        for axis in rule.lanes:
-            if axis in owners:
-                raise ValueError(f"lane axis {axis!r} is both {owners[axis]!r}'s and {rule.name!r}'s")
-            owners[axis] = rule.name
-    return owners
+MODULE_KEYS = {"component", "shapes", "text_lengths", "batch_sizes", "guidance", "serves", "layouts"}
+ATTRIBUTE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
-RULE_AXES = _axis_owners()
-"""Every quant rule's lane axis → the rule that owns it."""
-
-
-def _rule_axes(rules: set[str]) -> dict[str, dict[str, Needs]]:
-    """axis → (value → needs) for the lane axes of the rules a family uses."""
-    return {
-        axis: {v: Needs.from_json(n) for v, n in QUANT_RULES[rule].lanes[axis].items()}
-        for axis, rule in RULE_AXES.items()
-        if rule in rules
-    }
-
-
-def _lanes(
-    r: Reader, where: tuple[str, ...], raw: Any, entry: str, rules: set[str]
-) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], dict[str, dict[str, Needs]]]:
-    """`[family.<name>.lanes]`: axis = [values], each value a real implementation.
-
-    An axis is the entry's (its `LANES` literal, read from its source, never imported) or a quant
-    rule's (`QuantRule.lanes`: the rule's own modules switch on it) when one of the family's
-    layouts uses that rule (`RULE_AXES` names it). Every axis must keep
-    one value with no needs, so every target that carries it can build one implementation.
-    """
-    here = (*where, "lanes")
-    declared = r.table(raw, here, None)
-    if not declared:
-        raise r.fail('empty lanes table: declare at least one axis, e.g. linear = ["baseline", ...]', *here)
-    root = r.path.resolve().parent
-    owned = _rule_axes(rules)
-    table = read_lane_table(root, entry)
-    entry_axes = table.axes if table is not None else {}
-    clash = next((axis for axis in entry_axes if axis in RULE_AXES), None)
-    if table is not None and clash is not None:  # whether or not a layout here uses the rule yet
-        raise UserError(
-            f"LANES[{clash!r}]: '{clash}' is a quant rule's lane axis; rename the entry's",
-            file=table.file,
-            line=table.line,
-            field="LANES",
-        )
-    axes: list[tuple[str, tuple[str, ...]]] = []
-    needs: dict[str, dict[str, Needs]] = {}
-    for axis, values in declared.items():
-        at = (*here, axis)
-        r.name(axis, *at)
-        if not is_str_list(values):
-            raise r.fail(f"expected an array of lane values, got {kind(values)} {values!r}", *at)
-        if not values:
-            raise r.fail(f"empty lane axis '{axis}': declare at least one value", *at)
-        if len(set(values)) != len(values):
-            dup = next(v for v in values if values.count(v) > 1)
-            raise r.fail(f"duplicate lane value '{dup}'", *at)
-        provider = f"entry '{entry}'"
-        if axis in owned:
-            provided, provider = owned[axis], f"quant rule '{RULE_AXES[axis]}'"
-        elif axis in entry_axes:
-            provided = entry_axes[axis]
-        elif table is None and not _owner_hint(axis):
-            raise r.fail(
-                f"entry '{entry}' declares no LANES table in its source under {root.name or root}/ "
-                "(axis -> value -> needs, a literal): lanes must name implementations the entry provides",
-                *here,
-            )
-        else:
-            others = sorted({*entry_axes, *owned})
-            axes_here = f" (axes here: {', '.join(others)})" if others else ""
-            raise r.fail(f"unknown lane axis '{axis}' for entry '{entry}'{axes_here}{_owner_hint(axis)}", *at)
-        for v in values:
-            if v not in provided:
-                raise r.fail(
-                    f"unknown lane value '{v}' for axis '{axis}' "
-                    f"({provider} provides: {', '.join(provided)})",
-                    *at,
-                )
-        if all(provided[v].to_json() for v in values):
-            raise r.fail(
-                f"lane axis '{axis}' declares no value that builds everywhere (each of "
-                f"{', '.join(values)} needs something): add one with no needs, e.g. the reference",
-                *at,
-            )
-        axes.append((axis, tuple(values)))
-        needs[axis] = {v: n for v, n in provided.items() if v in values}
-    return tuple(axes), needs
-
-
-def _owner_hint(axis: str) -> str:
-    """A rule's axis declared on a family none of whose layouts uses the rule: say which rule."""
-    if axis not in RULE_AXES:
-        return ""
-    return f"; '{axis}' belongs to quant rule '{RULE_AXES[axis]}', which no layout of this family uses"
-
-
-MODULE_KEYS = {"component", "shapes", "text_lengths", "batch_sizes", "guidance"}
-
-
-def _module(r: Reader, where: tuple[str, ...], name: str, raw: Any) -> Module:
+def _module(
+    r: Reader, where: tuple[str, ...], name: str, raw: Any, family_layouts: tuple[str, ...]
+) -> Module:
     r.name(name, *where)
     if isinstance(raw, dict):
         for lane_key in MODULE_LANE_KEYS & set(raw):
@@ -565,16 +474,44 @@ def _module(r: Reader, where: tuple[str, ...], name: str, raw: Any) -> Module:
         r.positive(max(h, w), MAX_DIM, *where, "shapes")
     for g in guidance:
         r.finite(g, *where, "guidance")
-    return Module(
-        name,
-        component,
-        Envelope(
-            tuple(shapes),
-            tuple(texts) if texts is not None else None,
-            tuple(batches),
-            tuple(_num_text(g) for g in guidance),
-        ),
+    serves, layouts = _serving(r, where, t, name, family_layouts)
+    envelope = Envelope(
+        tuple(shapes),
+        tuple(texts) if texts is not None else None,
+        tuple(batches),
+        tuple(_num_text(g) for g in guidance),
     )
+    return Module(name, component, envelope, serves, layouts)
+
+
+def _serving(
+    r: Reader, where: tuple[str, ...], t: dict[str, Any], name: str, family_layouts: tuple[str, ...]
+) -> tuple[str, tuple[str, ...]]:
+    """(the pipeline attribute the module serves, the layouts it is minted in), checked: an
+    attribute path of identifiers; a non-empty subset of the family's layouts without repeats."""
+    serves = r.get(t, where, "serves", is_str, "a pipeline attribute path, e.g. 'vae.decode'", default=name)
+    if not ATTRIBUTE_PATH.fullmatch(serves):
+        raise r.fail(
+            f"bad serves '{serves}': a pipeline attribute path of identifiers, e.g. 'transformer' or "
+            "'vae.decode'",
+            *where,
+            "serves",
+        )
+    declared = r.get(t, where, "layouts", is_str_list, "an array of the family's layout names")
+    if declared is None:
+        return serves, family_layouts
+    if not declared:
+        raise r.fail("'layouts' is empty: a module needs at least one", *where, "layouts")
+    for lay in declared:
+        if declared.count(lay) > 1:
+            raise r.fail(f"duplicate name '{lay}'", *where, "layouts")
+        if lay not in family_layouts:
+            raise r.fail(
+                f"layout '{lay}' is not one of the family's layouts ({', '.join(family_layouts)})",
+                *where,
+                "layouts",
+            )
+    return serves, tuple(lay for lay in family_layouts if lay in declared)
 
 
 def _num_text(value: float | int) -> str:

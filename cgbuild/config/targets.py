@@ -76,7 +76,7 @@ def expand(cg: Cgfile) -> list[Target]:
             sms.setdefault(cg.skus[sku].sm, []).append(sku)
         for module in fam.modules.values():
             for gc in graph_classes(module):
-                for layout in fam.layouts:
+                for layout in module.layouts or fam.layouts:
                     for sm, skus in sms.items():
                         tid = TargetId(fam.name, module.name, gc.name, layout, sm)
                         targets.append(Target(tid, fam, module, gc, tuple(skus)))

@@ -121,6 +121,8 @@ class Code(StrEnum):
     BAD_METADATA = "bad-metadata"
     BAD_LITERALS = "bad-literals"
     COMPILED_ERROR = "compiled-error"
+    OUT_OF_ENVELOPE = "out-of-envelope"
+    COMPILED_REQUIRED = "compiled-required"
 
 
 # A mint that failed with one of these may succeed on another attempt (another node, later);
@@ -139,5 +141,6 @@ RETRYABLE: frozenset[Code] = frozenset(
         Code.UPLOAD_FAILED,
         Code.FLEET_ERROR,
         Code.FLEET_NODE_LOST,
+        Code.COMPILED_REQUIRED,
     }
 )

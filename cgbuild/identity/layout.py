@@ -74,6 +74,12 @@ class QuantRule:
         return bool(self.facts["eligible"] != "none")
 
     @property
+    def compiled_only(self) -> bool:
+        """Whether a module of this rule has no eager path: the rule quantizes activations in the
+        graph (W8A8), so the eager module computes another thing and serving must never fall back."""
+        return bool(self.facts["activations"] != "unquantized")
+
+    @property
     def min_sm(self) -> str | None:
         return self.facts.get("min_sm")
 

@@ -4,8 +4,20 @@ Written by `cgbuild manifest` (from a plan's fresh targets), read by
 `cgbuild_rules.adopt.adopt_manifest` in the serving process, both through this module, so a field
 cannot be written under one name and read under another.
 
-`cgbuild.serving-manifest/2` holds every layout and every sm of a module side by side; the
-serving process keeps the entries of its own device's sm and one layout:
+`cgbuild.serving-manifest/3` holds, per module, where it attaches in a pipeline (`serves`) and
+every layout and sm of it side by side, each entry with its envelope facet (what the graph class
+covers: shape, text length, batch, guidance) and its layout rule's serving fact (`compiled_only`:
+the rule quantizes activations, so no call may fall back to eager); the serving process keeps the
+entries of its own device's sm and one layout:
+
+    {"schema": "cgbuild.serving-manifest/3", "family": "flux2-klein",
+     "modules": {"transformer": {"serves": "transformer", "entries": [
+         {"graph_class": "1024x1024-t512-b1", "layout": "fp8", "sm": "sm_90", "key": "<key>",
+          "stamp": "<topology>@1+<quant>@1", "compiled_only": true,
+          "envelope": {"shape": "1024x1024", "text_len": 512, "batch": 1, "guidance": []}}]}}}
+
+`cgbuild.serving-manifest/2` (still read) is the same without `serves` (the module's name), the
+envelope and the serving fact (an entry then falls back eager, as before):
 
     {"schema": "cgbuild.serving-manifest/2", "family": "flux2-klein",
      "modules": {"transformer": [{"graph_class": "1024x1024-t512-b1", "layout": "bf16",
@@ -19,13 +31,24 @@ disk: anything that is not one of the two shapes is a `BadManifest` naming the f
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+_ATTRIBUTE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+
 SCHEMA_V1 = "cgbuild.serving-manifest/1"
-SCHEMA = "cgbuild.serving-manifest/2"
+SCHEMA_V2 = "cgbuild.serving-manifest/2"
+SCHEMA = "cgbuild.serving-manifest/3"
 _FIELDS = ("graph_class", "layout", "sm", "key", "stamp")
+_V3_FIELDS = (*_FIELDS, "envelope", "compiled_only")
+_ENVELOPE: dict[str, type | tuple[type, ...]] = {
+    "shape": str,
+    "text_len": (int, type(None)),
+    "batch": int,
+    "guidance": list,
+}
 
 
 class BadManifest(ValueError):
@@ -43,71 +66,136 @@ class Entry:
     layout: str | None = None
     sm: str | None = None
     stamp: str | None = None
+    envelope: Mapping[str, Any] | None = None
+    """The graph class's facet (v3): what the serving side may say of it without parsing a name."""
+    compiled_only: bool | None = None
+    """The layout's rule quantizes activations (v3; None: not stated, v1 and v2): a call no
+    artifact serves must not run eager."""
 
-    def to_json(self) -> dict[str, str]:
-        return {f: getattr(self, f) for f in _FIELDS if getattr(self, f) is not None}
+    def to_json(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in _V3_FIELDS if getattr(self, f) is not None}
+
+
+@dataclass(frozen=True)
+class Module:
+    """One module of a manifest: where it attaches in a pipeline, and its entries."""
+
+    serves: str
+    entries: list[Entry]
 
 
 def read(doc: Any) -> dict[str, list[Entry]]:
-    """module → its entries, from either schema; raises `BadManifest` naming the bad field."""
+    """module → its entries, from any schema; raises `BadManifest` naming the bad field."""
+    return {name: module.entries for name, module in read_modules(doc).items()}
+
+
+def read_modules(doc: Any) -> dict[str, Module]:
+    """module → where it attaches and its entries, from any schema (v1 and v2: each module
+    attaches at its own name); raises `BadManifest` naming the bad field."""
     if not isinstance(doc, Mapping):
         raise BadManifest(f"a manifest is a JSON object, not {type(doc).__name__}")
     schema = doc.get("schema")
-    if schema not in (SCHEMA, SCHEMA_V1):
-        raise BadManifest(f"schema: {schema!r} is neither {SCHEMA!r} nor {SCHEMA_V1!r}")
+    if schema not in (SCHEMA, SCHEMA_V2, SCHEMA_V1):
+        raise BadManifest(f"schema: {schema!r} is none of {SCHEMA!r}, {SCHEMA_V2!r}, {SCHEMA_V1!r}")
     modules = doc.get("modules")
     if not isinstance(modules, Mapping):
         raise BadManifest("modules: must be an object (module → its entries)")
-    out: dict[str, list[Entry]] = {}
+    out: dict[str, Module] = {}
     for name, rows in modules.items():
         where = f"modules.{name}"
+        if not isinstance(name, str) or not name:
+            raise BadManifest(f"{where}: a module is named by a non-empty string")
+        if schema == SCHEMA:
+            if not isinstance(rows, Mapping) or set(rows) != {"serves", "entries"}:
+                raise BadManifest(f"{where}: must be an object with exactly 'serves' and 'entries'")
+            serves = rows["serves"]
+            if not isinstance(serves, str) or not _ATTRIBUTE.fullmatch(serves):
+                raise BadManifest(f"{where}.serves: must be a pipeline attribute path, e.g. 'vae.decode'")
+            entries = rows["entries"]
+            if not isinstance(entries, list):
+                raise BadManifest(f"{where}.entries: must be a list of entries")
+            out[name] = Module(
+                serves, [_entry(row, f"{where}.entries[{i}]", v3=True) for i, row in enumerate(entries)]
+            )
+            continue
         if schema == SCHEMA_V1:
             if not isinstance(rows, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) and v for k, v in rows.items()
             ):
                 raise BadManifest(f"{where}: must map each graph class to a key (v1)")
-            out[name] = [Entry(cls, key) for cls, key in rows.items()]
+            out[name] = Module(name, [Entry(cls, key) for cls, key in rows.items()])
             continue
         if not isinstance(rows, list):
             raise BadManifest(f"{where}: must be a list of entries")
-        out[name] = [_entry(row, f"{where}[{i}]") for i, row in enumerate(rows)]
+        out[name] = Module(name, [_entry(row, f"{where}[{i}]", v3=False) for i, row in enumerate(rows)])
     return out
 
 
-def _entry(row: Any, where: str) -> Entry:
+def _entry(row: Any, where: str, *, v3: bool) -> Entry:
+    known = _V3_FIELDS if v3 else _FIELDS
     if not isinstance(row, Mapping):
-        raise BadManifest(f"{where}: an entry is an object with {', '.join(_FIELDS)}")
-    if extra := sorted(set(row) - set(_FIELDS)):
-        raise BadManifest(f"{where}: unknown field {extra[0]!r} (an entry has {', '.join(_FIELDS)})")
+        raise BadManifest(f"{where}: an entry is an object with {', '.join(known)}")
+    if extra := sorted(set(row) - set(known)):
+        raise BadManifest(f"{where}: unknown field {extra[0]!r} (an entry has {', '.join(known)})")
     for name in _FIELDS:
         value = row.get(name)
         if name == "stamp" and value is None:
             continue
         if not isinstance(value, str) or not value:
             raise BadManifest(f"{where}.{name}: must be a non-empty string")
+    envelope, compiled_only = (
+        (_envelope(row.get("envelope"), where), row.get("compiled_only")) if v3 else (None, None)
+    )
+    if v3 and not isinstance(compiled_only, bool):
+        raise BadManifest(f"{where}.compiled_only: must be true or false")
     return Entry(
         graph_class=row["graph_class"],
         key=row["key"],
         layout=row["layout"],
         sm=row["sm"],
         stamp=row.get("stamp"),
+        envelope=envelope,
+        compiled_only=compiled_only,
     )
 
 
-def build(family: str, targets: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """The v2 manifest of plan targets (each with `module`, `graph_class`, `layout`, `sm`, `key`,
-    `stamp`), entries in a fixed order so one selection always writes the same bytes."""
+def _envelope(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping) or set(value) != set(_ENVELOPE):
+        raise BadManifest(f"{where}.envelope: must be an object with {', '.join(_ENVELOPE)}")
+    for name, kind in _ENVELOPE.items():
+        if not isinstance(value[name], kind) or isinstance(value[name], bool):
+            raise BadManifest(f"{where}.envelope.{name}: not what a facet holds")
+    return dict(value)
+
+
+def build(
+    family: str,
+    targets: Iterable[Mapping[str, Any]],
+    serves: Mapping[str, str],
+    compiled_only: Mapping[str, bool],
+) -> dict[str, Any]:
+    """The v3 manifest of plan targets (each with `module`, `graph_class`, `layout`, `sm`, `key`,
+    `stamp`, `envelope`), with where each module attaches (`serves`, by module) and each layout's
+    serving fact (`compiled_only`, by layout); entries in a fixed order so one selection always
+    writes the same bytes."""
     modules: dict[str, list[Entry]] = {}
     for t in targets:
-        entry = Entry(t["graph_class"], t["key"], t["layout"], t["sm"], t.get("stamp") or None)
+        entry = Entry(
+            t["graph_class"],
+            t["key"],
+            t["layout"],
+            t["sm"],
+            t.get("stamp") or None,
+            dict(t["envelope"]),
+            compiled_only[t["layout"]],
+        )
         modules.setdefault(t["module"], []).append(entry)
+    order = lambda e: (e.graph_class, e.layout or "", e.sm or "")  # noqa: E731
     return {
         "schema": SCHEMA,
         "family": family,
         "modules": {
-            name: [
-                e.to_json() for e in sorted(rows, key=lambda e: (e.graph_class, e.layout or "", e.sm or ""))
-            ]
+            name: {"serves": serves[name], "entries": [e.to_json() for e in sorted(rows, key=order)]}
             for name, rows in sorted(modules.items())
         },
     }

@@ -9,13 +9,13 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from cgbuild_rules.adopt.bind import adapter_hint, bind_live, layout_refusal
+from cgbuild_rules.adopt.bind import adapter_hint, config_refusal, layout_refusal, literals_of, weights_of
 from cgbuild_rules.adopt.host import host_refusal, module_device
 from cgbuild_rules.adopt.refusal import REARMABLE, Refusal, log
 from cgbuild_rules.bound import (
@@ -214,3 +214,37 @@ def load_artifact(
             shutil.rmtree(scratch, ignore_errors=True)  # the loader has its own copy by now
     art.seconds = time.perf_counter() - t
     return art
+
+
+def _bindings(
+    art: Artifact, package: Package, module: nn.Module, device: torch.device
+) -> tuple[dict[str, torch.Tensor], Refusal | None]:
+    """Everything the package binds, by FQN: live weights and literals, checked; no copies."""
+    names = set(package.constant_fqns)
+    weights, refusal = weights_of(module, art.metadata, device, names)
+    if refusal:
+        return {}, refusal
+    literals, refusal = literals_of(module, art.metadata, art.literals, names)
+    return ({}, refusal) if refusal else ({**weights, **literals}, None)
+
+
+def bind_live(art: Artifact, package: Package, module: nn.Module, device: torch.device) -> Refusal | None:
+    """Bind `package` to the live module's tensors and watch them, when they and the module's
+    configuration match the artifact; else the first reason they do not (an unfused adapter named)."""
+    bound, refusal = _bindings(art, package, module, device)
+    if refusal is None and art.check_config:
+        refusal = config_refusal(art.metadata, module)
+    if refusal is not None:
+        return Refusal(refusal.code, f"{refusal.detail}{adapter_hint(module)}")
+    package.bind(bound)
+    art.watch = _watch(art, module, bound)
+    return None
+
+
+def _watch(art: Artifact, module: nn.Module, bound: Collection[str]) -> Watch:
+    """A watch over the bound names and every alias the table records for them."""
+    names = set(bound)
+    for row in (art.metadata.get("constants") or {}).get("state", []):
+        if row["fqn"] in names:
+            names.update(row.get("aliases", []))
+    return Watch(module, names)

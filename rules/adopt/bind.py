@@ -6,27 +6,23 @@ the next call.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from cgbuild_rules import configured
 from cgbuild_rules.adopt.refusal import Refusal
 from cgbuild_rules.bound import (
     ADAPTER_HINT,
-    Watch,
     adapter_wrapped,
 )
-from cgbuild_rules.loader import Package, same_view, state_tensors
+from cgbuild_rules.loader import same_view, state_tensors
 from torch import nn
 
 from cgbuild.core.codes import Code
 from cgbuild.identity.layout import safetensors_dtype
 
-if TYPE_CHECKING:
-    from cgbuild_rules.adopt.artifact import Artifact
 
-
-def _weights(
+def weights_of(
     module: nn.Module, meta: Mapping[str, Any], device: torch.device, names: Collection[str]
 ) -> tuple[dict[str, torch.Tensor], Refusal | None]:
     """The live module's tensors for the state constants the package binds (`names`), each
@@ -86,7 +82,7 @@ def attribute(module: nn.Module, fqn: str) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _literals(
+def literals_of(
     module: nn.Module, meta: Mapping[str, Any], sealed: Mapping[str, torch.Tensor], names: Collection[str]
 ) -> tuple[dict[str, torch.Tensor], Refusal | None]:
     """The trace-baked literals the package binds (non-persistent buffers, tensor attributes).
@@ -117,18 +113,6 @@ def _literals(
         same = t.device == value.device and t.stride() == value.stride()
         out[fqn] = t.detach() if same else value
     return out, None
-
-
-def _bindings(
-    art: Artifact, package: Package, module: nn.Module, device: torch.device
-) -> tuple[dict[str, torch.Tensor], Refusal | None]:
-    """Everything the package binds, by FQN: live weights and literals, checked; no copies."""
-    names = set(package.constant_fqns)
-    weights, refusal = _weights(module, art.metadata, device, names)
-    if refusal:
-        return {}, refusal
-    literals, refusal = _literals(module, art.metadata, art.literals, names)
-    return ({}, refusal) if refusal else ({**weights, **literals}, None)
 
 
 def config_refusal(meta: Mapping[str, Any], module: nn.Module) -> Refusal | None:
@@ -171,28 +155,6 @@ def layout_refusal(meta: Mapping[str, Any], module: nn.Module) -> Refusal | None
                 Code.LAYOUT_MISMATCH, f"{stamp}: {name} is {here} in the module, {there} in the layout{hint}"
             )
     return None
-
-
-def bind_live(art: Artifact, package: Package, module: nn.Module, device: torch.device) -> Refusal | None:
-    """Bind `package` to the live module's tensors and watch them, when they and the module's
-    configuration match the artifact; else the first reason they do not (an unfused adapter named)."""
-    bound, refusal = _bindings(art, package, module, device)
-    if refusal is None and art.check_config:
-        refusal = config_refusal(art.metadata, module)
-    if refusal is not None:
-        return Refusal(refusal.code, f"{refusal.detail}{adapter_hint(module)}")
-    package.bind(bound)
-    art.watch = _watch(art, module, bound)
-    return None
-
-
-def _watch(art: Artifact, module: nn.Module, bound: Collection[str]) -> Watch:
-    """A watch over the bound names and every alias the table records for them."""
-    names = set(bound)
-    for row in (art.metadata.get("constants") or {}).get("state", []):
-        if row["fqn"] in names:
-            names.update(row.get("aliases", []))
-    return Watch(module, names)
 
 
 class CheckpointTensors(nn.Module):

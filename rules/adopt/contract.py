@@ -4,6 +4,7 @@ the inputs copied into the traced layout where only their strides or alignment d
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -180,3 +181,36 @@ def _laid_out(
             if restrided is not None:
                 restrided.append(where)
     return None
+
+
+def conform(
+    contract: Mapping[str, Any],
+    signature: inspect.Signature,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The call (`args`, `kwargs`) in the traced convention, bound through the served callable's
+    signature: an argument passed by position where the trace took it by keyword (or the other
+    way), or left to its default, lands where the program reads it. None when the call does not
+    bind, or passes a value other than its default for a parameter the program never took (that
+    value would be ignored: never computed wrong)."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    given = dict(bound.arguments)
+    for name, param in signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            given.update(given.pop(name, {}))
+    inputs = contract.get("inputs") or []
+    traced = {i["name"] for i in inputs}
+    for name, value in given.items():
+        known = signature.parameters.get(name)
+        default = known.default if known is not None else inspect.Parameter.empty
+        if name not in traced and value is not default and value != default:
+            return None
+    if any(i["name"] not in given for i in inputs):
+        return None
+    positional = tuple(given[i["name"]] for i in inputs if not i.get("keyword"))
+    return positional, {i["name"]: given[i["name"]] for i in inputs if i.get("keyword")}

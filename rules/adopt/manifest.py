@@ -49,26 +49,27 @@ def adopt_manifest(
     served: dict[str, Adopted] = {}
     for name, rows in entries.items():
         if name in modules:
-            arts = _manifest_artifacts(name, rows, modules[name], store, memory_bytes, layouts.get(name))
+            arts, _ = manifest_artifacts(name, rows, modules[name], store, memory_bytes, layouts.get(name))
             served[name] = Adopted(modules[name], arts)
     return served
 
 
-def _manifest_artifacts(
+def manifest_artifacts(
     name: str,
     rows: list[ManifestEntry],
     module: nn.Module,
     store: Store | SharedStore | None,
     memory_bytes: int | None,
     layout: str | None,
-) -> list[Artifact]:
-    """The artifacts one module serves from its manifest entries: its sm, one layout."""
+) -> tuple[list[Artifact], str | None]:
+    """The artifacts one module serves from its manifest entries (its sm, one layout), and that
+    layout when one was chosen."""
     here = device_sm(module_device(module))
     sms = sorted({r.sm for r in rows if r.sm})
     rows = [r for r in rows if r.sm in (None, here)]
     if not rows:
         detail = f"the manifest serves {name} on {', '.join(sms) or 'nothing'}, the module is on {here}"
-        return [_refused(name, Code.WRONG_SM, detail)]
+        return [_refused(name, Code.WRONG_SM, detail)], layout
     by_layout: dict[str | None, list[ManifestEntry]] = {}
     for r in rows:
         by_layout.setdefault(r.layout, []).append(r)
@@ -79,28 +80,21 @@ def _manifest_artifacts(
         by_layout = {layout: by_layout[layout]}
     loaded = {lay: _load_entries(group, module, store, memory_bytes) for lay, group in by_layout.items()}
     if len(loaded) == 1:
-        return next(iter(loaded.values()))
+        ((only, arts),) = loaded.items()
+        return arts, only
     misfit = {
         lay: _layout_misfit(arts, module) for lay, arts in sorted(loaded.items(), key=lambda kv: str(kv[0]))
     }
     fits = [lay for lay, why in misfit.items() if why is None]
     if len(fits) == 1:
-        return loaded[fits[0]]
+        return loaded[fits[0]], fits[0]
     hint = f"name one with layouts={{{name!r}: ...}}"
     if fits:
-        return [
-            _refused(
-                name,
-                Code.LAYOUT_AMBIGUOUS,
-                f"layouts {', '.join(map(str, fits))} all match the module's tensors: {hint}",
-            )
-        ]
+        detail = f"layouts {', '.join(map(str, fits))} all match the module's tensors: {hint}"
+        return [_refused(name, Code.LAYOUT_AMBIGUOUS, detail)], None
     tried = "; ".join(f"{lay}: {why}" for lay, why in misfit.items())
-    return [
-        _refused(
-            name, Code.LAYOUT_MISMATCH, f"no layout of the manifest matches the module ({tried}); {hint}"
-        )
-    ]
+    detail = f"no layout of the manifest matches the module ({tried}); {hint}"
+    return [_refused(name, Code.LAYOUT_MISMATCH, detail)], None
 
 
 def _load_entries(

@@ -28,6 +28,24 @@ class Refusal:
     detail: str
 
 
+class CompiledRequired(AdoptRefused):
+    """A call to a compiled-only module (its layout's rule quantizes activations, so its eager
+    module computes something else, or cannot run here) that no armed artifact serves: raised
+    before any kernel of the module runs, never served eager. `label` names the module served,
+    `reason` why no artifact took the call; retryable (another worker, another bucket may)."""
+
+    code = Code.COMPILED_REQUIRED
+    retryable = True
+
+    def __init__(self, label: str, reason: Refusal) -> None:
+        RuntimeError.__init__(
+            self, f"{Code.COMPILED_REQUIRED}: {label} is compiled-only: {reason.code}: {reason.detail}"
+        )
+        self.refusal = reason
+        self.label = label
+        self.reason = reason
+
+
 REARMABLE = frozenset(
     {
         Code.MODULE_CHANGED,

@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from cgbuild_rules.adopt.artifact import Artifact, load_artifact
-from cgbuild_rules.adopt.bind import CheckpointTensors, adapter_hint, bind_live, layout_refusal, tie_aliases
-from cgbuild_rules.adopt.contract import fit
+from cgbuild_rules.adopt.artifact import Artifact, bind_live, load_artifact
+from cgbuild_rules.adopt.bind import CheckpointTensors, adapter_hint, layout_refusal, tie_aliases
+from cgbuild_rules.adopt.contract import conform, fit
 from cgbuild_rules.adopt.host import module_device
-from cgbuild_rules.adopt.refusal import REARMABLE, AdoptRefused, Refusal, log
+from cgbuild_rules.adopt.refusal import REARMABLE, AdoptRefused, CompiledRequired, Refusal, log
 from cgbuild_rules.bound import (
+    Attached,
     Moved,
     Watch,
     structure_moved,
@@ -34,7 +36,7 @@ from cgbuild.store.seal import SealError, read_metadata
 from cgbuild.store.shared import SharedStore
 
 
-class Adopted:
+class Adopted(Attached):
     """A module served through its artifacts: `__call__` runs compiled when a call fits one, else
     eager, naming and counting the reason. Never raises because of an artifact.
 
@@ -46,11 +48,25 @@ class Adopted:
     copies laid out as traced (counted `restrided`).
     """
 
-    def __init__(self, module: nn.Module, artifacts: Iterable[Artifact], *, strict: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        artifacts: Iterable[Artifact],
+        *,
+        strict: bool = False,
+        eager: Callable[..., Any] | None = None,
+        compiled_only: str | None = None,
+    ) -> None:
+        """`eager`: the callable a call is served by when no artifact takes it (the module's own
+        `forward`, or the method the artifacts serve, e.g. a VAE's `decode`); `compiled_only`: the
+        label of a module that has no eager path (its layout quantizes activations): such a call
+        raises `CompiledRequired` instead."""
         self.module = module
         self.strict = strict
         # strict: raise AdoptRefused instead of serving a call eager (a caller with no eager path)
-        self._eager = type(module).forward.__get__(module)
+        self._eager = eager or type(module).forward.__get__(module)
+        self.compiled_only = compiled_only
+        self._signature = _signature(self._eager)
         # Static classes before dynamic ones: an exact bucket beats a range that also covers it.
         self.artifacts = sorted(artifacts, key=lambda a: a.dynamic)
         self.counters: collections.Counter[str] = collections.Counter()
@@ -87,6 +103,10 @@ class Adopted:
         for art in armed:
             copied: list[str] = []
             why, leaves = fit(art.contract, args, kwargs, copied)
+            if why is not None and why.code == Code.CALL_STRUCTURE and self._signature is not None:
+                conformed = conform(art.contract, self._signature, args, kwargs)  # by name, defaults
+                if conformed is not None:
+                    why, leaves = fit(art.contract, *conformed, copied)
             if why is None:
                 if restrided is not None:
                     restrided.extend(copied)
@@ -94,6 +114,12 @@ class Adopted:
             if closest is None:
                 closest = Refusal(why.code, f"{art.label}: {why.detail}")
         assert closest is not None
+        if closest.code in (Code.SHAPE, Code.SYMBOL_RANGE):
+            return (
+                None,
+                [],
+                Refusal(Code.OUT_OF_ENVELOPE, f"no declared graph class covers it; closest {closest.detail}"),
+            )
         return None, [], closest
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -118,6 +144,9 @@ class Adopted:
                 art.package = None
                 why = art.refusal
         assert why is not None  # no artifact, or one refused on the way: each says why
+        if self.compiled_only is not None:
+            self.counters[f"refused:{why.code}"] += 1
+            raise CompiledRequired(self.compiled_only, why)
         if self.strict:
             raise AdoptRefused(why)
         self.counters[f"eager:{why.code}"] += 1
@@ -239,3 +268,10 @@ def serve_checkpoint(
     if art.refusal is not None:
         raise AdoptRefused(art.refusal)
     return Adopted(holder, [art], strict=True)
+
+
+def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without one: calls must match the trace as made
+        return None

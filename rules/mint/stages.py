@@ -2,8 +2,8 @@
 
 The worker starts a stage before its input exists (`Stage`), hands each part its input as
 `go-<part>.json` and waits for `<part>.json`; the stage waits for its go (`await_go`) and writes
-its result, or its failure as `<stage>.json` (`stage_main`). A stage's death, a failure it
-reports or a part past its time is that part's typed failure, never a hang.
+its result, or its failure as `<stage>.json` (`cgbuild_rules.mint.worker.stage_main`). A stage's
+death, a failure it reports or a part past its time is that part's typed failure, never a hang.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -144,37 +144,3 @@ def await_go(work: Path, part: str) -> dict[str, Any]:
     while not go.exists():
         time.sleep(POLL_S)
     return dict(json.loads(go.read_text()))
-
-
-def stage_main(stage: str, work: Path, args: Sequence[str] = ()) -> int:
-    """A stage child's life: its request (`request.json`), its parts, its failure (`<stage>.json`)."""
-    from cgbuild_rules.mint.check import stage_check, stage_serve
-    from cgbuild_rules.mint.compile import stage_compile
-
-    req = json.loads((work / "request.json").read_text())
-    stages: dict[str, Callable[..., dict[str, Any]]] = {
-        "compile": stage_compile,
-        "check": stage_check,
-        "serve": stage_serve,
-    }
-    fn = stages[stage]
-    try:
-        result = fn(req, work, *args)
-    except MintFailure as e:
-        result = {"ok": False, "code": e.code, "detail": e.detail, **e.extra}
-    except MemoryError as e:
-        result = {"ok": False, "code": Code.OOM, "detail": f"{stage}: {e}"}
-    except Exception as e:
-        from cgbuild_rules.digest import TraceError
-
-        failed = {"compile": Code.COMPILE_FAILED, "check": Code.CHECK_FAILED, "serve": Code.SERVE_FAILED}[
-            stage
-        ]
-        code = getattr(e, "code", Code.TRACE_FAILED) if isinstance(e, TraceError) else failed
-        result = {
-            "ok": False,
-            "code": code,
-            "detail": f"{type(e).__name__}: {' '.join(str(e).split())[:600]}",
-        }
-    fs.write_atomic(work / f"{stage}.json", json.dumps(result))
-    return 0

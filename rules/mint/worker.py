@@ -14,17 +14,19 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cgbuild_rules.mint.check import lane_verdict
+from cgbuild_rules.mint.check import lane_verdict, stage_check, stage_serve
 from cgbuild_rules.mint.compare import TOLERANCE, rule_tolerance
+from cgbuild_rules.mint.compile import stage_compile
 from cgbuild_rules.mint.failure import MintFailure
-from cgbuild_rules.mint.stages import Stage, stage_main
+from cgbuild_rules.mint.stages import Stage
 
 import cgbuild
+from cgbuild.core import fs
 from cgbuild.core.codes import Code
 from cgbuild.identity import compiler, policy
 from cgbuild.protocol import spawn
@@ -338,6 +340,37 @@ def _held_request(
     if raw is None:
         raise _NotNeeded()
     return _admitted(hold, raw)
+
+
+def stage_main(stage: str, work: Path, args: Sequence[str] = ()) -> int:
+    """A stage child's life: its request (`request.json`), its parts, its failure (`<stage>.json`)."""
+    req = json.loads((work / "request.json").read_text())
+    stages: dict[str, Callable[..., dict[str, Any]]] = {
+        "compile": stage_compile,
+        "check": stage_check,
+        "serve": stage_serve,
+    }
+    fn = stages[stage]
+    try:
+        result = fn(req, work, *args)
+    except MintFailure as e:
+        result = {"ok": False, "code": e.code, "detail": e.detail, **e.extra}
+    except MemoryError as e:
+        result = {"ok": False, "code": Code.OOM, "detail": f"{stage}: {e}"}
+    except Exception as e:
+        from cgbuild_rules.digest import TraceError
+
+        failed = {"compile": Code.COMPILE_FAILED, "check": Code.CHECK_FAILED, "serve": Code.SERVE_FAILED}[
+            stage
+        ]
+        code = getattr(e, "code", Code.TRACE_FAILED) if isinstance(e, TraceError) else failed
+        result = {
+            "ok": False,
+            "code": code,
+            "detail": f"{type(e).__name__}: {' '.join(str(e).split())[:600]}",
+        }
+    fs.write_atomic(work / f"{stage}.json", json.dumps(result))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

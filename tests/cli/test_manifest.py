@@ -20,7 +20,7 @@ from support.cli import cli
 from support.toy import copy_toy
 
 from cgbuild.config import cgfile
-from cgbuild.protocol.manifest import SCHEMA, SCHEMA_V1, BadManifest, read
+from cgbuild.protocol.manifest import SCHEMA, SCHEMA_V1, SCHEMA_V2, BadManifest, read
 from cgbuild.store.local import Store
 
 MLP = "//toy/mlp/8x64-b1:cpu"
@@ -70,7 +70,9 @@ def test_the_manifest_names_every_layout_of_the_fresh_targets(ws: Path, doc: dic
     plan = json.loads(cli(ws, "plan", MLP, "--json").stdout)
     want = sorted((t["layout"], t["key"], t["stamp"]) for t in plan["targets"])
     assert doc["schema"] == SCHEMA and doc["family"] == "toy" and list(doc["modules"]) == ["mlp"]
-    rows = doc["modules"]["mlp"]
+    assert doc["modules"]["mlp"]["serves"] == "mlp"
+    rows = doc["modules"]["mlp"]["entries"]
+    assert all(r["compiled_only"] is False and r["envelope"]["shape"] == "8x64" for r in rows)
     assert {(r["graph_class"], r["sm"]) for r in rows} == {("8x64-b1", "cpu")}
     assert sorted((r["layout"], r["key"], r["stamp"]) for r in rows) == want
     assert [r["layout"] for r in rows] == ["fp32", "int8"]  # a fixed order: same selection, same bytes
@@ -81,7 +83,7 @@ def test_the_manifest_names_every_layout_of_the_fresh_targets(ws: Path, doc: dic
 def test_the_serving_module_picks_the_layout_its_tensors_match(ws: Path, doc: dict[str, Any]) -> None:
     from cgbuild_rules.quant import convert
 
-    keys = {r["layout"]: r["key"] for r in doc["modules"]["mlp"]}
+    keys = {r["layout"]: r["key"] for r in doc["modules"]["mlp"]["entries"]}
     plain, args = live_mlp(ws)
     served = serve(ws, doc, plain)
     assert served.refusals == {} and [a.key for a in served.armed] == [keys["fp32"]]
@@ -121,11 +123,12 @@ def test_a_named_layout_and_modules_no_layout_fits(ws: Path, doc: dict[str, Any]
 @pytest.mark.slow
 def test_entries_of_another_sm_are_not_loaded(ws: Path, doc: dict[str, Any]) -> None:
     plain, args = live_mlp(ws)
-    other = {**doc["modules"]["mlp"][0], "sm": "sm_90", "key": "00" * 32}  # not in the store
-    with_gpu = {**doc, "modules": {"mlp": [*doc["modules"]["mlp"], other]}}
+    entries = doc["modules"]["mlp"]["entries"]
+    other = {**entries[0], "sm": "sm_90", "key": "00" * 32}  # not in the store
+    with_gpu = {**doc, "modules": {"mlp": {"serves": "mlp", "entries": [*entries, other]}}}
     served = serve(ws, with_gpu, plain)
     assert served.refusals == {} and len(served.armed) == 1  # the sm_90 key was never resolved
-    gpu_only = {**doc, "modules": {"mlp": [other]}}
+    gpu_only = {**doc, "modules": {"mlp": {"serves": "mlp", "entries": [other]}}}
     served = serve(ws, gpu_only, plain)
     (refusal,) = served.refusals.values()
     assert refusal.code == "wrong-sm" and "on sm_90, the module is on cpu" in refusal.detail
@@ -137,7 +140,7 @@ def test_entries_of_another_sm_are_not_loaded(ws: Path, doc: dict[str, Any]) -> 
 @pytest.mark.slow
 def test_a_v1_manifest_is_still_read(ws: Path, doc: dict[str, Any]) -> None:
     plain, args = live_mlp(ws)
-    (fp32,) = [r["key"] for r in doc["modules"]["mlp"] if r["layout"] == "fp32"]
+    (fp32,) = [r["key"] for r in doc["modules"]["mlp"]["entries"] if r["layout"] == "fp32"]
     served = serve(ws, {"schema": SCHEMA_V1, "modules": {"mlp": {"8x64-b1": fp32}}}, plain)
     with torch.no_grad():
         torch.testing.assert_close(served(*args), plain(*args), rtol=1e-5, atol=1e-6)
@@ -171,25 +174,41 @@ def test_one_family_per_manifest(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "selects a, b (select one, e.g. //a)" in proc.stderr, proc.stderr
 
 
+FACET = {"shape": "8x8", "text_len": None, "batch": 1, "guidance": []}
+
+
+def _v3(fields: dict[str, Any]) -> dict[str, Any]:
+    """A v3 manifest of one entry with these fields besides its identity."""
+    row = {"graph_class": "c", "layout": "l", "sm": "cpu", "key": "k", **fields}
+    return {"schema": SCHEMA, "modules": {"m": {"serves": "m", "entries": [row]}}}
+
+
 @pytest.mark.parametrize(
     ("doc", "field"),
     [
         ([], "a JSON object"),
-        ({"schema": "cgbuild.serving-manifest/3", "modules": {}}, "schema"),
-        ({"schema": SCHEMA, "modules": []}, "modules"),
-        ({"schema": SCHEMA, "modules": {"m": {"c": "k"}}}, "modules.m: must be a list"),
-        ({"schema": SCHEMA, "modules": {"m": ["k"]}}, "modules.m[0]: an entry"),
+        ({"schema": "cgbuild.serving-manifest/4", "modules": {}}, "schema"),
+        ({"schema": SCHEMA, "modules": {"m": []}}, "exactly 'serves' and 'entries'"),
+        ({"schema": SCHEMA, "modules": {"m": {"serves": "a..b", "entries": []}}}, "m.serves"),
+        (_v3({"compiled_only": True}), "m.entries[0].envelope"),
+        (_v3({"compiled_only": "yes", "envelope": FACET}), "compiled_only"),
+        ({"schema": SCHEMA_V2, "modules": []}, "modules"),
+        ({"schema": SCHEMA_V2, "modules": {"m": {"c": "k"}}}, "modules.m: must be a list"),
+        ({"schema": SCHEMA_V2, "modules": {"m": ["k"]}}, "modules.m[0]: an entry"),
         (
-            {"schema": SCHEMA, "modules": {"m": [{"graph_class": "c", "layout": "l", "sm": "cpu"}]}},
+            {"schema": SCHEMA_V2, "modules": {"m": [{"graph_class": "c", "layout": "l", "sm": "cpu"}]}},
             "m[0].key",
         ),
         (
-            {"schema": SCHEMA, "modules": {"m": [{"graph_class": "c", "layout": "l", "sm": 90, "key": "k"}]}},
+            {
+                "schema": SCHEMA_V2,
+                "modules": {"m": [{"graph_class": "c", "layout": "l", "sm": 90, "key": "k"}]},
+            },
             "m[0].sm",
         ),
         (
             {
-                "schema": SCHEMA,
+                "schema": SCHEMA_V2,
                 "modules": {
                     "m": [{"graph_class": "c", "layout": "l", "sm": "cpu", "key": "k", "graph-class": "c"}]
                 },
@@ -205,7 +224,7 @@ def test_a_malformed_manifest_names_its_field(doc: Any, field: str) -> None:
 
 
 MANIFEST_V2: dict[str, Any] = {
-    "schema": SCHEMA,
+    "schema": SCHEMA_V2,
     "modules": {
         "mlp": [
             {"graph_class": "8x64-b1", "layout": "fp32", "sm": "cpu", "key": "k" * 64, "stamp": "t@1+q@1"}
@@ -217,7 +236,7 @@ MANIFEST_V2: dict[str, Any] = {
 
 def test_both_schemas_read_to_entries() -> None:
     row = {"graph_class": "c", "layout": "fp32", "sm": "cpu", "key": "k", "stamp": "t@1+q@1"}
-    (entry,) = read({"schema": SCHEMA, "modules": {"m": [row]}})["m"]
+    (entry,) = read({"schema": SCHEMA_V2, "modules": {"m": [row]}})["m"]
     assert entry.to_json() == row
     (old,) = read({"schema": SCHEMA_V1, "modules": {"m": {"c": "k"}}})["m"]
     assert (old.graph_class, old.key, old.layout, old.sm) == ("c", "k", None, None)

@@ -58,7 +58,7 @@ def test_calls_outside_the_contract_serve_eager_with_a_reason(
     with torch.no_grad():
         out = served(torch.randn(2, 8, 64))
     assert out.shape == (2, 8, 4)
-    assert served.counters == {"eager:shape": 1}
+    assert served.counters == {"eager:out-of-envelope": 1}
     assert served.last_reason is not None and "x dim 0: 2, artifact takes 1" in served.last_reason.detail
     contract = read_metadata(art_a)["graph"]["contract"]
     assert fit(contract, (torch.randn(1, 8, 64, dtype=torch.float64),), {})[0].code == "dtype"
@@ -173,9 +173,9 @@ def test_manifest_routes_each_call_to_the_class_that_fits(
             torch.testing.assert_close(served(x), m(x), rtol=1e-5, atol=1e-6)
         assert served.counters == {"compiled": 3}
         served(torch.randn(1, 3, 64))
-        assert served.last_reason is not None and served.last_reason.code == "shape"
+        assert served.last_reason is not None and served.last_reason.code == "out-of-envelope"
         served(torch.randn(17, 4, 64))
-    assert served.counters["eager:shape"] == 2
+    assert served.counters["eager:out-of-envelope"] == 2
     assert "8x64-b1" in served.last_reason.detail  # the closest class is named
 
 
@@ -293,7 +293,7 @@ def test_serve_from_a_checkpoint_without_the_models_code(
         served.rebind()
         m.load_state_dict(swapped)
         torch.testing.assert_close(served(x), m(x), rtol=1e-5, atol=1e-6)
-        with pytest.raises(AdoptRefused, match="shape"):
+        with pytest.raises(AdoptRefused, match="out-of-envelope"):
             served(torch.randn(1, 9, 64))  # outside the contract, and no eager to serve it
     assert served.counters == {"compiled": 2}
     with pytest.raises(AdoptRefused, match="weights-missing"):
