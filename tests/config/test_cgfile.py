@@ -188,7 +188,11 @@ def test_schema_accepts_examples() -> None:
     jsonschema = pytest.importorskip("jsonschema")
     root = Path(__file__).resolve().parents[2]
     schema = json.loads((root / "docs" / "cgfile.schema.json").read_text())
-    for path in [root / "Cgfile.example", *sorted((root / "examples").glob("*/Cgfile"))]:
+    for path in [
+        root / "Cgfile.example",
+        *sorted((root / "examples").glob("*/Cgfile")),
+        root / "tests" / "zoo" / "Cgfile",
+    ]:
         jsonschema.validate(tomllib.loads(path.read_text()), schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(
