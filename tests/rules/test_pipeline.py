@@ -16,7 +16,7 @@ import torch
 from cgbuild_rules.adopt.refusal import CompiledRequired
 from cgbuild_rules.pipeline import AttachError, adopt_pipeline
 from support.cli import cli
-from support.pipelines import flux2_klein_inputs, flux2_klein_pipeline
+from support.pipelines import flux2_klein_inputs, flux2_klein_pipeline, sdxl_inputs, sdxl_pipeline
 from support.zoo import minted, rel_rms
 
 from cgbuild.protocol.manifest import SCHEMA, read_modules
@@ -142,3 +142,41 @@ def test_a_manifest_of_another_pipeline_is_the_callers_mistake(
         adopt_pipeline(pipe, other, store=Store(ws / ".cgbuild" / "store"))
     # nothing stays attached after the refusal
     assert "forward" not in pipe.transformer.__dict__ and "decode" not in pipe.vae.__dict__
+
+
+SDXL = {
+    "unet": "//zoo-sdxl/unet/64x64-t8-b2@fp32:cpu",
+    "vae.decode": "//zoo-sdxl/vae.decode/64x64-b1@fp32:cpu",
+}
+
+
+def test_an_sdxl_pipeline_under_guidance_is_served_compiled(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The UNet at batch 2 (classifier-free guidance), its size conditioning a dict of tensors,
+    its timestep a 0-dim tensor by position; the decode of the SDXL VAE."""
+    ws, _ = minted(tmp_path_factory, "zoo-sdxl", SDXL)
+    assert cli(ws, "manifest", "//zoo-sdxl", "-o", str(ws / "manifest.json")).returncode == 0
+    pipe = sdxl_pipeline(seed=5)
+
+    def run(target: Any, output_type: str) -> Any:
+        with torch.inference_mode():
+            return target(
+                **sdxl_inputs(),
+                height=64,
+                width=64,
+                num_inference_steps=2,
+                guidance_scale=5.0,
+                output_type=output_type,
+            ).images
+
+    want = {kind: run(pipe, kind) for kind in ("latent", "np")}
+    served = adopt_pipeline(pipe, ws / "manifest.json", store=Store(ws / ".cgbuild" / "store"))
+    assert served.warmup()["not_compiled"] == {}
+    got = {kind: run(served, kind) for kind in ("latent", "np")}
+    counters = served.counters
+    assert counters["unet"]["compiled"] == 5 and counters["vae.decode"] == {"compiled": 2}
+    assert not [k for c in counters.values() for k in c if k.startswith("eager")]
+    # the pipeline expands its guidance inputs (the timestep, the size conditioning) as views: copied
+    # into the traced layout, counted, never read as laid out otherwise
+    assert set(counters["unet"]) <= {"compiled", "restrided"}
+    for kind in ("latent", "np"):
+        assert rel_rms(torch.as_tensor(got[kind]), torch.as_tensor(want[kind])) < TOLERANCE

@@ -99,35 +99,9 @@ def sdxl_pipeline(seed: int = 0) -> StableDiffusionXLPipeline:
     64x64 pixels (32x32 latents)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        unet = UNet2DConditionModel(
-            sample_size=32,
-            in_channels=4,
-            out_channels=4,
-            layers_per_block=1,
-            block_out_channels=(16, 32),
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-            attention_head_dim=(2, 4),
-            use_linear_projection=True,
-            transformer_layers_per_block=(1, 2),
-            cross_attention_dim=SDXL_TEXT_DIM,
-            addition_embed_type="text_time",
-            addition_time_embed_dim=SDXL_TIME_EMBED_DIM,
-            projection_class_embeddings_input_dim=6 * SDXL_TIME_EMBED_DIM + SDXL_POOLED_DIM,
-            norm_num_groups=8,
-        ).eval()
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            block_out_channels=(8, 16),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=8,
-            sample_size=64,
-            scaling_factor=0.13025,
-        ).eval()
+        config = tomllib.loads(ZOO_CGFILE.read_text())["family"]["zoo-sdxl"]["config"]
+        unet = UNet2DConditionModel(**config["unet"]).eval()
+        vae = AutoencoderKL(**config["vae"]).eval()
     scheduler = EulerDiscreteScheduler(
         beta_start=0.00085,
         beta_end=0.012,

@@ -9,6 +9,10 @@ process attaches their artifacts to the pipeline's modules as they are (no wrapp
   its forward: its tensor names are the VAE's own), called `decode(latents, return_dict=False)`.
 
 Shapes are pixels: 16 pixels a token (the VAE's 8x, then 2x2 patches), 8 pixels a latent.
+
+Family `zoo-sdxl`: `StableDiffusionXLPipeline`'s `unet` (under classifier-free guidance, batch 2:
+the sample and a 0-dim timestep by position, the text by keyword, SDXL's size conditioning as the
+`added_cond_kwargs` dict) and its `AutoencoderKL`'s `decode`; 2 pixels a latent.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ def position_ids(rows: int, cols: int, text_len: int, batch: int) -> tuple[torch
 def build(spec: dict[str, Any]) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     config, name = spec["config"], spec["module"]
     h, w, b = int(spec["height"]), int(spec["width"]), int(spec["batch"])
+    if spec["family"] == "zoo-sdxl":
+        return _sdxl(config, name, h, w, b, spec.get("text_len"))
     if name == "transformer":
         model = transformer(config["transformer"])
         rows, cols, text = h // PIXELS_PER_TOKEN, w // PIXELS_PER_TOKEN, int(spec["text_len"])
@@ -72,3 +78,29 @@ def build(spec: dict[str, Any]) -> tuple[nn.Module, tuple[Any, ...], dict[str, A
         )
         return decoder, (latent,), {"return_dict": False}
     raise ValueError(f"zoo_pipelines has a transformer and a vae.decode, not {name!r}")
+
+
+def _sdxl(
+    config: dict[str, Any], name: str, h: int, w: int, b: int, text_len: int | None
+) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+
+    size = (h // 2, w // 2)
+    if name == "unet":
+        unet = UNet2DConditionModel(**config["unet"]).eval()
+        cfg = unet.config
+        pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+        added = {"text_embeds": torch.randn(b, pooled), "time_ids": torch.rand(b, 6) * 64}
+        kwargs = {
+            "encoder_hidden_states": torch.randn(b, int(text_len or 0), cfg.cross_attention_dim),
+            "timestep_cond": None,
+            "cross_attention_kwargs": None,
+            "added_cond_kwargs": added,
+            "return_dict": False,
+        }
+        return unet, (torch.randn(b, cfg.in_channels, *size), torch.tensor(500.0)), kwargs
+    if name == "vae.decode":
+        decoder = AutoencoderKL(**config["vae"]).eval()
+        decoder.forward = decoder.decode  # type: ignore[method-assign]
+        return decoder, (torch.randn(b, decoder.config.latent_channels, *size),), {"return_dict": False}
+    raise ValueError(f"zoo-sdxl has a unet and a vae.decode, not {name!r}")
