@@ -26,6 +26,7 @@ from support.shared import artifact, forge, shared_at
 from support.toy import copy_toy
 
 from cgbuild.config import cgfile
+from cgbuild.protocol.mint import MintFailed
 from cgbuild.store.local import Store
 from cgbuild.store.s3 import Remote
 from cgbuild.store.shared import SEEN_TTL_S, SharedStore
@@ -338,6 +339,7 @@ def test_a_mint_that_loses_the_race_is_told_which_artifact_stands(
     )
     store = Store(ws.cg.store_dir)
     result = mint.mint_one(ws, mk, store).result
-    assert result["code"] == "conflict" and result["standing"] == sha and not result["ok"], result
+    assert isinstance(result, MintFailed), result
+    assert result.code == "conflict" and result.phase == "admit" and result.facts["standing"] == sha
     assert store.ref_state(mk.key) == "quarantined"  # this machine's copy does not linger
     assert SharedStore(Store(tmp_path / "c"), ws.remote, ws.cg.trusted, "c").resolve(mk.key).ref.object == sha

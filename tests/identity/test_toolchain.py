@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from cgbuild.core.canon import canonical_json
-from cgbuild.identity import compiler, policy
+from cgbuild.identity import compiler, policy, toolchain_changes
 from cgbuild.identity import toolchain as tc
 
 INTEL_V4 = "fpu cx8 cmov mmx fxsr sse sse2 pni ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt xsave avx f16c "
@@ -581,16 +581,16 @@ def test_component_changes_read_like_a_changelog(tmp_path: Path, gxx: Path) -> N
     new["cxx"] = {"family": "gcc", "version": "13.3.0", "banner": "g++ (Ubuntu 13.3.0) 13.3.0", "digest": "3"}
     new["settings"]["inductor"]["cpp.threads"] = 16
     del new["nvidia-cublas-cu13"]
-    changes = tc.component_changes(old, new)
-    lines = [tc.format_change(c) for c in changes]
+    changes = toolchain_changes.component_changes(old, new)
+    lines = [toolchain_changes.format_change(c) for c in changes]
     assert [c[0] for c in changes] == ["cxx", "nvidia-cublas-cu13", "settings", "torch", "triton"]
     assert "triton 3.6.0 → 3.7.0" in lines
     assert "cxx gcc 12.2.0 → 13.3.0" in lines
     assert "torch 2.11.0+cu130 (files changed)" in lines
     assert "nvidia-cublas-cu13 13.0.2 → none" in lines
     assert "settings inductor.cpp.threads=8 → inductor.cpp.threads=16" in lines
-    assert tc.component_changes(old, old) == []
+    assert toolchain_changes.component_changes(old, old) == []
     env = json.loads(json.dumps(old))
     env["settings"]["env"]["scrub"] = [*env["settings"]["env"]["scrub"][1:], "CUDA_ROOT"]
-    (change,) = tc.component_changes(old, env)
+    (change,) = toolchain_changes.component_changes(old, env)
     assert change == ("settings", "env.scrub", "env.scrub +CUDA_ROOT -ATEN_CPU_CAPABILITY")

@@ -321,7 +321,8 @@ def _cuda_facts_from_cpu(toy: Path) -> None:
     ws = Workspace(cg)
     toolchains, _ = resolve_toolchains(ws, ws.state.cache)
     env = digest(sorted(environment.installed().items()))
-    fam = SourceHasher(toy / ".cgbuild" / "cache" / "sources.json").family_inputs(cg, cg.families["toy"])[0]
+    sources = SourceHasher(toy / ".cgbuild" / "cache" / "sources.json")
+    fam = sources.family_inputs(cg, cg.families["toy"]).digest
     torch = environment.torch_build()["version"]  # type: ignore[index]
 
     def inputs(t: Any) -> str:

@@ -11,13 +11,27 @@ from typing import Any
 from cgbuild.store.seal import read_metadata, seal, unseal
 
 
+def stand_in_metadata(key: str) -> dict[str, Any]:
+    """The least sealed metadata every reader accepts (`cgbuild.store.metadata`): a store test's
+    artifact is judged by the store's checks, not refused for its metadata."""
+    contract = {"inputs": [], "outputs": {"leaves": []}}
+    return {
+        "key": key,
+        "kind": "aot-inductor",
+        "sm": "cpu",
+        "torch": "2.13.0",
+        "graph": {"digest": "0" * 64, "contract": contract},
+        "toolchain": {"fold": "0" * 16},
+    }
+
+
 def sealed_for(tmp: Path, key: str) -> Path:
     """A real sealed artifact for `key` (a tiny zip stands in for the AOTI package)."""
     pkg = tmp / f"{key[:4]}.pt2"
     with zipfile.ZipFile(pkg, "w") as z:
         z.writestr("model/data/x", key)
     out = tmp / f"{key[:4]}.tar.gz"
-    seal(out, {"key": key}, {"model.pt2": pkg})
+    seal(out, stand_in_metadata(key), {"model.pt2": pkg})
     return out
 
 
