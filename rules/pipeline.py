@@ -225,8 +225,7 @@ def _leaf(want: Any, sizes: Mapping[str, int], device: torch.device) -> Any:
         return want  # a constant the program baked: passed as baked
     shape = [d if isinstance(d, int) else sizes.get(str(d), 2) for d in want["shape"]]
     dtype = getattr(torch, want["dtype"])
-    zeros = torch.zeros(shape, dtype=dtype, device=device)
     stride = want.get("stride")
     if stride and all(isinstance(s, int) for s in stride):
         return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
-    return zeros
+    return torch.zeros(shape, dtype=dtype, device=device)

@@ -148,6 +148,7 @@ def parse_job(raw: Mapping[str, Any]) -> Job:
     # `lanes`: the values of each declared axis compiled into this program (docs/lanes.md);
     # always present for the entry, {} when the family declares none.
     spec = {k: job.spec[k] for k in SPEC_KEYS} | {
+        "frames": job.spec.get("frames"),  # None for an image module
         "config": dict(job.config),
         "lanes": dict(job.spec.get("lanes") or {}),
     }

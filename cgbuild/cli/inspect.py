@@ -170,7 +170,8 @@ def _runtime(runtime: Any) -> str:
 
 
 def _facet(f: dict[str, Any]) -> str:
-    text = f"{f.get('shape')} batch {f.get('batch')}"
+    text = f"{f.get('shape')}" + (f" frames {f['frames']}" if f.get("frames") is not None else "")
+    text += f" batch {f.get('batch')}"
     text += f" text {f['text_len']}" if f.get("text_len") is not None else ""
     return text + (f" guidance {', '.join(f['guidance'])}" if f.get("guidance") else "")
 

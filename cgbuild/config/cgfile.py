@@ -82,6 +82,9 @@ class Envelope:
     text_lengths: tuple[int, ...] | None
     batch_sizes: tuple[int, ...]
     guidance: tuple[str, ...]
+    frames: tuple[int, ...] | None = None
+    """A video module's own input frames (latent frames for a denoiser), one graph class each;
+    None for an image module, whose labels and facets then carry no frames at all."""
 
 
 @dataclass(frozen=True)
@@ -418,7 +421,16 @@ def _family(r: Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict[
     )
 
 
-MODULE_KEYS = {"component", "shapes", "text_lengths", "batch_sizes", "guidance", "serves", "layouts"}
+MODULE_KEYS = {
+    "component",
+    "shapes",
+    "frames",
+    "text_lengths",
+    "batch_sizes",
+    "guidance",
+    "serves",
+    "layouts",
+}
 ATTRIBUTE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
@@ -460,14 +472,16 @@ def _module(
             )
         shapes.append((int(m.group(1)), int(m.group(2))))
     texts = r.get(t, where, "text_lengths", is_int_list, "an array of integers")
+    frames = r.get(t, where, "frames", is_int_list, "an array of the module's input frame counts")
     batches = r.get(t, where, "batch_sizes", is_int_list, "an array of integers", default=[1])
     guidance = r.get(t, where, "guidance", is_num_list, "an array of numbers", default=[])
-    for key, values in (("shapes", shapes_raw), ("text_lengths", texts), ("batch_sizes", batches)):
+    declared = (("shapes", shapes_raw), ("frames", frames), ("text_lengths", texts), ("batch_sizes", batches))
+    for key, values in declared:
         if values is not None and not values:
             raise r.fail(f"empty envelope: '{key}' declares no values", *where, key)
         if values is not None and len(set(values)) != len(values):
             raise r.fail(f"duplicate value in '{key}'", *where, key)
-    for key, values in (("text_lengths", texts or []), ("batch_sizes", batches)):
+    for key, values in (("frames", frames or []), ("text_lengths", texts or []), ("batch_sizes", batches)):
         for v in values:
             r.positive(v, MAX_DIM, *where, key)
     for h, w in shapes:
@@ -480,6 +494,7 @@ def _module(
         tuple(texts) if texts is not None else None,
         tuple(batches),
         tuple(_num_text(g) for g in guidance),
+        tuple(frames) if frames is not None else None,
     )
     return Module(name, component, envelope, serves, layouts)
 

@@ -1,8 +1,9 @@
 """Targets: family × module × graph class × layout × sm, expanded from a Cgfile.
 
-A graph class is one static bucket of a module's envelope (shape × text length × batch); its
-name is derived, e.g. `1024x1024-t512-b1`. Guidance values never change the program, so they are
-part of every facet but of no graph class name.
+A graph class is one static bucket of a module's envelope (shape × frames × text length ×
+batch); its name is derived, e.g. `1024x1024-t512-b1`, or `32x32-f9-t16-b1` for a video module
+(9 of its own input frames); an image module's names and facets carry no frames. Guidance values
+never change the program, so they are part of every facet but of no graph class name.
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ class GraphClass:
     width: int
     text_len: int | None
     batch: int
+    frames: int | None = None
 
     def facet(self, guidance: tuple[str, ...]) -> dict[str, Any]:
+        frames = {} if self.frames is None else {"frames": self.frames}
         return {
             "shape": f"{self.height}x{self.width}",
+            **frames,
             "text_len": self.text_len,
             "batch": self.batch,
             "guidance": list(guidance),
@@ -60,10 +64,12 @@ def graph_classes(module: Module) -> list[GraphClass]:
     env = module.envelope
     out = []
     for h, w in env.shapes:
-        for t in env.text_lengths or (None,):
-            for b in env.batch_sizes:
-                text = "" if t is None else f"-t{t}"
-                out.append(GraphClass(f"{h}x{w}{text}-b{b}", h, w, t, b))
+        for f in env.frames or (None,):
+            for t in env.text_lengths or (None,):
+                for b in env.batch_sizes:
+                    frames = "" if f is None else f"-f{f}"
+                    text = "" if t is None else f"-t{t}"
+                    out.append(GraphClass(f"{h}x{w}{frames}{text}-b{b}", h, w, t, b, f))
     return out
 
 

@@ -160,10 +160,11 @@ def _entry(row: Any, where: str, *, v3: bool) -> Entry:
 
 
 def _envelope(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, Mapping) or set(value) != set(_ENVELOPE):
-        raise BadManifest(f"{where}.envelope: must be an object with {', '.join(_ENVELOPE)}")
-    for name, kind in _ENVELOPE.items():
-        if not isinstance(value[name], kind) or isinstance(value[name], bool):
+    """A facet: its four fields, and `frames` (an integer) for a video module's."""
+    if not isinstance(value, Mapping) or not set(_ENVELOPE) <= set(value) <= {*_ENVELOPE, "frames"}:
+        raise BadManifest(f"{where}.envelope: must be an object with {', '.join(_ENVELOPE)} (and frames)")
+    for name, kind in (*_ENVELOPE.items(), ("frames", int)):
+        if name in value and (not isinstance(value[name], kind) or isinstance(value[name], bool)):
             raise BadManifest(f"{where}.envelope.{name}: not what a facet holds")
     return dict(value)
 

@@ -120,6 +120,8 @@ def job_for(cg: Cgfile, t: Target, components: Mapping[str, Any] | None = None) 
         "dtype": lay.dtype,
         "device": t.device,
     }
+    if gc.frames is not None:  # a video module's: an image job's spec (a trace input) is unchanged
+        spec["frames"] = gc.frames
     program = target_lanes(t, lay.quant, components)
     if program is not None:
         spec["lanes"] = program

@@ -140,7 +140,7 @@ def _facet(value: Any, where: str) -> None:
     row = _obj(value, where)
     for name in ("shape", "graph_class"):
         _str(row.get(name), f"{where}.{name}", optional=True)
-    for name in ("batch", "text_len"):
+    for name in ("batch", "text_len", "frames"):
         _int(row.get(name), f"{where}.{name}", optional=True)
     _list(row.get("guidance"), f"{where}.guidance", _str)
 

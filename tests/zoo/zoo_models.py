@@ -255,8 +255,9 @@ def wan(spec: dict[str, Any]) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any
     from diffusers import WanTransformer3DModel
 
     b, h, w, text = spec["batch"], spec["height"], spec["width"], spec["text_len"]
+    frames = spec.get("frames") or 2  # declared for a video family; zoo-dit's wan folds in two
     kwargs = {
-        "hidden_states": torch.randn(b, WAN["in_channels"], 2, h, w),
+        "hidden_states": torch.randn(b, WAN["in_channels"], frames, h, w),
         "timestep": torch.rand(b) * 999,
         "encoder_hidden_states": torch.randn(b, text, WAN["text_dim"]),
         "attention_kwargs": None,
