@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from cgbuild.core.codes import Code
+from cgbuild.core.codes import RETRYABLE, Code
 
 log = logging.getLogger("cgbuild.adopt")
 
@@ -35,7 +35,10 @@ class CompiledRequired(AdoptRefused):
     `reason` why no artifact took the call; retryable (another worker, another bucket may)."""
 
     code = Code.COMPILED_REQUIRED
-    retryable = True
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in RETRYABLE
 
     def __init__(self, label: str, reason: Refusal) -> None:
         RuntimeError.__init__(

@@ -12,23 +12,15 @@ from cgbuild.config import cgfile
 from cgbuild.config.targets import expand
 
 PIPELINE = """\
-[sku.cpu]
-sm = "cpu"
-memory_gib = 4
-
-[layout.bf16]
-quant = "plain.bf16"
-
-[layout.fp8]
-quant = "fp8-rowwise"
+sku.cpu = {{ sm = "cpu", memory_gib = 4 }}
+layout.bf16 = {{ quant = "plain.bf16" }}
+layout.fp8 = {{ quant = "fp8-rowwise" }}
 
 [family.klein]
 entry = "m:build"
 skus = ["cpu"]
 layouts = ["bf16", "fp8"]
-
-[family.klein.module.transformer]
-shapes = ["64x64"]
+module.transformer = {{ shapes = ["64x64"] }}
 
 [family.klein.module.decoder]
 shapes = ["64x64"]

@@ -39,14 +39,17 @@ def served_ws(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     return ws, json.loads((ws / "manifest.json").read_text())
 
 
-def _run(pipe: Any, output_type: str) -> Any:
+def _run(pipe: Any, output_type: str, inputs: dict[str, Any] | None = None, guidance: float = 1.0) -> Any:
+    """Two steps at 64x64 (a distilled klein's prompt alone by default), the images as `output_type`."""
+    if inputs is None:
+        inputs = {"prompt_embeds": flux2_klein_inputs(pipe)["prompt_embeds"]}
     with torch.inference_mode():
         return pipe(
-            **{k: v for k, v in flux2_klein_inputs(pipe).items() if k == "prompt_embeds"},
+            **inputs,
             height=64,
             width=64,
             num_inference_steps=2,
-            guidance_scale=1.0,
+            guidance_scale=guidance,
             output_type=output_type,
             generator=torch.Generator().manual_seed(3),
         ).images
@@ -157,21 +160,10 @@ def test_an_sdxl_pipeline_under_guidance_is_served_compiled(tmp_path_factory: py
     assert cli(ws, "manifest", "//zoo-sdxl", "-o", str(ws / "manifest.json")).returncode == 0
     pipe = sdxl_pipeline(seed=5)
 
-    def run(target: Any, output_type: str) -> Any:
-        with torch.inference_mode():
-            return target(
-                **sdxl_inputs(),
-                height=64,
-                width=64,
-                num_inference_steps=2,
-                guidance_scale=5.0,
-                output_type=output_type,
-            ).images
-
-    want = {kind: run(pipe, kind) for kind in ("latent", "np")}
+    want = {kind: _run(pipe, kind, sdxl_inputs(), 5.0) for kind in ("latent", "np")}
     served = adopt_pipeline(pipe, ws / "manifest.json", store=Store(ws / ".cgbuild" / "store"))
     assert served.warmup()["not_compiled"] == {}
-    got = {kind: run(served, kind) for kind in ("latent", "np")}
+    got = {kind: _run(served, kind, sdxl_inputs(), 5.0) for kind in ("latent", "np")}
     counters = served.counters
     assert counters["unet"]["compiled"] == 5 and counters["vae.decode"] == {"compiled": 2}
     assert not [k for c in counters.values() for k in c if k.startswith("eager")]
