@@ -63,7 +63,7 @@ def measure(ws: Path, steps: int, reps: int) -> dict[str, Any]:
     minted = json.loads(mint.stdout.strip().splitlines()[-1])
     mint_s = time.perf_counter() - t
     # a component whose mint failed is left out of the manifest: the pipeline calls it eager
-    fresh = sorted({label.split("/")[2] for m in minted["minted"] for label in m["labels"]})
+    fresh = sorted({label.split("/")[3] for m in minted["minted"] for label in m["labels"]})
     if not fresh:
         raise SystemExit(f"nothing minted: {minted['failed']}")
     selector = f"//zoo-pipe/{fresh[0]}:{sm}" if len(fresh) == 1 else f"//zoo-pipe:{sm}"
