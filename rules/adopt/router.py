@@ -118,7 +118,10 @@ class Adopted(Attached):
             return (
                 None,
                 [],
-                Refusal(Code.OUT_OF_ENVELOPE, f"no declared graph class covers it; closest {closest.detail}"),
+                Refusal(
+                    Code.OUT_OF_ENVELOPE,
+                    f"no declared graph class covers the call; closest {closest.detail} ({closest.code})",
+                ),
             )
         return None, [], closest
 
