@@ -75,8 +75,7 @@ class QuantRule:
 
     @property
     def compiled_only(self) -> bool:
-        """Whether a module of this rule has no eager path: the rule quantizes activations in the
-        graph (W8A8), so the eager module computes another thing and serving must never fall back."""
+        """The rule quantizes activations (W8A8): its module's eager path computes another thing."""
         return bool(self.facts["activations"] != "unquantized")
 
     @property
