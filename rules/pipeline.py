@@ -21,7 +21,6 @@ mistake (`AttachError`: an attribute the pipeline lacks, a manifest of another f
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Mapping
@@ -35,14 +34,12 @@ from cgbuild_rules.adopt.refusal import AdoptRefused, CompiledRequired
 from cgbuild_rules.adopt.router import Adopted
 from torch import nn
 
-from cgbuild.core import userfile
-from cgbuild.protocol.manifest import BadManifest, read_modules
+from cgbuild.core import jsonfile
+from cgbuild.protocol.manifest import read_modules
 from cgbuild.store.local import Store
 from cgbuild.store.shared import SharedStore
 
 __all__ = ["AttachError", "CompiledRequired", "ServedPipeline", "adopt_pipeline"]
-
-MAX_MANIFEST_BYTES = 64 * userfile.MIB
 
 
 class AttachError(ValueError):
@@ -170,17 +167,12 @@ def adopt_pipeline(
     return ServedPipeline(pipe, family, components)
 
 
-def _manifest(manifest: str | os.PathLike[str] | Mapping[str, Any]) -> Mapping[str, Any]:
-    if isinstance(manifest, Mapping):
-        return manifest
-    data = userfile.read(manifest, "serving manifest", MAX_MANIFEST_BYTES)
-    try:
-        doc = json.loads(data)
-    except ValueError as e:
-        raise BadManifest(f"{manifest}: not JSON ({e})") from None
-    if not isinstance(doc, Mapping):
-        raise BadManifest(f"{manifest}: a manifest is a JSON object")
-    return doc
+def _manifest(manifest: str | os.PathLike[str] | Mapping[str, Any]) -> Any:
+    """The manifest, read from its file through the engine's bounded JSON reader when it is one;
+    `read_modules` then refuses what is not a manifest, by field."""
+    return (
+        manifest if isinstance(manifest, Mapping) else jsonfile.load(os.fspath(manifest), "serving manifest")
+    )
 
 
 def _attachment(pipe: Any, path: str, family: str) -> tuple[Any, str | None, Any]:

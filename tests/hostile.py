@@ -50,6 +50,12 @@ CGFILE: dict[str, Any] = {
             "module": {
                 "mlp": {"shapes": ["8x64", "16x64"], "batch_sizes": [1, 2], "guidance": [3.5, 4]},
                 "conv": {"shapes": ["32x32"], "text_lengths": [8], "component": "conv"},
+                "vae.decode": {
+                    "shapes": ["8x8"],
+                    "frames": [2, 5],
+                    "serves": "vae.decode",
+                    "layouts": ["bf16"],
+                },
             },
         }
     },

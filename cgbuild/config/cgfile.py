@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cgbuild.config.labels import ATTRIBUTE_PATH
 from cgbuild.config.lanes import RULE_AXES, family_lanes
 from cgbuild.config.reader import (
     CONTROL,
@@ -431,7 +432,6 @@ MODULE_KEYS = {
     "serves",
     "layouts",
 }
-ATTRIBUTE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def _module(

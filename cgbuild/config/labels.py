@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from cgbuild.core.errors import UserError
 
 _PART = r"[a-z0-9][a-z0-9._-]*"
+ATTRIBUTE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+"""A pipeline attribute a module serves (`transformer`, `vae.decode`): the Cgfile's `serves`
+and the serving manifest's, one pattern."""
 _SELECTOR = re.compile(
     rf"(?://(?P<path>\.\.\.|{_PART}(?:/{_PART}){{0,2}}(?:/\.\.\.)?))?"
     rf"(?:@(?P<layout>{_PART}))?(?::(?P<sm>{_PART}))?"

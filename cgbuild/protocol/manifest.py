@@ -31,12 +31,11 @@ disk: anything that is not one of the two shapes is a `BadManifest` naming the f
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-_ATTRIBUTE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+from cgbuild.config.labels import ATTRIBUTE_PATH
 
 SCHEMA_V1 = "cgbuild.serving-manifest/1"
 SCHEMA_V2 = "cgbuild.serving-manifest/2"
@@ -109,7 +108,7 @@ def read_modules(doc: Any) -> dict[str, Module]:
             if not isinstance(rows, Mapping) or set(rows) != {"serves", "entries"}:
                 raise BadManifest(f"{where}: must be an object with exactly 'serves' and 'entries'")
             serves = rows["serves"]
-            if not isinstance(serves, str) or not _ATTRIBUTE.fullmatch(serves):
+            if not isinstance(serves, str) or not ATTRIBUTE_PATH.fullmatch(serves):
                 raise BadManifest(f"{where}.serves: must be a pipeline attribute path, e.g. 'vae.decode'")
             entries = rows["entries"]
             if not isinstance(entries, list):

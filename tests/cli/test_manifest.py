@@ -242,8 +242,30 @@ def test_both_schemas_read_to_entries() -> None:
     assert (old.graph_class, old.key, old.layout, old.sm) == ("c", "k", None, None)
 
 
+MANIFEST_V3: dict[str, Any] = {
+    "schema": SCHEMA,
+    "family": "f",
+    "modules": {
+        "vae.decode": {
+            "serves": "vae.decode",
+            "entries": [
+                {
+                    "graph_class": "8x8-f5-b1",
+                    "layout": "fp8",
+                    "sm": "sm_90",
+                    "key": "k" * 64,
+                    "stamp": "t@1+q@1",
+                    "compiled_only": True,
+                    "envelope": {"shape": "8x8", "frames": 5, "text_len": None, "batch": 1, "guidance": []},
+                }
+            ],
+        }
+    },
+}
+
+
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(mutated=_mutated(MANIFEST_V2, toml=False))
+@given(mutated=_mutated(MANIFEST_V2, toml=False) | _mutated(MANIFEST_V3, toml=False))
 def test_generated_manifests_read_or_are_refused_by_name(mutated: tuple[dict[str, Any], str]) -> None:
     """Whatever manifest a serving process is handed, `read` returns entries or raises
     BadManifest (which adopt reports), never anything else."""
