@@ -208,9 +208,22 @@ def conform(
     for name, value in given.items():
         known = signature.parameters.get(name)
         default = known.default if known is not None else inspect.Parameter.empty
-        if name not in traced and value is not default and value != default:
+        if name not in traced and not _is_default(value, default):
             return None
     if any(i["name"] not in given for i in inputs):
         return None
     positional = tuple(given[i["name"]] for i in inputs if not i.get("keyword"))
     return positional, {i["name"]: given[i["name"]] for i in inputs if i.get("keyword")}
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """Whether a value the program never took is its parameter's default (a tensor never is:
+    comparing one is no answer, and its values would be ignored)."""
+    if value is default:
+        return True
+    if isinstance(value, torch.Tensor) or isinstance(default, torch.Tensor):
+        return False
+    try:
+        return bool(value == default)
+    except Exception:  # a value whose comparison raises is not known to be the default
+        return False
