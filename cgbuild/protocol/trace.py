@@ -80,6 +80,9 @@ class TraceJob:
             isinstance(v, list) and v and all(isinstance(x, str) for x in v) for v in program.values()
         ):
             raise BadJob("bad job: spec.lanes must map each axis to a non-empty list of values")
+        frames = spec.get("frames")
+        if frames is not None and (type(frames) is not int or frames < 1):
+            raise BadJob(f"bad job: spec.frames {frames!r} is not a positive frame count")
         if spec["device"] not in DEVICES:
             raise BadJob(f"bad job: device {spec['device']!r} not in {list(DEVICES)}")
         for name in ("id", "entry", "root", "quant"):

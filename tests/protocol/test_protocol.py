@@ -142,3 +142,12 @@ def test_generated_holds_read_or_are_refused_by_name(mutated: tuple[dict[str, An
         toolchain={"platform": "cpu", "fold": "f", "components": {}}, out="/out", sandbox="/sb",
     )  # fmt: skip
     assert hold.admits(req) is None or isinstance(hold.admits(req), str)
+
+
+@pytest.mark.parametrize("frames", [0, -3, True, "9", 2.5])
+def test_a_jobs_frame_count_is_a_positive_integer(job: TraceJob, frames: Any) -> None:
+    raw = job.to_json()
+    with pytest.raises(BadJob, match=r"spec\.frames"):
+        TraceJob.from_json({**raw, "spec": {**raw["spec"], "frames": frames}})
+    ok = TraceJob.from_json({**raw, "spec": {**raw["spec"], "frames": 9}})
+    assert ok.spec["frames"] == 9
