@@ -22,7 +22,6 @@ metadata, whose identity blocks refuse floats, and integer comparisons cannot dr
 
 from __future__ import annotations
 
-import ast
 import itertools
 import re
 from collections.abc import Mapping, Sequence
@@ -33,6 +32,7 @@ from typing import Any
 from cgbuild.core.codes import Code
 from cgbuild.core.entry import entry_files
 from cgbuild.core.errors import UserError
+from cgbuild.core.literal import read_literal
 from cgbuild.core.platform import device_of, sm_number
 
 LANES_SCHEMA = "cgbuild.lanes/1"
@@ -130,30 +130,14 @@ def _needs(raw: Any, where: str, fail: Any) -> Needs:
 
 def parse_lane_table(source: str, file: str) -> LaneTable | None:
     """The module-level `LANES = {...}` literal of an entry's source; None when it has none."""
-    try:
-        tree = ast.parse(source, filename=file)
-    except SyntaxError as e:
-        raise UserError(f"cannot parse the entry: {e.msg}", file=file, line=e.lineno) from None
-    except (ValueError, RecursionError, MemoryError) as e:  # a NUL byte; nesting too deep
-        raise UserError(f"cannot parse the entry: {type(e).__name__}", file=file) from None
-    node: ast.expr | None = None
-    line = 0
-    for stmt in tree.body:
-        targets = stmt.targets if isinstance(stmt, ast.Assign) else []
-        if isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
-            targets = [stmt.target]
-        if any(isinstance(t, ast.Name) and t.id == TABLE_NAME for t in targets):
-            node, line = stmt.value, stmt.lineno  # type: ignore[attr-defined]
-    if node is None:
+    found = read_literal(source, file, TABLE_NAME)
+    if found is None:
         return None
+    raw, line = found
 
     def fail(message: str) -> UserError:
         return UserError(message, file=file, line=line, field=TABLE_NAME)
 
-    try:
-        raw = ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):  # e.g. {[1]: 2}
-        raise fail(f"{TABLE_NAME} must be a literal (cgbuild reads it without importing the entry)") from None
     if not isinstance(raw, dict) or not raw:
         raise fail(f"{TABLE_NAME} must be a non-empty dict: axis -> value -> needs")
     axes: dict[str, dict[str, Needs]] = {}

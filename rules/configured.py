@@ -100,13 +100,15 @@ def record(module: nn.Module) -> dict[str, Any]:
     }
 
 
-def drift(recorded: Mapping[str, Any], module: nn.Module) -> str | None:
+def drift(recorded: Mapping[str, Any], module: nn.Module, traced_as: str | None = None) -> str | None:
     """The first configuration value the live module holds otherwise than at mint, as a
     sentence (`norm_eps 1e-06 → 0.1`), or None.
 
     Compared: the model config key by key; per submodule present in both, its class (the root's
     too: a wrapper the entry returned is the module to adopt) and every attribute both hold.
     A submodule only one side has is the tensor checks' and the per-call watch's to judge.
+    `traced_as`: a root class (a call adapter's `traced_class`) that differs from the live root's
+    only in its call, so the root's class alone is not compared when the record names it.
     """
     config = recorded.get("config")
     if isinstance(config, Mapping):
@@ -123,7 +125,8 @@ def drift(recorded: Mapping[str, Any], module: nn.Module) -> str | None:
         if not isinstance(row, Mapping):
             continue
         where = fqn or "the module"
-        if row.get("class") != qualified(type(m)):
+        skip = fqn == "" and traced_as is not None and row.get("class") == traced_as
+        if not skip and row.get("class") != qualified(type(m)):
             return f"{where} is a {qualified(type(m))}, the program was traced with a {row.get('class')}"
         hyper = row.get("hyper")
         if not isinstance(hyper, Mapping):

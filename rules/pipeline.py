@@ -146,8 +146,9 @@ def adopt_pipeline(
         for name, module_doc in modules.items():
             owner, attr, target = _attachment(pipe, module_doc.serves, family)
             live = target if attr is None else owner
+            traced_as = module_doc.call.traced_class if module_doc.call else None
             arts, chosen = manifest_artifacts(
-                name, module_doc.entries, live, store, memory_bytes, layouts.get(name)
+                name, module_doc.entries, live, store, memory_bytes, layouts.get(name), traced_as
             )
             declared = {e.layout for e in module_doc.entries}
             layout = chosen or layouts.get(name) or (next(iter(declared)) if len(declared) == 1 else None)
@@ -155,7 +156,9 @@ def adopt_pipeline(
             compiled_only = bool(rows) and all(e.compiled_only for e in rows)
             label = f"{family}/{name}@{layout or '?'}"
             eager = None if attr is None else target
-            adopted = Adopted(live, arts, eager=eager, compiled_only=label if compiled_only else None)
+            adopted = Adopted(
+                live, arts, eager=eager, compiled_only=label if compiled_only else None, call=module_doc.call
+            )
             if attr is None:
                 adopted.install()
             else:

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     fam = ws.cg.families[families[0]]
     serves = {name: m.serves for name, m in fam.modules.items()}
     compiled_only = {name: QUANT_RULES[lay.quant].compiled_only for name, lay in ws.cg.layouts.items()}
-    doc = manifest.build(families[0], targets, serves, compiled_only)
+    doc = manifest.build(families[0], targets, serves, compiled_only, fam.calls)
     if not args.output:
         print_json(doc)
         return 0

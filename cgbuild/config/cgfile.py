@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cgbuild.config.calls import CallAdapter, read_calls
 from cgbuild.config.labels import ATTRIBUTE_PATH
 from cgbuild.config.lanes import RULE_AXES, family_lanes
 from cgbuild.config.reader import (
@@ -115,6 +116,9 @@ class Family:
     lane_table: dict[str, dict[str, Needs]] = field(default_factory=dict)
     """The implementations of the declared axes (the entry's or a quant rule's), in their
     provider's order, with their needs."""
+    calls: dict[str, CallAdapter] = field(default_factory=dict)
+    """module → how the pipeline's call of it maps to the traced call (the entry's `CALLS`,
+    `cgbuild.config.calls`); outside every key."""
 
     @property
     def lane_rules(self) -> dict[str, str]:
@@ -409,6 +413,7 @@ def _family(r: Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict[
     }
     rules = {layouts[lay].quant for lay in fam_layouts}
     lanes, table = family_lanes(r, where, t["lanes"], entry, rules) if "lanes" in t else ((), {})
+    calls = {m: a for m, a in read_calls(r.path.resolve().parent, entry).items() if m in modules}
     return Family(
         name,
         entry,
@@ -419,6 +424,7 @@ def _family(r: Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict[
         modules,
         lanes,
         table,
+        calls,
     )
 
 

@@ -7,8 +7,9 @@ cannot be written under one name and read under another.
 `cgbuild.serving-manifest/3` holds, per module, where it attaches in a pipeline (`serves`) and
 every layout and sm of it side by side, each entry with its envelope facet (what the graph class
 covers: shape, text length, batch, guidance) and its layout rule's serving fact (`compiled_only`:
-the rule quantizes activations, so no call may fall back to eager); the serving process keeps the
-entries of its own device's sm and one layout:
+the rule quantizes activations, so no call may fall back to eager), and, where the entry traced
+another convention than the pipeline's call, its `call` adapter (`cgbuild.config.calls`); the
+serving process keeps the entries of its own device's sm and one layout:
 
     {"schema": "cgbuild.serving-manifest/3", "family": "flux2-klein",
      "modules": {"transformer": {"serves": "transformer", "entries": [
@@ -35,6 +36,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cgbuild.config.calls import CallAdapter, adapter_from_json
 from cgbuild.config.labels import ATTRIBUTE_PATH
 
 SCHEMA_V1 = "cgbuild.serving-manifest/1"
@@ -42,6 +44,7 @@ SCHEMA_V2 = "cgbuild.serving-manifest/2"
 SCHEMA = "cgbuild.serving-manifest/3"
 _FIELDS = ("graph_class", "layout", "sm", "key", "stamp")
 _V3_FIELDS = (*_FIELDS, "envelope", "compiled_only")
+_V3_MODULE = {"serves", "entries", "call"}
 _ENVELOPE: dict[str, type | tuple[type, ...]] = {
     "shape": str,
     "text_len": (int, type(None)),
@@ -77,10 +80,12 @@ class Entry:
 
 @dataclass(frozen=True)
 class Module:
-    """One module of a manifest: where it attaches in a pipeline, and its entries."""
+    """One module of a manifest: where it attaches in a pipeline, its entries, and how the
+    pipeline's call maps to the traced one when the entry traced another convention (v3)."""
 
     serves: str
     entries: list[Entry]
+    call: CallAdapter | None = None
 
 
 def read(doc: Any) -> dict[str, list[Entry]]:
@@ -105,16 +110,20 @@ def read_modules(doc: Any) -> dict[str, Module]:
         if not isinstance(name, str) or not name:
             raise BadManifest(f"{where}: a module is named by a non-empty string")
         if schema == SCHEMA:
-            if not isinstance(rows, Mapping) or set(rows) != {"serves", "entries"}:
-                raise BadManifest(f"{where}: must be an object with exactly 'serves' and 'entries'")
+            if not isinstance(rows, Mapping) or not {"serves", "entries"} <= set(rows) <= _V3_MODULE:
+                raise BadManifest(f"{where}: must be an object with 'serves', 'entries' (and 'call')")
             serves = rows["serves"]
             if not isinstance(serves, str) or not ATTRIBUTE_PATH.fullmatch(serves):
                 raise BadManifest(f"{where}.serves: must be a pipeline attribute path, e.g. 'vae.decode'")
             entries = rows["entries"]
             if not isinstance(entries, list):
                 raise BadManifest(f"{where}.entries: must be a list of entries")
+            try:
+                call = adapter_from_json(rows["call"], f"{where}.call") if "call" in rows else None
+            except ValueError as e:
+                raise BadManifest(str(e)) from None
             out[name] = Module(
-                serves, [_entry(row, f"{where}.entries[{i}]", v3=True) for i, row in enumerate(entries)]
+                serves, [_entry(row, f"{where}.entries[{i}]", v3=True) for i, row in enumerate(entries)], call
             )
             continue
         if schema == SCHEMA_V1:
@@ -173,6 +182,7 @@ def build(
     targets: Iterable[Mapping[str, Any]],
     serves: Mapping[str, str],
     compiled_only: Mapping[str, bool],
+    calls: Mapping[str, CallAdapter] | None = None,
 ) -> dict[str, Any]:
     """The v3 manifest of plan targets (each with `module`, `graph_class`, `layout`, `sm`, `key`,
     `stamp`, `envelope`), with where each module attaches (`serves`, by module) and each layout's
@@ -195,7 +205,11 @@ def build(
         "schema": SCHEMA,
         "family": family,
         "modules": {
-            name: {"serves": serves[name], "entries": [e.to_json() for e in sorted(rows, key=order)]}
+            name: {
+                "serves": serves[name],
+                "entries": [e.to_json() for e in sorted(rows, key=order)],
+                **({"call": calls[name].to_json()} if calls and name in calls else {}),
+            }
             for name, rows in sorted(modules.items())
         },
     }

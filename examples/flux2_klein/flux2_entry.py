@@ -22,6 +22,11 @@ not be a runtime choice):
   anywhere, slow and large.
 The switch is one `LaneSwitch` on the root (`attention_lane`); the blocks' processors route their
 attention through it. The fp8 layout's GEMM lane (`fp8-gemm`) is its quant rule's, not this file's.
+
+The traced call is `Flux2KleinTransformer.forward`'s, not the one `Flux2KleinPipeline` makes
+(keywords, ids of shape (B, N, 4), `return_dict=False`, a tuple back), so `CALLS` (read by cgbuild
+without importing this file; docs/entry.md) says how the pipeline's call reaches the program:
+`adopt_pipeline` then serves a stock pipeline from these artifacts.
 """
 
 from __future__ import annotations
@@ -48,6 +53,15 @@ LANES = {
         "cudnn": {"device": "cuda", "min_sm": 80},
         "efficient": {"device": "cuda"},
         "math": {},
+    },
+}
+
+CALLS = {
+    "transformer": {
+        "passes": {"return_dict": False},  # answered with the tuple below
+        "first_row": ["img_ids", "txt_ids"],  # the model reads row 0 of (B, N, 4) ids itself
+        "returns": "tuple",
+        "traced_class": "flux2_entry.Flux2KleinTransformer",  # the same model, another call
     },
 }
 

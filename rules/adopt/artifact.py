@@ -61,6 +61,8 @@ class Artifact:
     """Checks this artifact cannot support (`config`: sealed before the configuration record)."""
     check_config: bool = True
     """False for a checkpoint's tensors: no model code, so no configuration beside the program's."""
+    traced_as: str | None = None
+    """The root class a call adapter says the program was traced as (`cgbuild.config.calls`)."""
     reload: Callable[[nn.Module], Artifact] | None = None
     """Load it again (an artifact refused before its package was loaded is re-armed so)."""
 
@@ -154,11 +156,13 @@ def load_artifact(
     memory_bytes: int | None = None,
     lane: str | None = None,
     check_config: bool = True,
+    traced_as: str | None = None,
 ) -> Artifact:
     """Resolve, check and arm one artifact for `module`; a refusal is recorded, never raised.
 
     `check_config=False` skips the configuration record (a checkpoint's tensors have none: the
-    program is the artifact's own).
+    program is the artifact's own); `traced_as`: the root class a call adapter says the program
+    was traced as, not held against the live module's own class.
 
     `memory_bytes` / `lane`: the lane re-fit's device memory override and a pinned lane
     (`choose_lane`); a pinned lane the artifact does not carry raises ValueError. A
@@ -190,6 +194,7 @@ def load_artifact(
         if art.refusal is not None and art.refusal.code in REARMABLE:
             art.refusal = Refusal(art.refusal.code, f"{art.refusal.detail}{adapter_hint(module)}")
     art.check_config = check_config
+    art.traced_as = traced_as
     if check_config and not isinstance(meta.get("module"), Mapping):
         art.unverified = ("config",)
         log.info("%s: sealed without a configuration record: its configuration is unverified", art.label)
@@ -201,6 +206,7 @@ def load_artifact(
         memory_bytes=memory_bytes,
         lane=lane,
         check_config=check_config,
+        traced_as=traced_as,
     )
     if art.refusal is None:
         scratch = Path(tempfile.mkdtemp(prefix="cgbuild-adopt-"))
@@ -233,7 +239,7 @@ def bind_live(art: Artifact, package: Package, module: nn.Module, device: torch.
     configuration match the artifact; else the first reason they do not (an unfused adapter named)."""
     bound, refusal = _bindings(art, package, module, device)
     if refusal is None and art.check_config:
-        refusal = config_refusal(art.metadata, module)
+        refusal = config_refusal(art.metadata, module, art.traced_as)
     if refusal is not None:
         return Refusal(refusal.code, f"{refusal.detail}{adapter_hint(module)}")
     package.bind(bound)

@@ -115,13 +115,16 @@ def literals_of(
     return out, None
 
 
-def config_refusal(meta: Mapping[str, Any], module: nn.Module) -> Refusal | None:
+def config_refusal(
+    meta: Mapping[str, Any], module: nn.Module, traced_as: str | None = None
+) -> Refusal | None:
     """The first configuration value the live module holds otherwise than the module the
-    artifact was minted from (`config-drift`; `cgbuild_rules.configured`), or None."""
+    artifact was minted from (`config-drift`; `cgbuild_rules.configured`; `traced_as`: a call
+    adapter's root class), or None."""
     recorded = meta.get("module")
     if not isinstance(recorded, Mapping):
         return None
-    why = configured.drift(recorded, module)
+    why = configured.drift(recorded, module, traced_as)
     return Refusal(Code.CONFIG_DRIFT, why) if why else None
 
 

@@ -61,9 +61,10 @@ def manifest_artifacts(
     store: Store | SharedStore | None,
     memory_bytes: int | None,
     layout: str | None,
+    traced_as: str | None = None,
 ) -> tuple[list[Artifact], str | None]:
     """The artifacts one module serves from its manifest entries (its sm, one layout), and that
-    layout when one was chosen."""
+    layout when one was chosen; `traced_as`: the root class the module's call adapter names."""
     here = device_sm(module_device(module))
     sms = sorted({r.sm for r in rows if r.sm})
     rows = [r for r in rows if r.sm in (None, here)]
@@ -78,7 +79,9 @@ def manifest_artifacts(
             have = ", ".join(sorted(str(k) for k in by_layout))
             raise ValueError(f"{name}: the manifest has no layout {layout!r} on {here} (it has {have})")
         by_layout = {layout: by_layout[layout]}
-    loaded = {lay: _load_entries(group, module, store, memory_bytes) for lay, group in by_layout.items()}
+    loaded = {
+        lay: _load_entries(group, module, store, memory_bytes, traced_as) for lay, group in by_layout.items()
+    }
     if len(loaded) == 1:
         ((only, arts),) = loaded.items()
         return arts, only
@@ -98,14 +101,20 @@ def manifest_artifacts(
 
 
 def _load_entries(
-    rows: list[ManifestEntry], module: nn.Module, store: Store | SharedStore | None, memory_bytes: int | None
+    rows: list[ManifestEntry],
+    module: nn.Module,
+    store: Store | SharedStore | None,
+    memory_bytes: int | None,
+    traced_as: str | None,
 ) -> list[Artifact]:
     """One artifact per key (graph classes sharing a key share it, labelled by all of them)."""
     classes: dict[str, list[str]] = {}
     for r in sorted(rows, key=lambda r: r.graph_class):
         classes.setdefault(r.key, []).append(r.graph_class)
     return [
-        load_artifact(key, module, store=store, label="+".join(names), memory_bytes=memory_bytes)
+        load_artifact(
+            key, module, store=store, label="+".join(names), memory_bytes=memory_bytes, traced_as=traced_as
+        )
         for key, names in classes.items()
     ]
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from cgbuild_rules.adopt.artifact import Artifact, bind_live, load_artifact
 from cgbuild_rules.adopt.bind import CheckpointTensors, adapter_hint, layout_refusal, tie_aliases
+from cgbuild_rules.adopt.calls import adapted, passed, wrapped
 from cgbuild_rules.adopt.contract import conform, fit
 from cgbuild_rules.adopt.host import module_device
 from cgbuild_rules.adopt.refusal import REARMABLE, AdoptRefused, CompiledRequired, Refusal, log
@@ -27,6 +28,7 @@ from cgbuild_rules.bound import (
 )
 from torch import nn
 
+from cgbuild.config.calls import CallAdapter
 from cgbuild.core.codes import Code
 from cgbuild.lanes import Refit
 from cgbuild.store.errors import StoreError
@@ -56,16 +58,19 @@ class Adopted(Attached):
         strict: bool = False,
         eager: Callable[..., Any] | None = None,
         compiled_only: str | None = None,
+        call: CallAdapter | None = None,
     ) -> None:
         """`eager`: the callable a call is served by when no artifact takes it (the module's own
         `forward`, or the method the artifacts serve, e.g. a VAE's `decode`); `compiled_only`: the
         label of a module that has no eager path (its layout quantizes activations): such a call
-        raises `CompiledRequired` instead."""
+        raises `CompiledRequired` instead; `call`: the entry's adapter from the pipeline's call to
+        the traced one (`cgbuild.config.calls`)."""
         self.module = module
         self.strict = strict
         # strict: raise AdoptRefused instead of serving a call eager (a caller with no eager path)
         self._eager = eager or type(module).forward.__get__(module)
         self.compiled_only = compiled_only
+        self.call = call
         self._signature = _signature(self._eager)
         # Static classes before dynamic ones: an exact bucket beats a range that also covers it.
         self.artifacts = sorted(artifacts, key=lambda a: a.dynamic)
@@ -99,11 +104,19 @@ class Adopted(Attached):
         if not armed:
             first = next(iter(self.refusals.values()), Refusal(Code.NO_ARTIFACT, "no artifact adopted"))
             return None, [], first
+        if self.call is not None:
+            kwargs, refused = passed(self.call, kwargs)
+            if refused is not None:
+                return None, [], refused
         closest: Refusal | None = None
         for art in armed:
             copied: list[str] = []
             why, leaves = fit(art.contract, args, kwargs, copied)
-            if why is not None and why.code == Code.CALL_STRUCTURE and self._signature is not None:
+            if self.call is not None and why is not None:
+                conformed = adapted(self.call, art.contract, self._signature, args, kwargs)
+                if conformed is not None:
+                    why, leaves = fit(art.contract, *conformed, copied)
+            elif why is not None and why.code == Code.CALL_STRUCTURE and self._signature is not None:
                 conformed = conform(art.contract, self._signature, args, kwargs)  # by name, defaults
                 if conformed is not None:
                     why, leaves = fit(art.contract, *conformed, copied)
@@ -141,7 +154,7 @@ class Adopted(Attached):
                 self.counters["compiled"] += 1
                 if restrided:
                     self.counters["restrided"] += 1
-                return out
+                return wrapped(self.call, out)
             except Exception as e:  # a compiled failure disarms the artifact and serves eager
                 art.refusal = Refusal(Code.COMPILED_ERROR, f"{type(e).__name__}: {e}")
                 art.package = None
