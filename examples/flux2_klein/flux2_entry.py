@@ -1,6 +1,6 @@
 """FLUX.2 [klein] transformer entry, shared by the `flux2-klein` and `flux2-klein-tiny` families.
 
-Entry: `flux2_entry:build`, module `transformer`. Config:
+Entry: `flux2_entry:build`, modules `transformer` and `vae.decode` (flux2_vae.py). Config:
     [config.model]   # keyword arguments of diffusers' Flux2Transformer2DModel, e.g. for klein-4B:
     patch_size = 1, in_channels = 128, num_layers = 5, num_single_layers = 20,
     attention_head_dim = 128, num_attention_heads = 24, joint_attention_dim = 7680,
@@ -226,14 +226,21 @@ def _position_ids(height: int, width: int, text_len: int) -> tuple[torch.Tensor,
 
 
 def build(spec: dict[str, Any]) -> tuple[Any, ...]:
-    if spec["module"] != "transformer":
-        raise ValueError(f"flux2 families have one module, 'transformer', not {spec['module']!r}")
     config = dict(spec.get("config") or {})
-    unknown = sorted(set(config) - {"model"})
+    unknown = sorted(set(config) - {"model", "vae"})
     if unknown or not isinstance(config.get("model"), dict):
         raise ValueError(
-            "flux2 config must be exactly a [config.model] table of Flux2Transformer2DModel kwargs"
+            "flux2 config is a [config.model] table of Flux2Transformer2DModel kwargs "
+            "(and a [config.vae] table of AutoencoderKLFlux2 kwargs)"
         )
+    if spec["module"] == "vae.decode":
+        from flux2_vae import build_decoder
+
+        if not isinstance(config.get("vae"), dict):
+            raise ValueError("the vae.decode module needs a [config.vae] table (empty: FLUX.2's VAE)")
+        return build_decoder(config["vae"], int(spec["height"]), int(spec["width"]), int(spec["batch"]))
+    if spec["module"] != "transformer":
+        raise ValueError(f"flux2 families have 'transformer' and 'vae.decode', not {spec['module']!r}")
     text_len = spec.get("text_len")
     if not isinstance(text_len, int) or text_len < 1:
         raise ValueError(f"flux2 needs a positive text_len, got {text_len!r}")

@@ -1,0 +1,413 @@
+"""What a user sees serving FLUX.2 [klein] (4B-shaped) as a stock diffusers pipeline on a GPU.
+
+    python benchmarks/pipeline_gpu.py all WORK OUT_JSON [--phases a,b,...] [--archive-out DIR]
+                                                       [--commit SHA]
+
+`setup` copies the example workspace (its lanes dropped: the plain programs the committed
+`gpu_sm90_store_fp8.tgz` and `gpu_sm90_store_768.tgz` archives hold), unpacks those archives and
+`gpu_sm90_store_vae.tgz` when committed, mints the VAE decoder when the plan says it is not fresh
+(its store archive written to `--archive-out`), writes the serving manifests and a seed-0 bf16
+checkpoint of the transformer, the VAE and the prompt embeddings. Then every path is a new
+process that builds a stock `Flux2KleinPipeline` (no text encoder: prompt embeddings given) from
+that checkpoint (in the page cache) and makes 4-step images, batch 1:
+
+  fp32            the eager pipeline in float32: the reference image for every error
+  eager           the eager pipeline in bf16
+  compile_cold    `torch.compile` of the transformer and `vae.decode`, empty caches
+  compile_warm    the same in a new process over the warm caches
+  cgbuild_bf16    `adopt_pipeline` with the bf16 transformer and decoder
+  cgbuild_fp8     `adopt_pipeline` with the fp8 transformer (compiled-only) and the bf16 decoder;
+                  then a call outside its envelope under `torch.profiler`: `CompiledRequired`
+                  raised and no CUDA kernel launched
+  *_768           the same at 768x768 (fp32, compile_cold, compile_warm, cgbuild_bf16)
+  importtime      `python -X importtime` of importing the pipeline's code: what dominates
+
+Each path reports time to first image broken into import torch, import diffusers, weights, arm
+(adopt or compile wrapping), warm-up and the first image; the steady image latency (median of
+10 images after 2 warm-up images, CUDA events around the whole pipeline call); the image's
+relative L2 error against the fp32 image; and, for cgbuild, how every call was served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+from harness import commit_option, write_result
+from targets import drop_lanes
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+EXAMPLE = ROOT / "examples" / "flux2_klein"
+ARCHIVES = ("gpu_sm90_store_fp8.tgz", "gpu_sm90_store_768.tgz", "gpu_sm90_store_vae.tgz")
+VAE_ARCHIVE = "gpu_sm90_store_vae.tgz"
+STEPS = 4
+TEXT = 512
+IMAGES = 10
+PATHS = (
+    "fp32",
+    "eager",
+    "compile_cold",
+    "compile_warm",
+    "cgbuild_bf16",
+    "cgbuild_fp8",
+    "fp32_768",
+    "compile_cold_768",
+    "compile_warm_768",
+    "cgbuild_bf16_768",
+    "importtime",
+)
+MANIFESTS = {
+    "bf16": ("//flux2-klein@bf16:sm_90",),
+    "fp8": ("//flux2-klein/transformer/1024x1024-t512-b1@fp8:sm_90", "//flux2-klein/vae.decode@bf16:sm_90"),
+}
+
+
+def _cgbuild(ws: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"cgbuild {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def _statuses(ws: Path) -> dict[str, str]:
+    plan = json.loads(_cgbuild(ws, "plan", "//flux2-klein:sm_90", "--json").stdout)
+    return {t["label"]: t["status"] for t in plan["targets"]}
+
+
+def setup(work: Path, archive_out: Path | None) -> dict[str, Any]:
+    ws = work / "ws"
+    if ws.exists():
+        shutil.rmtree(ws)
+    shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+    drop_lanes(ws / "Cgfile")
+    (ws / ".cgbuild").mkdir()
+    for name in ARCHIVES:
+        if (RESULTS / name).exists():
+            with tarfile.open(RESULTS / name) as tar:
+                tar.extractall(ws / ".cgbuild", filter="data")
+    rec: dict[str, Any] = {"archives": [n for n in ARCHIVES if (RESULTS / n).exists()]}
+    t = time.perf_counter()
+    rec["plan"] = before = _statuses(ws)
+    rec["plan_s"] = round(time.perf_counter() - t, 2)
+    vae = [label for label, status in before.items() if "/vae.decode/" in label and status != "fresh"]
+    if vae:
+        t = time.perf_counter()
+        minted = _cgbuild(ws, "mint", "//flux2-klein/vae.decode:sm_90", "--json")
+        rec["vae_mint"] = {
+            "seconds": round(time.perf_counter() - t, 1),
+            "summary": json.loads(minted.stdout.strip().splitlines()[-1]),
+        }
+        if archive_out is not None:
+            rec["vae_archive"] = str(_archive_vae(ws, archive_out / VAE_ARCHIVE))
+        rec["plan_after"] = _statuses(ws)
+    for name, selectors in MANIFESTS.items():
+        docs = []
+        for i, selector in enumerate(selectors):
+            out = work / f"manifest-{name}-{i}.json"
+            _cgbuild(ws, "manifest", selector, "-o", str(out))
+            docs.append(json.loads(out.read_text()))
+        merged = docs[0]
+        for doc in docs[1:]:  # one family's manifests of disjoint modules: one manifest
+            merged["modules"].update(doc["modules"])
+        (work / f"manifest-{name}.json").write_text(json.dumps(merged, indent=1))
+    proc = subprocess.run([sys.executable, __file__, "weights", str(work)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"weights failed:\n{proc.stderr[-3000:]}")
+    rec["weights"] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return rec
+
+
+def _archive_vae(ws: Path, dest: Path) -> Path:
+    """The store's VAE keys (refs, objects, evidence) as a tar a later run unpacks."""
+    store = ws / ".cgbuild" / "store"
+    members: list[Path] = []
+    for ref in sorted((store / "refs").glob("*/*.json")):
+        doc = json.loads(ref.read_text())
+        if not any("/vae.decode/" in label for label in doc.get("metadata", {}).get("labels", [])):
+            continue
+        members.append(ref)
+        obj = doc.get("object")
+        members += [p for p in (store / "objects").rglob(f"{obj}*")] if obj else []
+        members += (
+            sorted((store / "evidence" / doc["key"]).glob("*")) if (store / "evidence").exists() else []
+        )
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(dest, "w:gz") as tar:
+        for m in members:
+            tar.add(m, arcname=str(m.relative_to(ws / ".cgbuild")))
+    return dest
+
+
+def _configs(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    import tomllib
+
+    fam = tomllib.loads((work / "ws" / "Cgfile").read_text())["family"]["flux2-klein"]
+    return dict(fam["config"]["model"]), dict(fam["config"].get("vae") or {})
+
+
+def weights(work: Path) -> dict[str, Any]:
+    """Seed-0 bf16 weights of the transformer and the VAE, and the prompt embeddings, on disk."""
+    import torch
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from safetensors.torch import save_file
+
+    model_cfg, vae_cfg = _configs(work)
+    t = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        transformer = Flux2Transformer2DModel(**model_cfg).to(torch.bfloat16)
+        vae = AutoencoderKLFlux2(**vae_cfg).to(torch.bfloat16)
+    save_file(
+        {k: v.contiguous() for k, v in transformer.state_dict().items()}, work / "transformer.safetensors"
+    )
+    save_file({k: v.contiguous() for k, v in vae.state_dict().items()}, work / "vae.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    embeds = torch.randn(1, TEXT, model_cfg["joint_attention_dim"], generator=gen).to(torch.bfloat16)
+    save_file({"prompt_embeds": embeds}, work / "embeds.safetensors")
+    params = sum(p.numel() for p in transformer.parameters())
+    return {"transformer_params": params, "seconds": round(time.perf_counter() - t, 1)}
+
+
+def _pipeline(work: Path, dtype: Any) -> Any:
+    import torch
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+    from safetensors.torch import load_file
+
+    model_cfg, vae_cfg = _configs(work)
+    with torch.device("cuda"):
+        transformer = Flux2Transformer2DModel(**model_cfg).to(dtype).eval()
+        vae = AutoencoderKLFlux2(**vae_cfg).to(dtype).eval()
+    transformer.load_state_dict(load_file(work / "transformer.safetensors", device="cuda"))
+    vae.load_state_dict(load_file(work / "vae.safetensors", device="cuda"))
+    pipe = Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=transformer,
+        is_distilled=True,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _image(pipe: Any, embeds: Any, size: int) -> Any:
+    import torch
+
+    with torch.inference_mode():
+        return pipe(
+            prompt_embeds=embeds,
+            height=size,
+            width=size,
+            num_inference_steps=STEPS,
+            output_type="pt",
+            generator=torch.Generator("cuda").manual_seed(3),
+        ).images
+
+
+def _rel(out: Any, ref: Any) -> float:
+    diff = (out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)
+    return float(diff)
+
+
+def phase(name: str, work: Path) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    import torch
+
+    t_torch = time.perf_counter()
+    import diffusers  # noqa: F401
+
+    t_diffusers = time.perf_counter()
+    size = 768 if name.endswith("_768") else 1024
+    kind = name.removesuffix("_768")
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    pipe = _pipeline(work, dtype)
+    from safetensors.torch import load_file
+
+    embeds = load_file(work / "embeds.safetensors", device="cuda")["prompt_embeds"].to(dtype)
+    served: Any = None
+    if kind == "cgbuild_fp8":
+        from cgbuild_rules.quant import convert
+
+        convert(pipe.transformer, "fp8-rowwise", torch.bfloat16)
+    torch.cuda.synchronize()
+    t_weights = time.perf_counter()
+    rec: dict[str, Any] = {"size": size}
+    if kind.startswith("cgbuild"):
+        from cgbuild_rules.pipeline import adopt_pipeline
+
+        from cgbuild.store.local import Store
+
+        manifest = work / f"manifest-{'fp8' if kind == 'cgbuild_fp8' else 'bf16'}.json"
+        served = adopt_pipeline(pipe, manifest, store=Store(work / "ws" / ".cgbuild" / "store"))
+        t_arm = time.perf_counter()
+        rec["warmup"] = served.warmup()
+        target = served
+    elif kind.startswith("compile"):
+        pipe.transformer.compile()
+        pipe.vae.decode = torch.compile(pipe.vae.decode)
+        t_arm = time.perf_counter()
+        target = pipe
+    else:
+        t_arm = time.perf_counter()
+        target = pipe
+    torch.cuda.synchronize()
+    t_warm = time.perf_counter()
+    first = _image(target, embeds, size)
+    torch.cuda.synchronize()
+    t_first = time.perf_counter()
+    rec["seconds"] = {
+        "import_torch": round(t_torch - t0, 3),
+        "import_diffusers": round(t_diffusers - t_torch, 3),
+        "weights": round(t_weights - t_diffusers, 3),
+        "arm": round(t_arm - t_weights, 3),
+        "warmup": round(t_warm - t_arm, 3),
+        "first_image": round(t_first - t_warm, 3),
+        "to_first_image": round(t_first - t0, 3),
+    }
+    for _ in range(2):
+        _image(target, embeds, size)
+    times = []
+    for _ in range(IMAGES):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = _image(target, embeds, size)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    rec["image_ms"] = round(sorted(times)[len(times) // 2], 2)
+    rec["image_ms_all"] = [round(x, 2) for x in times]
+    ref_path = work / f"fp32_{size}.pt"
+    if kind == "fp32":
+        torch.save(out.float().cpu(), ref_path)
+    elif ref_path.exists():
+        rec["rel_err_vs_fp32"] = round(_rel(out.cpu(), torch.load(ref_path)), 5)
+    rec["rel_err_first_vs_steady"] = round(_rel(first, out), 6)
+    if served is not None:
+        rec["counters"] = served.counters
+        rec["eager_calls"] = sum(n for c in served.counters.values() for k, n in c.items() if k != "compiled")
+        if kind == "cgbuild_fp8":
+            rec["compiled_only_check"] = _compiled_only_check(pipe, embeds)
+    rec["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return rec
+
+
+def _compiled_only_check(pipe: Any, embeds: Any) -> dict[str, Any]:
+    """A transformer call outside the fp8 envelope (768x768's tokens) under the profiler:
+    `CompiledRequired` must be raised before any CUDA kernel of the module runs."""
+    import torch
+    from cgbuild_rules.adopt.refusal import CompiledRequired
+
+    tokens, dim = 48 * 48, pipe.transformer.config.in_channels
+    call = {
+        "hidden_states": torch.randn(1, tokens, dim, device="cuda", dtype=torch.bfloat16),
+        "timestep": torch.full((1,), 0.5, device="cuda", dtype=torch.bfloat16),
+        "guidance": None,
+        "encoder_hidden_states": embeds,
+        "txt_ids": torch.zeros(1, TEXT, 4, dtype=torch.int64, device="cuda"),
+        "img_ids": torch.zeros(1, tokens, 4, dtype=torch.int64, device="cuda"),
+        "joint_attention_kwargs": None,
+        "return_dict": False,
+    }
+    torch.cuda.synchronize()
+    raised: str | None = None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        try:
+            with torch.inference_mode():
+                pipe.transformer(**call)
+        except CompiledRequired as e:
+            raised = f"{e.refusal.code}: {e.refusal.detail}"[:300]
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"raised": raised, "cuda_kernels": len(kernels), "kernel_names": kernels[:10]}
+
+
+def importtime() -> dict[str, Any]:
+    """Cumulative import time of the pipeline's code, by top-level package (`-X importtime`)."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import torch, diffusers; diffusers.Flux2KleinPipeline"],
+        capture_output=True,
+        text=True,
+    )
+    top: dict[str, int] = {}
+    for line in proc.stderr.splitlines():
+        if not line.startswith("import time:") or "|" not in line:
+            continue
+        _, cumulative, name = (p.strip() for p in line.removeprefix("import time:").split("|"))
+        if cumulative.isdigit() and not name.startswith(" "):
+            root = name.strip().split(".")[0]
+            top[root] = max(top.get(root, 0), int(cumulative))
+    ranked = sorted(top.items(), key=lambda kv: -kv[1])[:15]
+    return {"cumulative_ms": {k: round(v / 1000, 1) for k, v in ranked}}
+
+
+def run_all(
+    work: Path, out_json: Path, phases: list[str], archive_out: Path | None, commit: str | None
+) -> None:
+    results: dict[str, Any] = {}
+    work.mkdir(parents=True, exist_ok=True)
+    if "setup" in phases or not (work / "manifest-bf16.json").exists():
+        results["setup"] = setup(work, archive_out)
+        _write(out_json, results, commit)
+    for name in [p for p in phases if p != "setup"]:
+        if name == "importtime":
+            results[name] = importtime()
+        else:
+            env = dict(os.environ)
+            if name.startswith("compile_cold"):
+                for sub in ("inductor", "triton"):
+                    shutil.rmtree(work / sub, ignore_errors=True)
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor")
+            env["TRITON_CACHE_DIR"] = str(work / "triton")
+            proc = subprocess.run(
+                [sys.executable, __file__, "phase", name, str(work)], capture_output=True, text=True, env=env
+            )
+            lines = proc.stdout.strip().splitlines()
+            results[name] = (
+                json.loads(lines[-1])
+                if proc.returncode == 0 and lines
+                else {"failed": proc.returncode, "stderr": proc.stderr[-3000:]}
+            )
+        print(name, json.dumps(results[name])[:400], flush=True)
+        _write(out_json, results, commit)
+
+
+def _write(out_json: Path, results: dict[str, Any], commit: str | None) -> None:
+    write_result(out_json, "pipeline_gpu", results, packages=("diffusers",), torch=True, commit=commit)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("all", "phase", "weights"))
+    ap.add_argument("rest", nargs="+")
+    ap.add_argument("--phases", default=",".join(("setup", *PATHS)))
+    ap.add_argument("--archive-out", type=Path)
+    commit_option(ap)
+    args = ap.parse_args()
+    if args.what == "weights":
+        print(json.dumps(weights(Path(args.rest[0]))))
+    elif args.what == "phase":
+        print(json.dumps(phase(args.rest[0], Path(args.rest[1]))))
+    else:
+        work, out_json = Path(args.rest[0]), Path(args.rest[1])
+        run_all(work, out_json, args.phases.split(","), args.archive_out, args.commit)
+
+
+if __name__ == "__main__":
+    main()
