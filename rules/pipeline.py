@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from cgbuild_rules.adopt.artifact import Artifact
 from cgbuild_rules.adopt.host import module_device
 from cgbuild_rules.adopt.manifest import manifest_artifacts
 from cgbuild_rules.adopt.refusal import AdoptRefused, CompiledRequired
@@ -38,6 +39,9 @@ from cgbuild.core import jsonfile
 from cgbuild.protocol.manifest import read_modules
 from cgbuild.store.local import Store
 from cgbuild.store.shared import SharedStore
+
+LAYERWISE_CASTING = "layerwise_casting"
+"""diffusers' name for the hook a model's reported dtype is read from first."""
 
 __all__ = ["AttachError", "CompiledRequired", "ServedPipeline", "adopt_pipeline"]
 
@@ -58,6 +62,8 @@ class Component:
     """the object the attribute is on (the module itself for a module attach)"""
     attr: str | None
     """the method's name for a method attach (`decode`), None for a module's own calls"""
+    undo: Callable[[], None] | None = None
+    """takes back the compute dtype the module was made to report (`report_compute_dtype`)"""
 
 
 class ServedPipeline:
@@ -94,6 +100,8 @@ class ServedPipeline:
                 c.adopted.release()
             else:
                 c.owner.__dict__.pop(c.attr, None)
+            if c.undo is not None:
+                c.undo()
         self.components = {}
 
     def warmup(self) -> dict[str, Any]:
@@ -163,11 +171,63 @@ def adopt_pipeline(
                 adopted.install()
             else:
                 owner.__dict__[attr] = adopted
-            components[name] = Component(name, module_doc.serves, adopted, owner, attr)
+            undo = report_compute_dtype(live, arts) if attr is None else None
+            components[name] = Component(name, module_doc.serves, adopted, owner, attr, undo)
     except BaseException:
         ServedPipeline(pipe, family, components).release()
         raise
     return ServedPipeline(pipe, family, components)
+
+
+def report_compute_dtype(module: nn.Module, arts: list[Artifact]) -> Callable[[], None] | None:
+    """Make a diffusers model report the dtype its program computes in, where its stored weights
+    say otherwise (fp8 weights of a layout that computes in bf16), and return how to undo it.
+
+    A pipeline casts a denoiser's input to `transformer.dtype`, which diffusers reads from the
+    first floating-point parameter: float8 for an fp8 layout, so every call would reach the
+    program in fp8 and be refused. diffusers asks a model's hooks first (a `layerwise_casting`
+    hook's `compute_dtype`: its own name for weights stored in one dtype and computed in another),
+    so one such hook carrying the contract's dtype goes on the submodule holding that parameter.
+    The hook changes nothing in any call.
+    """
+    compute = _contract_dtype(arts)
+    reported = getattr(module, "dtype", None)
+    if compute is None or not isinstance(reported, torch.dtype) or reported == compute:
+        return None
+    if any(hasattr(m, "_diffusers_hook") for m in module.modules()):
+        return None  # the model's own hooks decide what it reports
+    holder = next(
+        (m for m in module.modules() if any(p.dtype == reported for p in m.parameters(recurse=False))), None
+    )
+    if holder is None:
+        return None
+    from diffusers.hooks.hooks import HookRegistry, ModelHook  # a diffusers model: diffusers is here
+
+    class ComputesIn(ModelHook):  # type: ignore[misc]
+        def __init__(self, dtype: torch.dtype) -> None:
+            super().__init__()
+            self.compute_dtype = dtype
+
+    registry = HookRegistry.check_if_exists_or_initialize(holder)
+    registry.register_hook(ComputesIn(compute), LAYERWISE_CASTING)
+
+    def undo() -> None:
+        registry.remove_hook(LAYERWISE_CASTING, recurse=False)
+        holder.__dict__.pop("_diffusers_hook", None)
+
+    return undo
+
+
+def _contract_dtype(arts: list[Artifact]) -> torch.dtype | None:
+    """The dtype of the first floating-point tensor input any artifact's contract takes."""
+    for art in arts:
+        for spec in art.contract.get("inputs") or []:
+            for leaf in spec.get("leaves") or []:
+                if isinstance(leaf, Mapping) and isinstance(leaf.get("dtype"), str):
+                    dtype = getattr(torch, leaf["dtype"], None)
+                    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                        return dtype
+    return None
 
 
 def _manifest(manifest: str | os.PathLike[str] | Mapping[str, Any]) -> Any:

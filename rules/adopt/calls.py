@@ -57,7 +57,8 @@ def adapted(
         else:
             continue
         value = here[slot]  # type: ignore[index]
-        if isinstance(value, torch.Tensor) and ranks.get(name) is not None and value.dim() == ranks[name] + 1:
+        rank = ranks.get(name)
+        if isinstance(value, torch.Tensor) and rank is not None and value.dim() == rank + 1:
             here[slot] = value[0]  # type: ignore[index]
     return tuple(positional), keywords
 

@@ -157,3 +157,30 @@ def test_the_adapter_is_outside_every_key(tmp_path: Path) -> None:
         plan = json.loads(cli(ws, "plan", LABEL, "--json").stdout)
         keys.append(plan["targets"][0]["key"])
     assert keys[0] == keys[1]
+
+
+def test_a_model_stored_in_another_dtype_reports_the_dtype_its_program_computes_in(
+    served_ws: tuple[Path, dict[str, Any]],
+) -> None:
+    """The pipeline casts the denoiser's input to `transformer.dtype`; with weights stored in
+    float8 diffusers would say float8 and every call would reach the program in it."""
+    ws, _ = served_ws
+    pipe = flux2_klein_pipeline(seed=5)
+    first, _ = next(iter(pipe.transformer.named_parameters()))  # where diffusers reads its dtype
+    owner, _, attr = first.rpartition(".")
+    embedder = pipe.transformer.get_submodule(owner)
+    stored = getattr(embedder, attr).data.to(torch.float8_e4m3fn)
+    setattr(embedder, attr, torch.nn.Parameter(stored, requires_grad=False))
+    assert pipe.transformer.dtype == torch.float8_e4m3fn
+    served = adopt_pipeline(pipe, ws / "manifest.json", store=Store(ws / ".cgbuild" / "store"))
+    assert pipe.transformer.dtype == torch.float32  # the contract's: what the program computes in
+    served.release()
+    assert pipe.transformer.dtype == torch.float8_e4m3fn and not hasattr(embedder, "_diffusers_hook")
+
+
+def test_a_model_whose_weights_say_its_dtype_is_left_as_it_is(served_ws: tuple[Path, dict[str, Any]]) -> None:
+    ws, _ = served_ws
+    pipe = flux2_klein_pipeline(seed=5)
+    served = adopt_pipeline(pipe, ws / "manifest.json", store=Store(ws / ".cgbuild" / "store"))
+    assert not any(hasattr(m, "_diffusers_hook") for m in pipe.transformer.modules())
+    served.release()
