@@ -21,6 +21,7 @@ mistake (`AttachError`: an attribute the pipeline lacks, a manifest of another f
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -155,9 +156,17 @@ def adopt_pipeline(
             owner, attr, target = _attachment(pipe, module_doc.serves, family)
             live = target if attr is None else owner
             traced_as = module_doc.call.traced_class if module_doc.call else None
-            arts, chosen = manifest_artifacts(
-                name, module_doc.entries, live, store, memory_bytes, layouts.get(name), traced_as
+            load = functools.partial(
+                manifest_artifacts, name, module_doc.entries, live, store, memory_bytes, layouts.get(name)
             )
+            arts, chosen = load(traced_as)
+            undo = report_compute_dtype(live, arts) if attr is None else None
+            if undo is not None:  # the hook is part of the module the artifacts bind to and watch
+                try:
+                    arts, chosen = load(traced_as)
+                except BaseException:
+                    undo()
+                    raise
             declared = {e.layout for e in module_doc.entries}
             layout = chosen or layouts.get(name) or (next(iter(declared)) if len(declared) == 1 else None)
             rows = [e for e in module_doc.entries if layout is None or e.layout == layout]
@@ -171,7 +180,6 @@ def adopt_pipeline(
                 adopted.install()
             else:
                 owner.__dict__[attr] = adopted
-            undo = report_compute_dtype(live, arts) if attr is None else None
             components[name] = Component(name, module_doc.serves, adopted, owner, attr, undo)
     except BaseException:
         ServedPipeline(pipe, family, components).release()
@@ -188,19 +196,19 @@ def report_compute_dtype(module: nn.Module, arts: list[Artifact]) -> Callable[[]
     program in fp8 and be refused. diffusers asks a model's hooks first (a `layerwise_casting`
     hook's `compute_dtype`: its own name for weights stored in one dtype and computed in another),
     so one such hook carrying the contract's dtype goes on the submodule holding that parameter.
-    The hook changes nothing in any call.
+    The hook changes nothing in any call; it wraps that submodule's forward, which the artifacts'
+    per-call watch would see, so the caller binds them after it is in place.
     """
     compute = _contract_dtype(arts)
-    reported = getattr(module, "dtype", None)
+    reported = _reported_dtype(module)
     if compute is None or not isinstance(reported, torch.dtype) or reported == compute:
         return None
-    if any(hasattr(m, "_diffusers_hook") for m in module.modules()):
-        return None  # the model's own hooks decide what it reports
-    holder = next(
-        (m for m in module.modules() if any(p.dtype == reported for p in m.parameters(recurse=False))), None
-    )
-    if holder is None:
+    if any(_casting_hook(m) is not None for m in module.modules()):
+        return None  # the model's own layerwise casting decides what it reports
+    first = next((name for name, p in module.named_parameters() if p.is_floating_point()), None)
+    if first is None:
         return None
+    holder = module.get_submodule(first.rpartition(".")[0])
     from diffusers.hooks.hooks import HookRegistry, ModelHook  # a diffusers model: diffusers is here
 
     class ComputesIn(ModelHook):  # type: ignore[misc]
@@ -213,9 +221,20 @@ def report_compute_dtype(module: nn.Module, arts: list[Artifact]) -> Callable[[]
 
     def undo() -> None:
         registry.remove_hook(LAYERWISE_CASTING, recurse=False)
-        holder.__dict__.pop("_diffusers_hook", None)
+        if not registry.hooks:
+            holder.__dict__.pop("_diffusers_hook", None)
 
     return undo
+
+
+def _casting_hook(module: nn.Module) -> Any:
+    registry = module.__dict__.get("_diffusers_hook")
+    return registry.get_hook(LAYERWISE_CASTING) if registry is not None else None
+
+
+def _reported_dtype(module: nn.Module) -> Any:
+    """What the model says its dtype is (a diffusers model: its first floating parameter's)."""
+    return getattr(module, "dtype", None)
 
 
 def _contract_dtype(arts: list[Artifact]) -> torch.dtype | None:

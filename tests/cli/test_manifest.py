@@ -188,7 +188,7 @@ def _v3(fields: dict[str, Any]) -> dict[str, Any]:
     [
         ([], "a JSON object"),
         ({"schema": "cgbuild.serving-manifest/4", "modules": {}}, "schema"),
-        ({"schema": SCHEMA, "modules": {"m": []}}, "'serves', 'entries' (and 'call')"),
+        ({"schema": SCHEMA, "modules": {"m": []}}, "'serves', 'entries' \\(and 'call'\\)"),
         ({"schema": SCHEMA, "modules": {"m": {"serves": "a..b", "entries": []}}}, "m.serves"),
         (_v3({"compiled_only": True}), "m.entries[0].envelope"),
         (_v3({"compiled_only": "yes", "envelope": FACET}), "compiled_only"),

@@ -184,3 +184,31 @@ def test_a_model_whose_weights_say_its_dtype_is_left_as_it_is(served_ws: tuple[P
     served = adopt_pipeline(pipe, ws / "manifest.json", store=Store(ws / ".cgbuild" / "store"))
     assert not any(hasattr(m, "_diffusers_hook") for m in pipe.transformer.modules())
     served.release()
+
+
+def test_the_reported_dtype_is_in_place_before_the_artifacts_bind(
+    served_ws: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hook wraps a submodule's forward: artifacts bound before it would see the module changed
+    and serve nothing compiled. Here the model is said to report float8 (an fp8 layout's case,
+    which needs a GPU to serve) while it holds the fp32 weights the artifact binds: the hook goes
+    on, and every call is still served compiled."""
+    import cgbuild_rules.pipeline as pipeline_api
+
+    monkeypatch.setattr(pipeline_api, "_reported_dtype", lambda module: torch.float8_e4m3fn)
+    ws, _ = served_ws
+    pipe = flux2_klein_pipeline(seed=5)
+    want = _image(pipe)
+    served = adopt_pipeline(pipe, ws / "manifest.json", store=Store(ws / ".cgbuild" / "store"))
+    assert [m for m in pipe.transformer.modules() if _casting(m)]
+    got = _image(served)
+    counters = served.counters["transformer"]
+    assert counters.get("compiled") == 2 and not [k for k in counters if k.startswith("eager")], counters
+    assert rel_rms(got, want) < TOLERANCE
+    served.release()
+    assert not [m for m in pipe.transformer.modules() if _casting(m)]  # a pipeline call adds a bare registry
+
+
+def _casting(module: torch.nn.Module) -> bool:
+    registry = module.__dict__.get("_diffusers_hook")
+    return registry is not None and registry.get_hook("layerwise_casting") is not None
