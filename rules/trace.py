@@ -45,6 +45,7 @@ from typing import Any, Literal
 
 import torch
 from cgbuild_rules import configured
+from cgbuild_rules import dims as declared_dims
 from cgbuild_rules import quant as quant_rules
 from cgbuild_rules.digest import TraceError, graph_facts, is_hidden
 from cgbuild_rules.loader import state_tensors
@@ -149,6 +150,7 @@ def parse_job(raw: Mapping[str, Any]) -> Job:
     # always present for the entry, {} when the family declares none.
     spec = {k: job.spec[k] for k in SPEC_KEYS} | {
         "frames": job.spec.get("frames"),  # None for an image module
+        "ranges": dict(job.spec.get("ranges") or {}),  # {} for a module without a declared range
         "config": dict(job.config),
         "lanes": dict(job.spec.get("lanes") or {}),
     }
@@ -305,13 +307,15 @@ def _retie(module: nn.Module, ties: list[list[str]]) -> None:
 
 
 def call_entry(fn: Callable[[dict[str, Any]], Any], spec: dict[str, Any], quant: str) -> Built:
+    reads = declared_dims.SpecReads(spec)
     try:
-        built = _unpack(fn(dict(spec)))
+        built = _unpack(fn(reads))
         built.module.eval()
     except TraceError:
         raise
     except Exception as e:
         raise EntryError(f"build() raised {type(e).__name__}: {e}") from None
+    declared_dims.check_read(spec, reads)
     built.module = apply_quant(built.module, quant, spec.get("dtype"), spec.get("lanes"))
     return built
 
@@ -364,6 +368,29 @@ def literal_values(job: Job, fn: Callable[[dict[str, Any]], Any] | None = None) 
     }
 
 
+def range_calls(
+    job: Job, fn: Callable[[dict[str, Any]], Any] | None = None
+) -> list[tuple[dict[str, int], tuple[Any, ...], dict[str, Any]]]:
+    """The entry's call at every point a mint checks a declared range at (its ends and inside)
+    but the traced size, each range in turn with the others at their traced sizes: (the size,
+    args, kwargs). Real inputs on the job's device (seed 0); the weights go to meta, as only the
+    inputs are kept: the caller holds the module they are run through."""
+    calls: list[tuple[dict[str, int], tuple[Any, ...], dict[str, Any]]] = []
+    ranges = declared_dims.declared_ranges(job.spec)
+    if not ranges:
+        return calls
+    fn = fn or load_entry(job.entry, job.root)
+    for name, declared in ranges.items():
+        for size in declared.points:
+            if size == job.spec[name]:
+                continue
+            torch.manual_seed(0)
+            with default_dtype(job.dtype), torch.no_grad(), weights_on_meta(), torch.device(job.device):
+                built = call_entry(fn, {**job.spec, name: size}, job.quant)
+            calls.append(({name: size}, built.args, built.kwargs))
+    return calls
+
+
 def export_job(job: Job | Mapping[str, Any], mode: Mode = "fake") -> tuple[ExportedProgram, dict[str, Any]]:
     """Export one job (default, pre-decomposition export) and compute its graph facts.
 
@@ -384,6 +411,7 @@ def export_job(job: Job | Mapping[str, Any], mode: Mode = "fake") -> tuple[Expor
         if mode == "empty":
             for fqn, value in values.items():
                 _set_attribute(built.module, fqn, value.to(job.device))
+    declared_dims.check_exported(job.spec, built.dynamic_shapes)
     configuration = configured.record(built.module)  # before export: it may set attributes
     try:
         with torch.no_grad():
@@ -423,7 +451,8 @@ def run_job(job: Mapping[str, Any]) -> dict[str, Any]:
         parsed = parse_job(job)
         _, facts = export_job(parsed, "fake")
     except TraceError as e:
-        return {"id": job_id, "ok": False, "code": e.code, "detail": _one_line(str(e))}
+        field = {"field": e.field} if isinstance(e, declared_dims.DimensionMismatch) else {}
+        return {"id": job_id, "ok": False, "code": e.code, "detail": _one_line(str(e)), **field}
     except Exception as e:  # a torch internal error must not take the other jobs down
         return {
             "id": job_id,

@@ -49,7 +49,12 @@ CGFILE: dict[str, Any] = {
             "lanes": {"linear": ["baseline", "fast"], "fp8-gemm": ["scaled-mm", "triton"]},
             "module": {
                 "mlp": {"shapes": ["8x64", "16x64"], "batch_sizes": [1, 2], "guidance": [3.5, 4]},
-                "conv": {"shapes": ["32x32"], "text_lengths": [8], "component": "conv"},
+                "conv": {
+                    "shapes": ["32x32"],
+                    "text_lengths": [8],
+                    "batch_sizes": {"min": 1, "max": 4},
+                    "component": "conv",
+                },
                 "vae.decode": {
                     "shapes": ["8x8"],
                     "frames": [2, 5],

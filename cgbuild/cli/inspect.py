@@ -13,6 +13,7 @@ from typing import Any
 
 from cgbuild.cli.main import add_workspace_args, workspace
 from cgbuild.cli.render import component_summary, console, phase_times, print_json
+from cgbuild.config.dims import Range
 from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
 
@@ -170,10 +171,16 @@ def _runtime(runtime: Any) -> str:
 
 
 def _facet(f: dict[str, Any]) -> str:
-    text = f"{f.get('shape')}" + (f" frames {f['frames']}" if f.get("frames") is not None else "")
-    text += f" batch {f.get('batch')}"
-    text += f" text {f['text_len']}" if f.get("text_len") is not None else ""
+    text = f"{f.get('shape')}" + (f" frames {_size(f['frames'])}" if f.get("frames") is not None else "")
+    text += f" batch {_size(f.get('batch'))}"
+    text += f" text {_size(f['text_len'])}" if f.get("text_len") is not None else ""
     return text + (f" guidance {', '.join(f['guidance'])}" if f.get("guidance") else "")
+
+
+def _size(value: Any) -> str:
+    """A facet's size: its value, or a declared range as its ends (`2..4`)."""
+    declared = Range.from_json(value)
+    return declared.text if declared is not None else str(value)
 
 
 def _signature(contract: dict[str, Any]) -> str:

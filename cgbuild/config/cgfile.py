@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild.config.calls import CallAdapter, read_calls
+from cgbuild.config.dims import MAX_DIM, Declared, Range, dimension
 from cgbuild.config.labels import ATTRIBUTE_PATH
 from cgbuild.config.lanes import RULE_AXES, family_lanes
 from cgbuild.config.reader import (
     CONTROL,
     Reader,
     config_value,
-    is_int_list,
     is_num,
     is_num_list,
     is_str,
@@ -46,8 +46,6 @@ REMOTE = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/([A-Za-z0-9._/
 GIB = 1 << 30
 MAX_GIB = 1 << 20
 """A SKU's memory above 1 PiB is a typo, not a device."""
-MAX_DIM = 1 << 20
-"""Bound on every envelope integer (height, width, text length, batch): a typo, not a bucket."""
 
 
 @dataclass(frozen=True)
@@ -81,12 +79,12 @@ class Envelope:
     """The declared serving region of one module; graph classes are its static buckets."""
 
     shapes: tuple[tuple[int, int], ...]
-    text_lengths: tuple[int, ...] | None
-    batch_sizes: tuple[int, ...]
+    text_lengths: Declared | None
+    batch_sizes: Declared
     guidance: tuple[str, ...]
-    frames: tuple[int, ...] | None = None
-    """A video module's own input frames (latent frames for a denoiser), one graph class each;
-    None for an image module, whose labels and facets then carry no frames at all."""
+    frames: Declared | None = None
+    """A video module's own input frames (latent frames for a denoiser), one graph class each or
+    one range; None for an image module, whose labels and facets then carry no frames at all."""
 
 
 @dataclass(frozen=True)
@@ -477,31 +475,31 @@ def _module(
                 f"bad shape '{s}': expected 'HxW' with positive integers, e.g. '1024x768'", *where, "shapes"
             )
         shapes.append((int(m.group(1)), int(m.group(2))))
-    texts = r.get(t, where, "text_lengths", is_int_list, "an array of integers")
-    frames = r.get(t, where, "frames", is_int_list, "an array of the module's input frame counts")
-    batches = r.get(t, where, "batch_sizes", is_int_list, "an array of integers", default=[1])
+    texts = dimension(r, t, where, "text_lengths", "integers")
+    frames = dimension(r, t, where, "frames", "the module's input frame counts")
+    batches = dimension(r, t, where, "batch_sizes", "integers")
+    batches = (1,) if batches is None else batches
     guidance = r.get(t, where, "guidance", is_num_list, "an array of numbers", default=[])
-    declared = (("shapes", shapes_raw), ("frames", frames), ("text_lengths", texts), ("batch_sizes", batches))
-    for key, values in declared:
-        if values is not None and not values:
+    for key, values in (
+        ("shapes", shapes_raw),
+        ("frames", frames),
+        ("text_lengths", texts),
+        ("batch_sizes", batches),
+    ):
+        if values is None or isinstance(values, Range):
+            continue
+        if not values:
             raise r.fail(f"empty envelope: '{key}' declares no values", *where, key)
-        if values is not None and len(set(values)) != len(values):
+        if len(set(values)) != len(values):
             raise r.fail(f"duplicate value in '{key}'", *where, key)
-    for key, values in (("frames", frames or []), ("text_lengths", texts or []), ("batch_sizes", batches)):
-        for v in values:
+        for v in [] if key == "shapes" else values:  # a shape's sizes are checked below
             r.positive(v, MAX_DIM, *where, key)
     for h, w in shapes:
         r.positive(max(h, w), MAX_DIM, *where, "shapes")
     for g in guidance:
         r.finite(g, *where, "guidance")
     serves, layouts = _serving(r, where, t, name, family_layouts)
-    envelope = Envelope(
-        tuple(shapes),
-        tuple(texts) if texts is not None else None,
-        tuple(batches),
-        tuple(_num_text(g) for g in guidance),
-        tuple(frames) if frames is not None else None,
-    )
+    envelope = Envelope(tuple(shapes), texts, batches, tuple(_num_text(g) for g in guidance), frames)
     return Module(name, component, envelope, serves, layouts)
 
 

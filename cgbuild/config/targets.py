@@ -1,9 +1,11 @@
 """Targets: family × module × graph class × layout × sm, expanded from a Cgfile.
 
-A graph class is one static bucket of a module's envelope (shape × frames × text length ×
-batch); its name is derived, e.g. `1024x1024-t512-b1`, or `32x32-f9-t16-b1` for a video module
-(9 of its own input frames); an image module's names and facets carry no frames. Guidance values
-never change the program, so they are part of every facet but of no graph class name.
+A graph class is one bucket of a module's envelope (shape × frames × text length × batch); its
+name is derived, e.g. `1024x1024-t512-b1`, or `32x32-f9-t16-b1` for a video module (9 of its own
+input frames); an image module's names and facets carry no frames. A declared range is one
+bucket of its own, named by its ends (`32x32-f2..4-t16-b1`: one program for 2 to 4 frames), its
+facet stating `{"min": 2, "max": 4}` where a static class states its value. Guidance values never
+change the program, so they are part of every facet but of no graph class name.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cgbuild.config.cgfile import Cgfile, Family, Module
+from cgbuild.config.dims import LETTER, Declared, Range
 from cgbuild.config.labels import Selector, TargetId
 from cgbuild.core.errors import UserError, Where
 from cgbuild.core.platform import device_of
@@ -27,16 +30,20 @@ class GraphClass:
     text_len: int | None
     batch: int
     frames: int | None = None
+    ranges: tuple[tuple[str, Range], ...] = ()
+    """Spec key (`frames`, `text_len`, `batch`) → its declared range; that field then holds the
+    size the program is traced at."""
 
     def facet(self, guidance: tuple[str, ...]) -> dict[str, Any]:
         frames = {} if self.frames is None else {"frames": self.frames}
-        return {
+        facet = {
             "shape": f"{self.height}x{self.width}",
             **frames,
             "text_len": self.text_len,
             "batch": self.batch,
             "guidance": list(guidance),
         }
+        return facet | {name: r.to_json() for name, r in self.ranges}
 
 
 @dataclass(frozen=True)
@@ -64,13 +71,30 @@ def graph_classes(module: Module) -> list[GraphClass]:
     env = module.envelope
     out = []
     for h, w in env.shapes:
-        for f in env.frames or (None,):
-            for t in env.text_lengths or (None,):
-                for b in env.batch_sizes:
-                    frames = "" if f is None else f"-f{f}"
-                    text = "" if t is None else f"-t{t}"
-                    out.append(GraphClass(f"{h}x{w}{frames}{text}-b{b}", h, w, t, b, f))
+        for f in _buckets(env.frames):
+            for t in _buckets(env.text_lengths):
+                for b in _buckets(env.batch_sizes):
+                    dims = {"frames": f, "text_len": t, "batch": b}
+                    name = "".join(f"-{LETTER[k]}{_text(v)}" for k, v in dims.items() if v is not None)
+                    ranges = tuple((k, v) for k, v in dims.items() if isinstance(v, Range))
+                    size = {k: v.traced if isinstance(v, Range) else v for k, v in dims.items()}
+                    batch = size["batch"]
+                    assert batch is not None  # a module always has a batch
+                    out.append(
+                        GraphClass(f"{h}x{w}{name}", h, w, size["text_len"], batch, size["frames"], ranges)
+                    )
     return out
+
+
+def _buckets(declared: Declared | None) -> tuple[int | Range | None, ...]:
+    """A dimension's buckets: each declared value, the one range, or None when not declared."""
+    if declared is None:
+        return (None,)
+    return (declared,) if isinstance(declared, Range) else declared
+
+
+def _text(value: int | Range) -> str:
+    return value.text if isinstance(value, Range) else str(value)
 
 
 def expand(cg: Cgfile) -> list[Target]:

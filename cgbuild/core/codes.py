@@ -26,6 +26,7 @@ class Code(StrEnum):
     ENTRY_ERROR = "entry-error"
     TRACE_FAILED = "trace-failed"
     LITERAL_HIDDEN = "literal-hidden"
+    DIMENSION_MISMATCH = "dimension-mismatch"
     # layouts (plan, mint and adopt)
     LAYOUT_BELOW_SM_FLOOR = "layout-below-sm-floor"
     LAYOUT_TOOLCHAIN_UNSUPPORTED = "layout-toolchain-unsupported"
@@ -70,6 +71,7 @@ class Code(StrEnum):
     UPLOAD_FAILED = "upload-failed"
     NO_CREDENTIALS = "no-credentials"
     NO_CONDITIONAL_WRITE = "no-conditional-write"
+    RACY_CONDITIONAL_WRITE = "racy-conditional-write"
     NO_SIGNING_KEY = "no-signing-key"
     BAD_SIGNING_KEY = "bad-signing-key"
     UNSIGNED = "unsigned"

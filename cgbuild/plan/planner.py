@@ -23,7 +23,7 @@ import json
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -280,6 +280,21 @@ def _trace_missing(ctx: PlanContext) -> None:
         )
     if ctx.shared is not None:
         ctx.shared.push_facts({u.inputs: ctx.facts[u.inputs] for u in todo if u.inputs in ctx.facts})
+    _placed(ctx, todo)
+
+
+def _placed(ctx: PlanContext, units: list[TraceUnit]) -> None:
+    """A trace's refusal of a Cgfile field (`dimension-mismatch`: the entry ignores a declared
+    dimension) names the file and line of that field, as a refusal of the Cgfile itself does."""
+    for unit in units:
+        reason = ctx.blocked.get(unit.inputs)
+        if reason is None or reason.code != Code.DIMENSION_MISMATCH or not reason.component:
+            continue
+        t = unit.targets[0]
+        key = reason.component.rsplit(".", 1)[-1]
+        line = ctx.cg.lines.line("family", t.family.name, "module", t.module.name, key)
+        at = f"{ctx.cg.path.name}:{line}" if line else ctx.cg.path.name
+        ctx.blocked[unit.inputs] = replace(reason, detail=f"{at}: {reason.detail}")
 
 
 def _traceable(ctx: PlanContext, unit: TraceUnit) -> bool:

@@ -41,6 +41,7 @@ REASON_CODES = frozenset(
         Code.TRACE_FAILED,
         Code.ENTRY_ERROR,
         Code.LITERAL_HIDDEN,
+        Code.DIMENSION_MISMATCH,
         Code.WRONG_HOST,
         Code.WRONG_DEVICE,
         Code.MINT_ERROR,
@@ -165,9 +166,13 @@ def early_cutoff() -> Reason:
 def trace_refused(result: dict[str, Any]) -> Reason:
     """A failed trace's result line as the target's blocking reason, keeping the code its worker
     typed (a held worker's `wrong-host` stays `wrong-host`); only a code no plan reason has is
-    read as `trace-failed`, its own code kept in the detail."""
+    read as `trace-failed`, its own code kept in the detail. A refusal of a Cgfile field
+    (`dimension-mismatch`) names it as the reason's component."""
     raw = str(result.get("code") or Code.TRACE_FAILED)
     detail = str(result.get("detail") or "trace failed")
     if raw not in REASON_CODES:
         return Reason(Code.TRACE_FAILED, f"{raw}: {detail}", root=True)
+    field = result.get("field")
+    if isinstance(field, str) and field:
+        return Reason(Code(raw), detail, root=True, component=field)
     return Reason(Code(raw), detail, root=True)

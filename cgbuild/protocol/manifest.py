@@ -6,7 +6,8 @@ cannot be written under one name and read under another.
 
 `cgbuild.serving-manifest/3` holds, per module, where it attaches in a pipeline (`serves`) and
 every layout and sm of it side by side, each entry with its envelope facet (what the graph class
-covers: shape, text length, batch, guidance) and its layout rule's serving fact (`compiled_only`:
+covers: shape, text length, batch, guidance; frames for a video module; a declared range as
+`{"min": 2, "max": 4}` in its dimension's place) and its layout rule's serving fact (`compiled_only`:
 the rule quantizes activations, so no call may fall back to eager), and, where the entry traced
 another convention than the pipeline's call, its `call` adapter (`cgbuild.config.calls`); the
 serving process keeps the entries of its own device's sm and one layout:
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cgbuild.config.calls import CallAdapter, adapter_from_json
+from cgbuild.config.dims import LETTER, Range
 from cgbuild.config.labels import ATTRIBUTE_PATH
 
 SCHEMA_V1 = "cgbuild.serving-manifest/1"
@@ -168,10 +170,13 @@ def _entry(row: Any, where: str, *, v3: bool) -> Entry:
 
 
 def _envelope(value: Any, where: str) -> dict[str, Any]:
-    """A facet: its four fields, and `frames` (an integer) for a video module's."""
+    """A facet: its four fields, and `frames` (an integer) for a video module's; a declared
+    range's dimension (`frames`, `text_len`, `batch`) holds `{"min": .., "max": ..}` instead."""
     if not isinstance(value, Mapping) or not set(_ENVELOPE) <= set(value) <= {*_ENVELOPE, "frames"}:
         raise BadManifest(f"{where}.envelope: must be an object with {', '.join(_ENVELOPE)} (and frames)")
     for name, kind in (*_ENVELOPE.items(), ("frames", int)):
+        if name in LETTER and isinstance(value.get(name), Mapping) and Range.from_json(dict(value[name])):
+            continue
         if name in value and (not isinstance(value[name], kind) or isinstance(value[name], bool)):
             raise BadManifest(f"{where}.envelope.{name}: not what a facet holds")
     return dict(value)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cgbuild import lanes
+from cgbuild.config.dims import LETTER, Range
 from cgbuild.core.platform import CPU, CUDA
 from cgbuild.identity.layout import QUANT_RULES
 
@@ -83,12 +84,28 @@ class TraceJob:
         frames = spec.get("frames")
         if frames is not None and (type(frames) is not int or frames < 1):
             raise BadJob(f"bad job: spec.frames {frames!r} is not a positive frame count")
+        _check_ranges(spec)
         if spec["device"] not in DEVICES:
             raise BadJob(f"bad job: device {spec['device']!r} not in {list(DEVICES)}")
         for name in ("id", "entry", "root", "quant"):
             if not isinstance(raw[name], str):
                 raise BadJob(f"bad job: {name} must be a string")
         return cls(raw["entry"], raw["root"], dict(config), dict(spec), raw["quant"], raw["id"])
+
+
+def _check_ranges(spec: Mapping[str, Any]) -> None:
+    """`spec.ranges`, present only for a module that declares one: each a dimension's range
+    (`{"min": 2, "max": 4}`) holding the size the spec traces it at."""
+    ranges = spec.get("ranges", {})
+    if not isinstance(ranges, Mapping):
+        raise BadJob("bad job: spec.ranges must map each dimension to its range")
+    for name, value in ranges.items():
+        declared = Range.from_json(value)
+        if name not in LETTER or declared is None:
+            raise BadJob(f"bad job: spec.ranges.{name} is not a range of {', '.join(LETTER)}")
+        size = spec.get(name)
+        if type(size) is not int or not declared.min <= size <= declared.max:
+            raise BadJob(f"bad job: spec.{name} {size!r} is not inside its range {declared.text}")
 
 
 def target_lanes(t: Target, quant: str, components: Mapping[str, Any] | None) -> dict[str, list[str]] | None:
@@ -125,6 +142,8 @@ def job_for(cg: Cgfile, t: Target, components: Mapping[str, Any] | None = None) 
     }
     if gc.frames is not None:  # a video module's: an image job's spec (a trace input) is unchanged
         spec["frames"] = gc.frames
+    if gc.ranges:  # so is the spec of a module without a range
+        spec["ranges"] = {name: r.to_json() for name, r in gc.ranges}
     program = target_lanes(t, lay.quant, components)
     if program is not None:
         spec["lanes"] = program

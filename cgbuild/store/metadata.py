@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
+from cgbuild.config.dims import Range
 from cgbuild.lanes import combinations
 
 _VERSION = re.compile(r"\d{1,6}(\.\d{1,6}){0,5}")
@@ -141,7 +142,10 @@ def _facet(value: Any, where: str) -> None:
     for name in ("shape", "graph_class"):
         _str(row.get(name), f"{where}.{name}", optional=True)
     for name in ("batch", "text_len", "frames"):
-        _int(row.get(name), f"{where}.{name}", optional=True)
+        if isinstance(row.get(name), dict):  # a declared range
+            _need(Range.from_json(row[name]) is not None, f"{where}.{name}", "not a range {min, max}")
+        else:
+            _int(row.get(name), f"{where}.{name}", optional=True)
     _list(row.get("guidance"), f"{where}.guidance", _str)
 
 

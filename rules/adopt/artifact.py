@@ -39,6 +39,17 @@ from cgbuild.store.shared import SharedStore
 
 
 # ---- artifacts ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ConfigCheck:
+    """How the live module's configuration is held against the artifact's record."""
+
+    enabled: bool = True
+    """False for a checkpoint's tensors: no model code, so no configuration beside the program's."""
+    traced_as: str | None = None
+    """The root class a call adapter says the program was traced as (`cgbuild.config.calls`): not
+    held against the live module's own class."""
+
+
 @dataclass
 class Artifact:
     """One sealed artifact as adopted for a module: armed (`package` set) or refused."""
@@ -59,10 +70,7 @@ class Artifact:
     """The module tree as first bound: a re-arm requires the live tree to be it again."""
     unverified: tuple[str, ...] = ()
     """Checks this artifact cannot support (`config`: sealed before the configuration record)."""
-    check_config: bool = True
-    """False for a checkpoint's tensors: no model code, so no configuration beside the program's."""
-    traced_as: str | None = None
-    """The root class a call adapter says the program was traced as (`cgbuild.config.calls`)."""
+    config: ConfigCheck = field(default_factory=ConfigCheck)
     reload: Callable[[nn.Module], Artifact] | None = None
     """Load it again (an artifact refused before its package was loaded is re-armed so)."""
 
@@ -155,14 +163,12 @@ def load_artifact(
     label: str | None = None,
     memory_bytes: int | None = None,
     lane: str | None = None,
-    check_config: bool = True,
-    traced_as: str | None = None,
+    config: ConfigCheck = ConfigCheck(),
 ) -> Artifact:
     """Resolve, check and arm one artifact for `module`; a refusal is recorded, never raised.
 
-    `check_config=False` skips the configuration record (a checkpoint's tensors have none: the
-    program is the artifact's own); `traced_as`: the root class a call adapter says the program
-    was traced as, not held against the live module's own class.
+    `config`: how the configuration record is checked (skipped for a checkpoint's tensors, which
+    have none: the program is the artifact's own; a call adapter's traced root class).
 
     `memory_bytes` / `lane`: the lane re-fit's device memory override and a pinned lane
     (`choose_lane`); a pinned lane the artifact does not carry raises ValueError. A
@@ -193,9 +199,8 @@ def load_artifact(
         art.refusal = host_refusal(meta, device) or layout_refusal(meta, module)
         if art.refusal is not None and art.refusal.code in REARMABLE:
             art.refusal = Refusal(art.refusal.code, f"{art.refusal.detail}{adapter_hint(module)}")
-    art.check_config = check_config
-    art.traced_as = traced_as
-    if check_config and not isinstance(meta.get("module"), Mapping):
+    art.config = config
+    if config.enabled and not isinstance(meta.get("module"), Mapping):
         art.unverified = ("config",)
         log.info("%s: sealed without a configuration record: its configuration is unverified", art.label)
     art.reload = functools.partial(
@@ -205,8 +210,7 @@ def load_artifact(
         label=label,
         memory_bytes=memory_bytes,
         lane=lane,
-        check_config=check_config,
-        traced_as=traced_as,
+        config=config,
     )
     if art.refusal is None:
         scratch = Path(tempfile.mkdtemp(prefix="cgbuild-adopt-"))
@@ -238,8 +242,8 @@ def bind_live(art: Artifact, package: Package, module: nn.Module, device: torch.
     """Bind `package` to the live module's tensors and watch them, when they and the module's
     configuration match the artifact; else the first reason they do not (an unfused adapter named)."""
     bound, refusal = _bindings(art, package, module, device)
-    if refusal is None and art.check_config:
-        refusal = config_refusal(art.metadata, module, art.traced_as)
+    if refusal is None and art.config.enabled:
+        refusal = config_refusal(art.metadata, module, art.config.traced_as)
     if refusal is not None:
         return Refusal(refusal.code, f"{refusal.detail}{adapter_hint(module)}")
     package.bind(bound)

@@ -112,6 +112,31 @@ def fit(
     return why, [] if why else leaves
 
 
+def distance(contract: Mapping[str, Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    """How far a call's tensor sizes lie from what the contract takes: per size, its distance to
+    the traced size, or to the nearer end of a symbol's range (0 inside it); None for a call of
+    another structure. What makes one class the closest to a call that no class covers."""
+    inputs = contract.get("inputs") or []
+    positional = [i for i in inputs if not i.get("keyword")]
+    if len(args) != len(positional) or set(kwargs) != {i["name"] for i in inputs if i.get("keyword")}:
+        return None
+    bounds = {s["name"]: (s.get("min"), s.get("max")) for s in contract.get("symbols") or []}
+    arg_iter = iter(args)
+    total = 0
+    for spec in inputs:
+        value = kwargs[spec["name"]] if spec.get("keyword") else next(arg_iter)
+        for g, w in zip(pytree.tree_leaves(value), spec.get("leaves") or [], strict=False):
+            if not isinstance(w, dict) or not isinstance(g, torch.Tensor) or g.dim() != len(w["shape"]):
+                continue
+            for size, dim in zip(g.shape, w["shape"], strict=True):
+                if isinstance(dim, int):
+                    total += abs(size - dim)
+                elif dim in bounds:
+                    lo, hi = bounds[dim]
+                    total += max(0, (size if lo is None else lo) - size, size - (size if hi is None else hi))
+    return total
+
+
 def _tensor_refusal(
     where: str,
     g: Any,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from cgbuild_rules.adopt.artifact import Artifact, load_artifact
+from cgbuild_rules.adopt.artifact import Artifact, ConfigCheck, load_artifact
 from cgbuild_rules.adopt.bind import layout_refusal
 from cgbuild_rules.adopt.host import device_sm, module_device
 from cgbuild_rules.adopt.refusal import Refusal
@@ -113,7 +113,12 @@ def _load_entries(
         classes.setdefault(r.key, []).append(r.graph_class)
     return [
         load_artifact(
-            key, module, store=store, label="+".join(names), memory_bytes=memory_bytes, traced_as=traced_as
+            key,
+            module,
+            store=store,
+            label="+".join(names),
+            memory_bytes=memory_bytes,
+            config=ConfigCheck(traced_as=traced_as),
         )
         for key, names in classes.items()
     ]

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from cgbuild_rules.adopt.artifact import Artifact, bind_live, load_artifact
+from cgbuild_rules.adopt.artifact import Artifact, ConfigCheck, bind_live, load_artifact
 from cgbuild_rules.adopt.bind import CheckpointTensors, adapter_hint, layout_refusal, tie_aliases
 from cgbuild_rules.adopt.calls import adapted, passed, wrapped
-from cgbuild_rules.adopt.contract import conform, fit
+from cgbuild_rules.adopt.contract import conform, distance, fit
 from cgbuild_rules.adopt.host import module_device
 from cgbuild_rules.adopt.refusal import REARMABLE, AdoptRefused, CompiledRequired, Refusal, log
 from cgbuild_rules.bound import (
@@ -109,6 +109,7 @@ class Adopted(Attached):
             if refused is not None:
                 return None, [], refused
         closest: Refusal | None = None
+        nearest: int | None = None  # the closest's distance from the call (contract.distance)
         for art in armed:
             copied: list[str] = []
             why, leaves = fit(art.contract, args, kwargs, copied)
@@ -124,8 +125,9 @@ class Adopted(Attached):
                 if restrided is not None:
                     restrided.extend(copied)
                 return art, leaves, None
-            if closest is None:
-                closest = Refusal(why.code, f"{art.label}: {why.detail}")
+            far = distance(art.contract, args, kwargs)
+            if closest is None or (far is not None and (nearest is None or far < nearest)):
+                closest, nearest = Refusal(why.code, f"{art.label}: {why.detail}"), far
         assert closest is not None
         if closest.code in (Code.SHAPE, Code.SYMBOL_RANGE):
             return (
@@ -279,7 +281,7 @@ def serve_checkpoint(
         meta = read_metadata(store.resolve(str(artifact), verify=True).path if store is not None else path)
     holder = CheckpointTensors(tie_aliases(meta, tensors))
     art = load_artifact(
-        artifact, holder, store=store, memory_bytes=memory_bytes, lane=lane, check_config=False
+        artifact, holder, store=store, memory_bytes=memory_bytes, lane=lane, config=ConfigCheck(enabled=False)
     )
     if art.refusal is not None:
         raise AdoptRefused(art.refusal)

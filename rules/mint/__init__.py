@@ -37,9 +37,11 @@ klein-4B mint that no longer waits on it), then runs each part when the worker h
    (`cgbuild.store.seal`) into its work folder.
 5. `serve`: the sealed artifact is adopted as a serving process adopts it
    (`cgbuild_rules.adopt.adopt`, strict: unsealed and loaded anew) into the entry's live module,
-   the entry's call must be served compiled, and it is compared with eager; a refusal fails the
-   mint with adopt's own code (docs/adopt.md). Only then does the artifact move to
-   `<out>/<key>.tar.gz`. The child's death in a part is that phase's typed failure.
+   the entry's call must be served compiled, and it is compared with eager; so is the entry's
+   call at both ends of each declared range (docs/entry.md), its traced size being inside; a
+   refusal fails the mint with adopt's own code (docs/adopt.md), a mismatch at a range's size
+   with `verify-mismatch` naming it (`the call at frames=4: ...`). Only then does the artifact
+   move to `<out>/<key>.tar.gz`. The child's death in a part is that phase's typed failure.
 
 Failures are typed: `retryable` ones (`oom`, `worker-killed`, `worker-signal`, `worker-crashed`,
 `timeout`: how a stage child ended, named by `cgbuild.protocol.spawn`) may succeed on another
@@ -69,7 +71,7 @@ engine files the evidence beside the artifact, never in it) or `{"id", "ok": fal
 `bad-request`, `wrong-device`, `wrong-host`, `toolchain-drift`, `graph-drift`, `layout-drift`,
 `layout-topology-mismatch`, `layout-below-sm-floor`, `layout-toolchain-unsupported` (the rule's
 floor, this torch on this sm, or the kernel's probe on the device), `entry-error`,
-`trace-failed`, `literal-hidden`, `compile-failed`, `clamp-not-applied`,
+`trace-failed`, `literal-hidden`, `dimension-mismatch`, `compile-failed`, `clamp-not-applied`,
 `constant-table-mismatch`, `verify-mismatch`, `verify-failed`, `seal-failed`, adopt's refusal
 codes from the serve stage (e.g. `weights-untied`, `literal-mismatch`), `mint-error`; retryable:
 `oom`, `worker-killed`, `worker-signal`, `worker-crashed`, `timeout`. A failed mint leaves

@@ -118,8 +118,10 @@ def stage_serve(req: Mapping[str, Any], work: Path, artifact: str) -> dict[str, 
     a mint's check stage runs the same `_serve` on the module it built): the live module
     from the entry (seed-0 weights, its own literals), `adopt` (strict: a refusal fails the mint
     with adopt's own code), the entry's call served through it, which must run compiled (no
-    eager fallback, by the router's counters), compared against eager. An artifact with lanes
-    is adopted once per lane it can serve, each pinned, against eager with the same lane.
+    eager fallback, by the router's counters), compared against eager; so is the call at each
+    end of every declared range and one size inside (`cgbuild_rules.trace.range_calls`), which
+    proves the one program right over the range its label names. An artifact with lanes is
+    adopted once per lane it can serve, each pinned, against eager with the same lane.
     """
     from cgbuild_rules import trace
 
@@ -131,6 +133,7 @@ def _serve(req: Mapping[str, Any], job: Any, built: Any, artifact: str) -> dict[
     fault("serve")
     import torch
     from cgbuild_rules import lanes as lane_rt
+    from cgbuild_rules import trace
     from cgbuild_rules.adopt import AdoptRefused, adopt
 
     from cgbuild import lanes
@@ -146,27 +149,51 @@ def _serve(req: Mapping[str, Any], job: Any, built: Any, artifact: str) -> dict[
     ] or [None]
     errors: list[dict[str, Any]] = []
     served: list[dict[str, Any]] = []
+    traced = {name: job.spec[name] for name in job.spec["ranges"]}  # the entry's own call's sizes
+    calls = [(traced, built.args, built.kwargs), *trace.range_calls(job)]
     for lane in choices:
         if lane is not None:
             lane_rt.set_lanes(built.module, lanes.split(lane, axes))
         with torch.no_grad():
-            want = built.module(*built.args, **built.kwargs)
+            wants = [built.module(*args, **kwargs) for _, args, kwargs in calls]
         try:
             adopted = adopt(artifact, built.module, strict=True, lane=lane)
         except AdoptRefused as e:
             detail = f"adopt refuses the sealed artifact: {e.refusal.detail}"
             raise MintFailure(e.refusal.code, detail) from None
-        with torch.no_grad():
-            got = adopted(*built.args, **built.kwargs)
-        counters = dict(adopted.counters)
-        if counters != {"compiled": 1}:
-            why = adopted.last_reason
-            code, detail = (why.code, why.detail) if why else (Code.VERIFY_FAILED, f"counters {counters}")
-            raise MintFailure(code, f"adopted, but the entry's own call was served eager: {detail}")
         tag = {} if lane is None else {"lane": lane}
-        errors += [{**e, **tag} for e in compare_outputs(got, want, tolerance_of(job.quant))]
+        for (at, args, kwargs), want in zip(calls, wants, strict=True):
+            errors += [{**e, **tag, **at} for e in _served_at(adopted, at, args, kwargs, want, job.quant)]
+        counters = dict(adopted.counters)
         served.append({**tag, "counters": counters, "seconds": round(adopted.armed[0].seconds, 3)})
     return {"ok": True, "errors": errors, "served": served}
+
+
+def _served_at(
+    adopted: Any, at: Mapping[str, int], args: Any, kwargs: Any, want: Any, quant: str
+) -> list[dict[str, Any]]:
+    """One call through the adopted artifact, which must serve it compiled and within tolerance
+    of eager; `at` names the declared ranges' sizes it is made at ({}: a module without one)."""
+    import torch
+    from cgbuild_rules.adopt import AdoptRefused
+
+    what = "the entry's own call" if not at else "the call at " + ", ".join(f"{k}={v}" for k, v in at.items())
+    expected = {"compiled": adopted.counters["compiled"] + 1}
+    try:
+        with torch.no_grad():
+            got = adopted(*args, **kwargs)
+    except AdoptRefused as e:
+        raise MintFailure(e.refusal.code, f"adopted, but {what} was refused: {e.refusal.detail}") from None
+    if (counters := dict(adopted.counters)) != expected:
+        why = adopted.last_reason
+        code, detail = (why.code, why.detail) if why else (Code.VERIFY_FAILED, f"counters {counters}")
+        raise MintFailure(code, f"adopted, but {what} was served eager: {detail}")
+    try:
+        return compare_outputs(got, want, tolerance_of(quant))
+    except MintFailure as e:
+        if not at:
+            raise
+        raise MintFailure(e.code, f"{what}: {e.detail}") from None
 
 
 def _lane_rows(req: Mapping[str, Any], job: Any, module: Any) -> list[dict[str, Any]]:

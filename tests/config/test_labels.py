@@ -35,14 +35,15 @@ def test_graph_class_names(klein: cgfile.Cgfile) -> None:
 @pytest.mark.parametrize(
     ("selector", "count"),
     [
-        ("//...", 24),
-        ("//flux2-klein", 12),
+        ("//...", 28),
+        ("//flux2-klein", 16),
         ("//flux2-klein/transformer", 12),
-        ("//flux2-klein:sm_120", 6),
-        (":rtx5090", 6),
-        (":sm_90", 12),
+        ("//flux2-klein/vae.decode", 4),  # bf16 only, at both shapes, on sm_90 and sm_120
+        ("//flux2-klein:sm_120", 8),
+        (":rtx5090", 8),
+        (":sm_90", 14),
         (":cpu", 6),
-        ("@bf16", 4),
+        ("@bf16", 8),
         ("@int8", 10),
         ("@fp8", 4),
         ("//flux2-klein-tiny@fp32:cpu", 3),

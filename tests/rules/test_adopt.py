@@ -176,7 +176,7 @@ def test_manifest_routes_each_call_to_the_class_that_fits(
         assert served.last_reason is not None and served.last_reason.code == "out-of-envelope"
         served(torch.randn(17, 4, 64))
     assert served.counters["eager:out-of-envelope"] == 2
-    assert "8x64-b1" in served.last_reason.detail  # the closest class is named
+    assert "closest 4x64-b2-16: x dim 0: 17 outside" in served.last_reason.detail  # 1 past its range
 
 
 _FIRST_OUTPUT = textwrap.dedent(

@@ -31,8 +31,8 @@ def test_frames_name_the_graph_class_and_stay_out_of_image_labels() -> None:
 
 @pytest.fixture(scope="module")
 def video(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    ws, _ = minted(tmp_path_factory, "zoo-video", {str(f): label for f, label in LABELS.items()})
-    proc = cli(ws, "manifest", "//zoo-video", "-o", str(ws / "manifest.json"))
+    ws, _ = minted(tmp_path_factory, "zoo-video/wan", {str(f): label for f, label in LABELS.items()})
+    proc = cli(ws, "manifest", "//zoo-video/wan", "-o", str(ws / "manifest.json"))
     assert proc.returncode == 0, proc.stderr
     return ws, json.loads((ws / "manifest.json").read_text())
 
@@ -50,13 +50,13 @@ def test_a_call_is_routed_by_its_frame_count(video: tuple[Path, dict[str, Any]])
             got, want = served(**call)[0], type(module).forward(module, **call)[0]
         assert rel_rms(got, want) < 1e-4
     assert served.counters == {"compiled": 2, "eager:out-of-envelope": 1}
-    assert served.last_reason is not None and "8x8-f" in served.last_reason.detail  # the closest class
+    assert served.last_reason is not None and "8x8-f3-t4-b1" in served.last_reason.detail  # the closest
 
 
 @pytest.mark.slow
 def test_inspect_and_plan_show_the_frames(video: tuple[Path, dict[str, Any]]) -> None:
     ws, _ = video
-    plan = json.loads(cli(ws, "plan", "//zoo-video", "--json").stdout)
+    plan = json.loads(cli(ws, "plan", "//zoo-video/wan", "--json").stdout)
     assert {t["label"]: t["envelope"]["frames"] for t in plan["targets"]} == {v: k for k, v in LABELS.items()}
     out = cli(ws, "inspect", LABELS[3]).stdout
     assert "frames 3" in out

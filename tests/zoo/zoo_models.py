@@ -24,6 +24,12 @@ pipelines pass (`return_dict=False`, a tuple out):
 - `wan`: a diffusers `WanTransformer3DModel` (video latents of two frames, rotary buffers,
   RMS-normed q/k, cross-attention to the text).
 
+The video zoo (family `zoo-video`) builds the same `wan` at its declared frame counts; a module
+that declares a frame range (`wan-range`) gets it exported as the `frames` Dim, one program for
+every count in it. Family `zoo-skew`'s `skew` is right at every frame count of its range but one,
+and only in eager (`zoo.skew_at`, config): it stands for a program compiled wrong at one size, a
+kernel chosen by size or a shape branch the export never saw, which only a check at that size finds.
+
 `zoo.random_buffer` (config) adds a buffer drawn at random on construction: a literal no live
 module reproduces, which adopt must refuse.
 """
@@ -251,7 +257,7 @@ def sd3(spec: dict[str, Any]) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any
     return SD3Transformer2DModel(**SD3), (), kwargs
 
 
-def wan(spec: dict[str, Any]) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+def wan(spec: dict[str, Any]) -> tuple[Any, ...]:
     from diffusers import WanTransformer3DModel
 
     b, h, w, text = spec["batch"], spec["height"], spec["width"], spec["text_len"]
@@ -263,10 +269,30 @@ def wan(spec: dict[str, Any]) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any
         "attention_kwargs": None,
         "return_dict": False,
     }
-    return WanTransformer3DModel(**WAN), (), kwargs
+    declared = spec["ranges"].get("frames")
+    if declared is None:
+        return WanTransformer3DModel(**WAN), (), kwargs
+    dims = {name: None for name in kwargs} | {"hidden_states": {2: torch.export.Dim("frames", **declared)}}
+    return WanTransformer3DModel(**WAN), (), kwargs, dims
 
 
-def build(spec: dict[str, Any]) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+class Skewed(nn.Module):
+    """A linear map over each frame, plus one in eager at `skew_at` frames (see the module's
+    docstring): exported, the program never takes the branch."""
+
+    def __init__(self, features: int, skew_at: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(features, features)
+        self.skew_at = skew_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if not torch.compiler.is_exporting() and x.shape[1] == self.skew_at:
+            y = y + 1
+        return y
+
+
+def build(spec: dict[str, Any]) -> tuple[Any, ...]:
     b, h, w = spec["batch"], spec["height"], spec["width"]
     name = spec["module"]
     if name == "bnconv":
@@ -298,6 +324,10 @@ def build(spec: dict[str, Any]) -> tuple[nn.Module, tuple[Any, ...], dict[str, A
         return CLIPText(), (torch.randint(0, 64, (b, w)),), {}
     if name == "sd3":
         return sd3(spec)
-    if name == "wan":
+    if name in ("wan", "wan-range"):
         return wan(spec)
+    if name == "skew":
+        frames = torch.export.Dim("frames", **spec["ranges"]["frames"])
+        x = torch.randn(b, spec["frames"], w)
+        return Skewed(w, spec["config"]["skew_at"]), (x,), {}, ({1: frames},)
     raise ValueError(f"no zoo module {name!r}")
