@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--remote",
         action="store_true",
-        help="sweep the shared store's objects no ref names, not the local store",
+        help="sweep the shared store's objects no ref names and its stale incomplete uploads, "
+        "not the local store",
     )
     p.add_argument(
         "--root",
@@ -115,6 +116,12 @@ def run_remote(args: argparse.Namespace) -> int:
         f"{report.objects_kept} named by {report.refs} ref(s), {report.kept_young} younger than "
         f"{grace:g} s, {len(report.kept_rescued)} a racing publish claimed"
     )
+    if report.uploads_aborted or report.uploads_kept_young:
+        verb = "would abort" if report.dry_run else "aborted"
+        print(
+            f"{verb} {len(report.uploads_aborted)} incomplete upload(s); kept "
+            f"{report.uploads_kept_young} younger than {grace:g} s"
+        )
     for key in report.quarantined:
         print(f"ref of {key[:12]} quarantined: written while its object was collected (republish it)")
     for key in report.pinned_missing:

@@ -98,6 +98,7 @@ def _mint(
     if held is not None:
         held.keep([mk.target for mk in keys])
     fresh = sum(1 for t in plan["targets"] if t["status"] == "fresh")
+    mint.prove_shared_store(ws, keys, plan)  # a store without atomic create-only writes: exit 2
     started = time.perf_counter()
     published = mint.publish_unpublished(ws, plan)
     if executor.kind == "ray":

@@ -11,6 +11,7 @@ written over.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -221,7 +222,7 @@ def mint_one(
             if on_event:
                 on_event(mk, "admitting")
             result = _admit(mk, result, store, shared)
-    except StoreError as e:  # PublishRefused (no signing key, no create-only writes), local refusals
+    except StoreError as e:  # PublishRefused (no usable signing key), local refusals
         phase = Phase.PUBLISH if isinstance(e, PublishRefused) else Phase.ADMIT
         result = MintFailed(Code(e.code), phase, e.detail)
     except RemoteError as e:
@@ -333,15 +334,30 @@ def sweep_build(state: StateDir, grace_s: float, *, dry_run: bool = False) -> li
     return removed
 
 
+def _fresh(plan: dict[str, Any]) -> set[str]:
+    return {t["key"] for t in plan["targets"] if t["status"] == "fresh" and t["key"]}
+
+
+def prove_shared_store(ws: Workspace, keys: list[MintKey], plan: dict[str, Any]) -> None:
+    """Before anything is compiled or published: a shared store that fails the create-only probe
+    is the workspace's misconfiguration, one `RemoteError` naming it (exit 2), not a failure of
+    every key. A machine without a usable signing key is left to each key's failure, which names
+    that; with nothing to mint or publish the store is not asked."""
+    shared = ws.shared()
+    if shared is None or not (keys or shared.unpublished(_fresh(plan))):
+        return
+    with contextlib.suppress(PublishRefused):
+        shared.check_publishable()
+
+
 def publish_unpublished(ws: Workspace, plan: dict[str, Any]) -> list[dict[str, Any]]:
     """Publish the plan's fresh keys that only this machine's cache holds (a publish that failed
     after the local admission, or keys minted before the remote was declared)."""
     shared = ws.shared()
     if shared is None:
         return []
-    fresh = {t["key"] for t in plan["targets"] if t["status"] == "fresh" and t["key"]}
     out: list[dict[str, Any]] = []
-    for key in shared.unpublished(fresh):
+    for key in shared.unpublished(_fresh(plan)):
         try:
             status, standing = shared.republish(key)
         except (StoreError, RemoteError) as e:

@@ -53,6 +53,12 @@ class StateDir:
         return self.cache / "plans"
 
     @property
+    def remotes(self) -> Path:
+        """Each shared store's passed capability probe, by endpoint, bucket and prefix (a file per
+        store, `cgbuild.store.s3.Remote.probe`): a mint need not probe a store again within the hour."""
+        return self.cache / "remotes"
+
+    @property
     def last_plan(self) -> Path:
         return self.root / "last-plan.json"
 
@@ -97,7 +103,9 @@ class Workspace:
         from cgbuild.core.platform import host_name
         from cgbuild.store.shared import SharedStore
 
-        return SharedStore(local or self.store(), self.remote, self.cg.trusted, host_name())
+        return SharedStore(
+            local or self.store(), self.remote, self.cg.trusted, host_name(), self.state.remotes
+        )
 
     def require_shared(self, why: str) -> SharedStore:
         """The shared store, for a command that means nothing without one (bad input: exit 2)."""

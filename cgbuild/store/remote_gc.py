@@ -15,7 +15,10 @@ and the publish side they pair with (`SharedStore.publish`), is argued in docs/s
    conditional on the ETag;
 5. re-check: list and read the refs once more; a ref naming an object step 4 deleted (a publish
    that completed inside step 4) whose object is still absent is quarantined, so no ref is left
-   naming nothing and the publisher's next mint republishes it from its cache.
+   naming nothing and the publisher's next mint republishes it from its cache;
+6. uploads: incomplete multipart uploads under `objects/sha256/` initiated longer ago than the
+   grace, on the store's clock, are aborted. An upload is no object, so no ref can name one (a ref
+   is written only after its object is complete) and none is a root.
 """
 
 from __future__ import annotations
@@ -61,6 +64,10 @@ class RemoteGC:
     pinned_missing: list[str] = field(default_factory=list)
     quarantined: list[str] = field(default_factory=list)
     """Keys whose ref a publish wrote while step 4 deleted its object (step 5)."""
+    uploads_aborted: list[str] = field(default_factory=list)
+    """Objects whose incomplete multipart upload older than the grace was aborted (or, dry, would
+    be): a killed publish's parts (step 6)."""
+    uploads_kept_young: int = 0
 
 
 def _refs(shared: SharedStore) -> dict[str, RemoteRef | None]:
@@ -155,4 +162,22 @@ def collect(
             )
             shared.quarantine_remote(key, got, reason, drop_object=False)
             report.quarantined.append(key)
+    _abort_stale_uploads(shared, report)
     return report
+
+
+def _abort_stale_uploads(shared: SharedStore, report: RemoteGC) -> None:
+    """Step 6. A live upload older than the grace (a day by default: far longer than any upload)
+    fails when it completes, and its publish with it (`upload-failed`, retryable); no ref names a
+    key before its object is complete, so nothing published loses its bytes."""
+    remote = shared.remote
+    now, uploads = remote.list_uploads("objects/sha256")
+    for sha, upload_id, initiated in uploads:
+        if not _SHA_RE.match(sha):
+            continue  # not cgbuild's: left alone, as foreign objects are
+        if now - initiated < report.grace_s:
+            report.uploads_kept_young += 1
+            continue
+        report.uploads_aborted.append(sha)
+        if not report.dry_run:
+            remote.abort_upload(remote.object_name(sha), upload_id)

@@ -7,7 +7,7 @@ Layout under `s3://bucket/prefix/`::
     evidence/<key>/<host>-<id>.json  one lane-evidence run per object (create-only, never rewritten)
     facts/<trace inputs>.json        signed trace facts, so a clean clone need not re-trace
     quarantine/<key>/<id>.json       why a key's shared artifact was pulled, with the ref it had
-    probe/<host>-<id>                the capability probe's scratch object (deleted after)
+    probe/<host>-<id>[-race]         the capability probe's scratch objects (deleted after)
 
 Why: S3 has no rename and no lock, but it has create-only writes (`If-None-Match: *`, refused
 with 412). A ref is written that way, and only after its object is complete, so the first
@@ -27,12 +27,15 @@ import os
 import secrets
 import signal
 import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from cgbuild.config.cgfile import REMOTE
+from cgbuild.core import fs, statefile
 from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
 
@@ -42,6 +45,11 @@ DEFAULT_MULTIPART = 64 << 20
 MIN_PART = 5 << 20  # S3's smallest part but the last
 MAX_COPY = 5 << 30  # S3's largest single CopyObject
 _CHUNK = 1 << 20
+PROBE_SCHEMA = "cgbuild.remote-probe/1"
+PROBE_TTL_S = 3600
+"""How long a passed probe vouches for a store (its endpoint, bucket and prefix): a machine
+probes each store at most hourly, and a store that stops honouring create-only writes (an older
+server put in its place, a gateway in front of it) is caught within the hour."""
 
 
 class RemoteError(UserError):
@@ -63,6 +71,14 @@ class RemoteRef:
 
     doc: dict[str, Any]
     etag: str
+
+
+def _store_clock(page: dict[str, Any]) -> float:
+    """The store's own time, from a listing's `Date` header (0 when it sends none)."""
+    import email.utils
+
+    date = page["ResponseMetadata"]["HTTPHeaders"].get("date")
+    return email.utils.parsedate_to_datetime(date).timestamp() if date else 0.0
 
 
 def _status(e: Exception) -> tuple[str, int]:
@@ -222,8 +238,6 @@ class Remote:
     def list_stamps(self, sub: str) -> tuple[float, dict[str, float]]:
         """(the store's clock when the listing began, name → last-modified) of every object under
         `prefix/sub/`: ages are judged on the store's clock alone, never this machine's."""
-        import email.utils
-
         from botocore.exceptions import ClientError
 
         base = self.name(sub) + "/"
@@ -235,15 +249,45 @@ class Remote:
                 page = self._call("list_objects_v2", Prefix=base, **token)
             except ClientError as e:
                 raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: list {base}: {e}") from None
-            if now is None:
-                date = page["ResponseMetadata"]["HTTPHeaders"].get("date")
-                now = email.utils.parsedate_to_datetime(date).timestamp() if date else 0.0
+            now = _store_clock(page) if now is None else now
             for obj in page.get("Contents", []):
                 # whole seconds, as HEAD and the Date header give them
                 out[obj["Key"][len(base) :]] = float(int(obj["LastModified"].timestamp()))
             if not page.get("IsTruncated"):
                 return now, out
             token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    def list_uploads(self, sub: str) -> tuple[float, list[tuple[str, str, float]]]:
+        """(the store's clock when the listing began, [(name under `prefix/sub/`, upload id,
+        initiated)]) of every incomplete multipart upload there: what a killed upload leaves,
+        never visible as an object, its parts kept (and billed) until it is aborted."""
+        from botocore.exceptions import ClientError
+
+        base = self.name(sub) + "/"
+        marker: dict[str, str] = {}
+        now: float | None = None
+        out: list[tuple[str, str, float]] = []
+        while True:
+            try:
+                page = self._call("list_multipart_uploads", Prefix=base, **marker)
+            except ClientError as e:
+                raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: list uploads {base}: {e}") from None
+            now = _store_clock(page) if now is None else now
+            for up in page.get("Uploads", []):
+                out.append((up["Key"][len(base) :], up["UploadId"], float(int(up["Initiated"].timestamp()))))
+            if not page.get("IsTruncated"):
+                return now, out
+            marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    def abort_upload(self, name: str, upload_id: str) -> None:
+        """Abort an incomplete multipart upload of `name` (one already gone counts as aborted)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._call("abort_multipart_upload", Key=name, UploadId=upload_id)
+        except ClientError as e:
+            if _status(e)[1] != 404 and _status(e)[0] != "NoSuchUpload":
+                raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: abort upload of {name}: {e}") from None
 
     def stamp(self, name: str) -> tuple[float, str, str] | None:
         """(last-modified, ETag, `touched` tag) of `name`, or None when absent: what a publish
@@ -329,26 +373,82 @@ class Remote:
             raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: delete {name}: {e}") from None
         return True
 
-    def probe(self, host: str) -> None:
-        """Prove the store honours create-only writes: the second create of one name must fail.
+    @property
+    def endpoint(self) -> str:
+        """Where boto3's chain sends this remote's requests (AWS's own endpoint for the bucket's
+        region, or `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` / the profile's)."""
+        return str(self.client.meta.endpoint_url)
 
-        A store that ignores `If-None-Match: *` would let two machines each believe they
-        admitted a key, so it is refused rather than shared (docs/store.md).
+    def probe(self, host: str, memo: Path | None = None) -> None:
+        """Prove the store's create-only writes: of two creates of one name in turn the second must
+        be refused, and of two creates of another name at once exactly one may win.
+
+        A store that ignores `If-None-Match: *` (an old server, a proxy that drops the header), or
+        checks it and writes without holding a lock (SeaweedFS before 4.16), would let two machines
+        each believe they admitted a key, so it is refused rather than shared (docs/store.md): a
+        `RemoteError` naming the endpoint and what it lacks. A pass is remembered in the folder
+        `memo` (the workspace's state) for `PROBE_TTL_S`, per endpoint, bucket and prefix; a
+        failure is not, so a store that was fixed is used at once.
         """
+        path = self._probe_memo(memo) if memo is not None else None
+        if path is not None and self._probe_remembered(path):
+            return
         name = self.name("probe", f"{host}-{secrets.token_hex(8)}")
+        race = f"{name}-race"
         try:
-            first = self.create(name, b"{}")
-            second = self.create(name, b"{}")
+            in_turn = (self.create(name, b"{}"), self.create(name, b"{}"))
+            at_once = self._create_at_once(race) if in_turn == (True, False) else []
         finally:
-            with contextlib.suppress(RemoteError):
-                self.delete(name)
-        if not first or second:
+            for scratch in (name, race):
+                with contextlib.suppress(RemoteError):
+                    self.delete(scratch)
+        where = f"{self.endpoint} ({self.url})"
+        if in_turn != (True, False):
             raise RemoteError(
                 Code.NO_CONDITIONAL_WRITE,
-                f"{self.url} does not honour create-only writes (If-None-Match: *): two creates of "
-                f"{name} were answered {first} and {second}, not True and False; a shared store "
-                "without them cannot keep mint-once, so cgbuild will not publish to it",
+                f"{where} does not honour create-only writes (If-None-Match: *): two creates of "
+                f"{name} in turn were answered {in_turn[0]} and {in_turn[1]}, not True and False; a "
+                "shared store without them cannot keep mint-once, so cgbuild will not publish to it",
             )
+        if at_once.count(True) != 1:
+            raise RemoteError(
+                Code.RACY_CONDITIONAL_WRITE,
+                f"{where} does not make concurrent create-only writes (If-None-Match: *) atomic: two "
+                f"creates of {race} at once were answered {at_once[0]} and {at_once[1]}, not exactly "
+                "one True; two machines publishing one key could both win, so cgbuild will not "
+                "publish to it",
+            )
+        if path is not None:
+            with contextlib.suppress(OSError):  # a memo that cannot be written costs the next probe
+                doc = {"endpoint": self.endpoint, "bucket": self.bucket, "prefix": self.prefix}
+                fs.write_json(path, {"schema": PROBE_SCHEMA, **doc, "passed_at": time.time()})
+
+    def _create_at_once(self, name: str) -> list[bool]:
+        """Two create-only writes of `name` released together, each on a connection of its own."""
+        start = threading.Barrier(2)
+
+        def create(_: int) -> bool:
+            start.wait(timeout=60)
+            return self.create(name, b"{}")
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            return list(pool.map(create, range(2)))
+
+    def _probe_memo(self, memo: Path) -> Path:
+        """This store's file in `memo`, named by its endpoint, bucket and prefix (which it also
+        records, for a person reading it)."""
+        identity = "\n".join((self.endpoint, self.bucket, self.prefix))
+        return memo / f"{hashlib.sha256(identity.encode()).hexdigest()[:16]}.json"
+
+    def _probe_remembered(self, path: Path) -> bool:
+        """A pass remembered at `path`, younger than `PROBE_TTL_S` (a torn or foreign file is set
+        aside, and the store probed again)."""
+        doc = statefile.read_json(
+            path,
+            lambda d: d.get("schema") == PROBE_SCHEMA and isinstance(d.get("passed_at"), int | float),
+            "remembered store probe",
+        )
+        return doc is not None and 0 <= time.time() - float(doc["passed_at"]) < PROBE_TTL_S
 
 
 def _install_fault(client: Any, mode: str) -> None:

@@ -64,7 +64,7 @@ class Untrusted(StoreError):
 
 
 class PublishRefused(StoreError):
-    """This machine cannot publish to the shared store (no signing key, or no create-only writes)."""
+    """This machine cannot publish to the shared store: it has no usable signing key."""
 
     def __init__(self, key: str | None, code: Code, detail: str) -> None:
         super().__init__(key, detail)
@@ -95,13 +95,22 @@ def _young(listed_at: float) -> bool:
 
 
 class SharedStore:
-    """A local `Store` (the cache) in front of a remote `Backend`, with the workspace's trusted keys."""
+    """A local `Store` (the cache) in front of a remote `Backend`, with the workspace's trusted keys;
+    `probes` is where a passed capability probe is remembered (None: probed once per process)."""
 
-    def __init__(self, local: Store, remote: Backend, trusted: dict[str, bytes], host: str) -> None:
+    def __init__(
+        self,
+        local: Store,
+        remote: Backend,
+        trusted: dict[str, bytes],
+        host: str,
+        probes: Path | None = None,
+    ) -> None:
         self.local = local
         self.remote = remote
         self.trusted = trusted
         self.host = host
+        self.probes = probes
         self._signer: trust.Signer | None = None
 
     # ---- plan ----------------------------------------------------------------------------------
@@ -201,7 +210,9 @@ class SharedStore:
 
     # ---- publishing ----------------------------------------------------------------------------
     def check_publishable(self) -> trust.Signer:
-        """The signer, once the store has proved create-only writes; refuses with a named code."""
+        """The signer, once the store has proved create-only writes. No usable signing key is
+        `PublishRefused`; a store that fails the probe is a `RemoteError` (the workspace's store
+        is misconfigured: one line, exit 2), naming the endpoint and what it lacks."""
         if self._signer is not None:
             return self._signer
         try:
@@ -217,10 +228,7 @@ class SharedStore:
                 "(`cgbuild trust keygen PATH` makes one)",
             )
         if not self.remote.probed:
-            try:
-                self.remote.probe(self.host)
-            except RemoteError as e:
-                raise PublishRefused(None, e.code, e.detail) from None
+            self.remote.probe(self.host, self.probes)
             self.remote.probed = True
         self._signer = signer
         return signer

@@ -1,5 +1,6 @@
-"""`cgbuild trust keygen` and `cgbuild fetch` in a real process, where no store needs to answer: the
-key pair written once, a bad publisher name and a workspace without a remote refused by name.
+"""`cgbuild trust keygen`, `cgbuild fetch` and `cgbuild mint` in a real process: the key pair written
+once, a bad publisher name and a workspace without a remote refused by name, and a shared store
+whose create-only writes are not atomic refused in one line before anything compiles.
 """
 
 from __future__ import annotations
@@ -9,8 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support.cgfiles import load_ws
 from support.cli import cli
+from support.s3 import BUCKET, S3, Proxy, child_env
+from support.shared import prefix_of
+from support.toy import toy_with_remote
 
 from cgbuild.store.trust import SIGNING_KEY_ENV, load_signer, public_key_bytes
 
@@ -40,3 +45,28 @@ def test_fetch_without_a_remote_is_refused(tmp_path: Path) -> None:
     proc = cli(tmp_path, "fetch", "--json")
     assert proc.returncode == 2 and "field 'workspace.remote'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_mint_refuses_a_store_whose_concurrent_creates_both_win(
+    s3: S3,
+    keys: dict[str, tuple[Path, str]],
+    toy_reference: Path,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    """A misconfigured store is the workspace's error, not each key's: exit 2, one line naming the
+    endpoint and the missing feature, no traceback, nothing compiled, nothing remembered."""
+    url = f"s3://{BUCKET}/{prefix_of(request)}"
+    ws = toy_with_remote(tmp_path / "toy", toy_reference, url, [keys["ci"][1]])
+    proxy = Proxy(s3, racy_create=True).start()
+    try:
+        env = child_env(s3, AWS_ENDPOINT_URL=proxy.url, **{SIGNING_KEY_ENV: str(keys["ci"][0])})
+        proc = cli(ws, "mint", "//toy/mlp/8x64-b1@fp32:cpu", "--json", env=env)
+    finally:
+        proxy.stop()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("cgbuild: error:")]
+    assert "field 'workspace.remote': racy-conditional-write" in line and proxy.url in line
+    assert "If-None-Match" in line and proc.stdout == ""
+    state = ws / ".cgbuild"
+    assert not list((state / "mint").glob("*.log")) and not (state / "cache" / "remotes").exists()

@@ -1,7 +1,8 @@
 """Mints that publish into the shared store, and what other machines do with what was published:
 a clean clone plans it fresh without tracing, `fetch` pulls it with its signature, `inspect`
 shows every card's evidence, adopt serves it or refuses an untrusted copy, a mint that lost the
-publish race is told which artifact stands. Against moto's S3 server on loopback.
+publish race is told which artifact stands. Against each S3 server of the `s3` fixture (moto,
+SeaweedFS) on loopback.
 
 One real toy artifact (one CPU compile of the MLP) is minted through the CLI and published once
 for the module (`published`), so every test here that needs a real one shares it.
@@ -23,7 +24,7 @@ from support.cli import cli, last_json
 from support.publishers import trusted
 from support.s3 import BUCKET, S3, Proxy, child_env
 from support.shared import artifact, forge, shared_at
-from support.toy import copy_toy
+from support.toy import toy_with_remote
 
 from cgbuild.config import cgfile
 from cgbuild.protocol.mint import MintFailed
@@ -33,14 +34,6 @@ from cgbuild.store.shared import SEEN_TTL_S, SharedStore
 from cgbuild.store.trust import SIGNING_KEY_ENV, load_signer
 
 MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
-
-
-def toy_with_remote(dest: Path, reference: Path, url: str, entries: list[str]) -> Path:
-    ws = copy_toy(dest, reference)
-    cg = ws / "Cgfile"
-    declared = f"[workspace]\nremote = {json.dumps(url)}\ntrusted = {json.dumps(entries)}\n"
-    cg.write_text(cg.read_text().replace("[workspace]\n", declared, 1))
-    return ws
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +66,7 @@ def test_mint_publishes_and_a_clean_clone_plans_fresh_without_tracing(
     assert remote.has_object(ref.doc["object"], ref.doc["size"])
     assert list(remote.list_names(f"evidence/{key}")) and list(remote.list_names("facts"))
     clone = toy_with_remote(tmp_path / "clone", toy_reference, url, [keys["ci"][1]])
-    proxy = Proxy(s3.upstream).start()
+    proxy = Proxy(s3).start()
     try:
         env = child_env(s3, AWS_ENDPOINT_URL=proxy.url, **{SIGNING_KEY_ENV: None})
         plan = cli(clone, "plan", MLP8, "--json", env=env)
@@ -120,7 +113,7 @@ def test_a_no_op_plan_the_remembered_listing_vouches_for_is_served_from_the_memo
             copied = {"Bucket": BUCKET, "Key": source.name(sub, n)}
             remote.client.copy_object(Bucket=BUCKET, CopySource=copied, Key=remote.name(sub, n))
     clone = toy_with_remote(tmp_path / "clone", toy_reference, remote.url, [keys["ci"][1]])
-    proxy = Proxy(s3.upstream).start()
+    proxy = Proxy(s3).start()
     try:
         env = child_env(s3, AWS_ENDPOINT_URL=proxy.url, **{SIGNING_KEY_ENV: None})
 
@@ -185,7 +178,7 @@ def test_mint_publishes_what_only_this_cache_holds(
     assert ref is not None and local is not None
     assert (ref.doc["object"], ref.doc["signature"]) == (local.object, local.metadata["signature"])
     assert remote.has_object(local.object, local.size)
-    proxy = Proxy(s3.upstream).start()  # what this cache published it remembers: no listing of refs
+    proxy = Proxy(s3).start()  # what this cache published it remembers: no listing of refs
     try:
         again = cli(moved, "mint", MLP8, "--json", env={**env, "AWS_ENDPOINT_URL": proxy.url})
         assert last_json(again)["published"] == []
@@ -218,7 +211,7 @@ def test_fetch_reports_a_key_the_store_refuses_and_goes_on(
 ) -> None:
     _, url, key = published
     clone = toy_with_remote(tmp_path / "clone", toy_reference, url, [keys["ci"][1]])
-    proxy = Proxy(s3.upstream, deny="/objects/").start()  # refs readable, objects forbidden
+    proxy = Proxy(s3, deny="/objects/").start()  # refs readable, objects forbidden
     try:
         proc = cli(clone, "fetch", MLP8, "--json", env=child_env(s3, AWS_ENDPOINT_URL=proxy.url))
     finally:

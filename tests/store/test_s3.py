@@ -1,18 +1,21 @@
-"""The S3 backend (`cgbuild.store.s3.Remote`) against a real S3 HTTP server (moto's server mode) on
-loopback, through the shared store that drives it: listings batched by the thousand, create-only
-writes probed, large objects in parts, interrupted uploads that leave nothing, and a bucket that
-refuses, is unreachable, has no credentials, drops a download or holds an overwritten object,
-each one named error.
+"""The S3 backend (`cgbuild.store.s3.Remote`) against each real S3 server of the `s3` fixture (moto,
+SeaweedFS) on loopback, through the shared store that drives it: listings batched by the thousand,
+create-only writes probed (in turn and at once, a pass remembered), large objects in parts,
+interrupted uploads that leave nothing, and a bucket that refuses, is unreachable, has no
+credentials, drops a download or holds an overwritten object, each one named error.
 
 Every test works under its own prefix of one bucket (`prefix_of`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import secrets
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -20,8 +23,9 @@ from support.s3 import BUCKET, S3, Proxy, child_env
 from support.shared import artifact, new_key, prefix_of, publish_one, shared_at
 
 from cgbuild.core.errors import UserError
-from cgbuild.store.s3 import FAULT_ENV, MULTIPART_ENV, Remote, RemoteError
-from cgbuild.store.shared import PublishRefused
+from cgbuild.store.local import Store
+from cgbuild.store.s3 import FAULT_ENV, MULTIPART_ENV, PROBE_TTL_S, Remote, RemoteError
+from cgbuild.store.shared import SharedStore
 from cgbuild.store.trust import SIGNING_KEY_ENV
 
 
@@ -43,7 +47,45 @@ def test_remote_keys_read_fresh_with_one_listing_per_thousand(
     assert calls == ["ListObjectsV2"] * 3  # 2,100 keys: three pages, no per-key request
 
 
-def test_a_store_without_create_only_writes_is_refused(
+@pytest.mark.parametrize(
+    ("mode", "code", "needle"),
+    [
+        ("strip_if_none_match", "no-conditional-write", "in turn"),  # the header is dropped
+        ("racy_create", "racy-conditional-write", "at once"),  # honoured in turn, not at once
+    ],
+)
+def test_a_store_without_atomic_create_only_writes_is_refused(
+    s3: S3,
+    tmp_path: Path,
+    keys: dict[str, tuple[Path, str]],
+    signing: None,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    mode: str,
+    code: str,
+    needle: str,
+) -> None:
+    """The probe's sequential pair catches a store that ignores If-None-Match; only its concurrent
+    pair catches one that checks it and then writes without a lock. Either is refused by name,
+    with the endpoint, before anything is admitted, and leaves no scratch object and no memo."""
+    proxy = Proxy(s3, **{mode: True}).start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        probes = tmp_path / "probes"
+        shared = shared_at(tmp_path / "s", prefix_of(request), keys, probes=probes)
+        with pytest.raises(RemoteError) as info:
+            shared.admit(new_key(), artifact(tmp_path), metadata={})
+        assert isinstance(info.value, UserError) and info.value.code == code
+        assert proxy.url in info.value.detail and "If-None-Match" in info.value.detail
+        assert needle in info.value.detail
+        assert not list(shared.remote.list_names("refs")) and not list(shared.local.iter_refs())
+        assert not list(shared.remote.list_names("probe"))  # the probe cleans up after itself
+        assert not probes.exists()  # a failure is not remembered
+    finally:
+        proxy.stop()
+
+
+def test_a_passed_probe_is_remembered_per_endpoint_bucket_and_prefix(
     s3: S3,
     tmp_path: Path,
     keys: dict[str, tuple[Path, str]],
@@ -51,17 +93,40 @@ def test_a_store_without_create_only_writes_is_refused(
     monkeypatch: pytest.MonkeyPatch,
     request: pytest.FixtureRequest,
 ) -> None:
-    proxy = Proxy(s3.upstream, strip_if_none_match=True).start()
+    """A later process on the same store does not probe again within the TTL; another prefix,
+    another bucket, another endpoint in front of the same bucket or a stale memo are probed afresh."""
+    prefix, probes = prefix_of(request), tmp_path / "probes"
+    other_bucket = f"{BUCKET}-other"
+    with contextlib.suppress(s3.client().exceptions.BucketAlreadyOwnedByYou):
+        s3.client().create_bucket(Bucket=other_bucket)
+
+    def probe_puts(url: str) -> int:
+        """How many create-only writes a new process's check made under probe/."""
+        shared = SharedStore(Store(tmp_path / secrets.token_hex(3)), Remote(url), {}, "h", probes)
+        puts: list[str] = []
+        shared.remote.client.meta.events.register(
+            "provide-client-params.s3.PutObject", lambda params, **_: puts.append(params["Key"])
+        )
+        shared.check_publishable()
+        return sum("/probe/" in p for p in puts)
+
+    url = f"s3://{BUCKET}/{prefix}"
+    assert probe_puts(url) == 4  # two in turn, two at once
+    (memo,) = probes.glob("*.json")
+    assert probe_puts(url) == 0
+    assert probe_puts(f"{url}-other") == 4 and probe_puts(f"s3://{other_bucket}/{prefix}") == 4
+    assert len(list(probes.glob("*.json"))) == 3
+    doc = json.loads(memo.read_text())
+    memo.write_text(json.dumps({**doc, "passed_at": time.time() - PROBE_TTL_S - 1}))
+    assert probe_puts(url) == 4 and probe_puts(url) == 0
+    proxy = Proxy(s3, strip_if_none_match=True).start()
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        shared = shared_at(tmp_path / "s", prefix_of(request), keys)
-        with pytest.raises(PublishRefused) as info:
-            shared.admit(new_key(), artifact(tmp_path), metadata={})
-        assert info.value.code == "no-conditional-write" and "If-None-Match" in info.value.detail
-        assert not list(shared.remote.list_names("refs")) and not list(shared.local.iter_refs())
-        assert not list(shared.remote.list_names("probe"))  # the probe cleans up after itself
+        with pytest.raises(RemoteError) as info:
+            probe_puts(url)
     finally:
         proxy.stop()
+    assert info.value.code == "no-conditional-write" and len(list(probes.glob("*.json"))) == 3
 
 
 def test_large_objects_upload_in_parts(
@@ -124,7 +189,7 @@ def test_a_connection_lost_mid_download_is_not_corruption(
     """Half a body then a dropped connection is the network, not the object: the pull fails as
     `remote-unavailable`, and the key is neither cached nor quarantined in the shared store."""
     prefix, a, key, _ = publish_one(tmp_path, keys, request)
-    proxy = Proxy(s3.upstream, cut="/objects/").start()
+    proxy = Proxy(s3, cut="/objects/").start()
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         b = shared_at(tmp_path / "b", prefix, keys)

@@ -1,7 +1,7 @@
-"""The shared, signed store (`SharedStore`: a local cache over an S3 remote) against a real S3 HTTP
-server (moto's server mode) on loopback, with small artifacts: publish and pull with signatures
-verified, untrusted and corrupt artifacts refused and never cached, mint-once across machines,
-lane evidence and trace facts beside the sealed object.
+"""The shared, signed store (`SharedStore`: a local cache over an S3 remote) against each real S3
+server of the `s3` fixture (moto, SeaweedFS) on loopback, with small artifacts: publish and pull
+with signatures verified, untrusted and corrupt artifacts refused and never cached, mint-once
+across machines, lane evidence and trace facts beside the sealed object.
 
 Every test works under its own prefix of one bucket (`prefix_of`).
 """
@@ -22,6 +22,7 @@ from support.shared import artifact, forge, new_key, prefix_of, publish_one, sha
 
 from cgbuild.core.canon import canonical_json
 from cgbuild.store.errors import Corrupt, StoreError
+from cgbuild.store.remote_gc import collect
 from cgbuild.store.s3 import Remote, RemoteError
 from cgbuild.store.shared import SEEN_TTL_S, PublishRefused, SharedStore, Untrusted
 from cgbuild.store.trust import SIGNING_KEY_ENV, load_signer
@@ -183,13 +184,19 @@ def test_concurrent_publishers_of_one_key_admit_exactly_one(
         t.start()
     for t in threads:
         t.join()
+    losers: list[str] = []
     for k in names:
         pair = sorted((results[0, k].status, results[1, k].status))
         assert pair == ["admitted", "conflict"], (k, pair)
         winner, loser = (0, 1) if results[0, k].status == "admitted" else (1, 0)
         assert results[loser, k].existing == results[winner, k].object  # the loser is told which
+        ref = machines[loser].remote.get_json(machines[loser].remote.ref_name(k))
+        assert ref is not None and ref.doc["object"] == results[winner, k].object  # one ref, the winner's
         assert machines[loser].local.ref_state(k) == "quarantined"  # and its cache does not diverge
-        assert machines[loser].resolve(k).path.read_bytes() == arts[winner, k].read_bytes()
+        assert machines[loser].resolve(k).path.read_bytes() == arts[winner, k].read_bytes()  # verified
+        losers.append(results[loser, k].object)
+    # the loser's object went up before its ref lost: no ref names it, the remote gc sweeps it
+    assert sorted(collect(machines[0], grace_s=0, dry_run=True).removed) == sorted(losers)
 
 
 def test_a_ref_that_exists_for_the_writer_but_never_for_a_reader_gives_up(
@@ -202,7 +209,7 @@ def test_a_ref_that_exists_for_the_writer_but_never_for_a_reader_gives_up(
 ) -> None:
     """Each refused create reads the standing ref; one that keeps vanishing is an error after three
     tries, not a loop, and the key stays unpublished in the cache (the next mint republishes it)."""
-    proxy = Proxy(s3.upstream, refuse_create="/refs/").start()
+    proxy = Proxy(s3, refuse_create="/refs/").start()
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         shared = shared_at(tmp_path / "s", prefix_of(request), keys)
@@ -278,7 +285,7 @@ def test_evidence_the_store_refuses_stays_local_and_the_artifact_stands(
     monkeypatch: pytest.MonkeyPatch,
     request: pytest.FixtureRequest,
 ) -> None:
-    proxy = Proxy(s3.upstream, deny="/evidence/").start()
+    proxy = Proxy(s3, deny="/evidence/").start()
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         shared = shared_at(tmp_path / "s", prefix_of(request), keys)

@@ -1,12 +1,19 @@
-"""A real S3 HTTP endpoint on loopback (the `s3` fixture) for the shared-store tests, and a real
-proxy in front of it.
+"""Real S3 HTTP endpoints on loopback (the `s3` fixture) for the shared-store tests, and a real
+proxy in front of them.
 
-moto's server mode speaks the S3 wire protocol (create-only writes with If-None-Match, multipart
-uploads, conditional deletes), so cgbuild's own boto3 client talks to it exactly as to a bucket.
-The proxy forwards every request unchanged and logs it (to count what a command asked), or drops
-the If-None-Match header: a store that ignores create-only writes, for the capability probe; or
-denies one prefix, as a bucket policy would; or drops the connection halfway through a body; or
-answers a create-only write "exists" for a name nobody can read.
+The `s3` fixture is parametrised over two servers, each started once per session: moto's server
+mode, which implements the S3 wire protocol in this process, and SeaweedFS (support/seaweedfs.py),
+an object store teams deploy. Both speak create-only writes with If-None-Match, multipart
+uploads and conditional deletes, so cgbuild's own boto3 client talks to either exactly as to a
+bucket; a test module runs once against each (`-k moto`, `-k seaweedfs` select one).
+
+The proxy forwards every request and logs it (to count what a command asked), or drops the
+If-None-Match header: a store that ignores create-only writes, for the capability probe; or
+checks for the name and writes without the header after a pause: a store whose create-only
+writes race; or denies one prefix, as a bucket policy would; or drops the connection halfway
+through a body; or answers a create-only write "exists" for a name nobody can read. It signs
+what it forwards again with the test identity (SigV4 covers the Host and the headers it drops),
+as a gateway holding the bucket's credentials would.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import http.client
 import os
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,15 +29,42 @@ from typing import Any
 
 import pytest
 
+from support import seaweedfs
+
 BUCKET = "cgbuild-shared"
+BACKENDS = ("moto", "seaweedfs")
+REGION = "us-east-1"
+RACE_WINDOW_S = 0.3
+"""How long a racing create waits between finding the name absent and writing it: longer than
+two threads released together take to arrive, so both find it absent."""
+
+
+@dataclass
+class S3:
+    """A test module's S3 endpoint; `env` is what a cgbuild process needs to reach it."""
+
+    backend: str
+    """`moto` or `seaweedfs`: for the one case where moto is known to differ."""
+    endpoint: str
+    upstream: tuple[str, int]
+    env: dict[str, str]
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint)
 
 
 @dataclass
 class Proxy:
-    """A forwarding HTTP proxy: `log` holds (method, path-with-query) of every request seen."""
+    """A forwarding HTTP proxy in front of `s3`: `log` holds (method, path-with-query) of every
+    request seen."""
 
-    upstream: tuple[str, int]
+    s3: S3
     strip_if_none_match: bool = False
+    racy_create: bool = False
+    """Create-only PUTs are checked (HEAD) and, when the name is absent, forwarded without the
+    header `RACE_WINDOW_S` later: one writer is refused as S3 would, two concurrent ones both win."""
     deny: str | None = None
     """Requests whose path holds this are answered 403 AccessDenied (a prefix a policy forbids)."""
     cut: str | None = None
@@ -45,6 +80,35 @@ class Proxy:
         assert self.server is not None
         host, port = self.server.server_address[:2]
         return f"http://{host}:{port}"
+
+    def send(self, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> tuple[Any, bytes]:
+        """One request to the upstream server, signed again: (response, its body)."""
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
+        from botocore.credentials import Credentials
+
+        host, port = self.s3.upstream
+        kept = {k: v for k, v in headers.items() if k.lower() not in ("host", "authorization", "x-amz-date")}
+        request = AWSRequest(method=method, url=f"http://{host}:{port}{path}", data=body or b"", headers=kept)
+        key, secret = seaweedfs.credentials()
+        S3SigV4Auth(Credentials(key, secret), "s3", REGION).add_auth(request)
+        conn = http.client.HTTPConnection(host, port, timeout=60)
+        try:
+            conn.request(method, path, body=body, headers=dict(request.headers.items()))
+            resp = conn.getresponse()
+            return resp, resp.read()
+        finally:
+            conn.close()
+
+    def create_racily(
+        self, path: str, body: bytes | None, headers: dict[str, str]
+    ) -> tuple[Any, bytes] | None:
+        """Check, wait, write (without the header): None when the name was there."""
+        head, _ = self.send("HEAD", path, None, {})
+        if head.status == 200:
+            return None
+        time.sleep(RACE_WINDOW_S)
+        return self.send("PUT", path, body, headers)
 
     def start(self) -> Proxy:
         proxy = self
@@ -67,18 +131,22 @@ class Proxy:
                 proxy.log.append((self.command, self.path))
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers = dict(self.headers.items())
                 if proxy.deny and proxy.deny in self.path:
                     return self._error(403, "Forbidden", "AccessDenied")
-                refused = proxy.refuse_create and proxy.refuse_create in self.path
-                if refused and self.command == "PUT" and "If-None-Match" in self.headers:
+                create = self.command == "PUT" and "If-None-Match" in self.headers
+                if create and proxy.refuse_create and proxy.refuse_create in self.path:
                     return self._error(412, "Precondition Failed", "PreconditionFailed")
-                if proxy.strip_if_none_match:
+                if proxy.strip_if_none_match or (create and proxy.racy_create):
                     headers = {k: v for k, v in headers.items() if k.lower() != "if-none-match"}
-                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
+                got = (
+                    proxy.create_racily(self.path, body, headers)
+                    if create and proxy.racy_create
+                    else proxy.send(self.command, self.path, body, headers)
+                )
+                if got is None:
+                    return self._error(412, "Precondition Failed", "PreconditionFailed")
+                resp, data = got
                 self.send_response(resp.status, resp.reason)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
@@ -90,7 +158,6 @@ class Proxy:
                     self.close_connection = True
                 elif self.command != "HEAD":
                     self.wfile.write(data)
-                conn.close()
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
@@ -107,49 +174,61 @@ class Proxy:
         return [p for m, p in self.log if m == method and path_part in p]
 
 
-@dataclass
-class S3:
-    """A test module's S3 endpoint; `env` is what a cgbuild process needs to reach it."""
-
-    endpoint: str
-    upstream: tuple[str, int]
-    env: dict[str, str]
-
-    def client(self) -> Any:
-        import boto3
-
-        return boto3.client("s3", endpoint_url=self.endpoint)
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3]:
-    """moto's S3 server on a free loopback port for one test module, with dummy credentials in
-    this process's environment while the module runs (boto3's default chain finds them, and so do
-    the cgbuild processes and Ray nodes started meanwhile). A module's own server: no module sees
-    another's objects or environment."""
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[tuple[str, int]]:
+    """moto's S3 server on a free loopback port, with the bucket, for the whole session."""
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
+    try:
+        _client(f"http://{host}:{port}").create_bucket(Bucket=BUCKET)
+        yield host, port
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+    """SeaweedFS on loopback, with the bucket, for the whole session (support/seaweedfs.py)."""
+    with seaweedfs.running(tmp_path_factory.mktemp("seaweedfs"), BUCKET) as server:
+        yield "127.0.0.1", server.port
+
+
+def _client(endpoint: str) -> Any:
+    import boto3
+
+    key, secret = seaweedfs.credentials()
+    return boto3.session.Session().client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret, region_name=REGION
+    )
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def s3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3]:
+    """One of the session's S3 servers (each module runs against each), with the test identity's
+    credentials in this process's environment while the module runs (boto3's default chain finds
+    them, and so do the cgbuild processes and Ray nodes started meanwhile). Modules share a
+    server's bucket; each test works under a prefix of its own."""
+    host, port = request.getfixturevalue(f"{request.param}_server")
     nowhere = tmp_path_factory.mktemp("aws") / "none"
+    key, secret = seaweedfs.credentials()
     env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": key,
+        "AWS_SECRET_ACCESS_KEY": secret,
+        "AWS_DEFAULT_REGION": REGION,
         "AWS_ENDPOINT_URL": f"http://{host}:{port}",
         "AWS_CONFIG_FILE": str(nowhere),
         "AWS_SHARED_CREDENTIALS_FILE": str(nowhere),
+        "AWS_EC2_METADATA_DISABLED": "true",  # nothing but loopback is ever asked
     }
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
-        mp.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-        mp.delenv("AWS_PROFILE", raising=False)
-        s = S3(env["AWS_ENDPOINT_URL"], (host, port), env)
-        s.client().create_bucket(Bucket=BUCKET)
-        yield s
-    server.stop()
+        for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+            mp.delenv(name, raising=False)
+        yield S3(request.param, env["AWS_ENDPOINT_URL"], (host, port), env)
 
 
 def child_env(s3: S3, **extra: str | None) -> dict[str, str]:

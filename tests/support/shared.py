@@ -18,10 +18,16 @@ from support.s3 import BUCKET
 
 
 def shared_at(
-    root: Path, prefix: str, keys: dict[str, tuple[Path, str]], host: str = "host-a"
+    root: Path,
+    prefix: str,
+    keys: dict[str, tuple[Path, str]],
+    host: str = "host-a",
+    probes: Path | None = None,
 ) -> SharedStore:
-    """A machine `host` caching under `root`, on the bucket's `prefix`, trusting `ci` only."""
-    return SharedStore(Store(root), Remote(f"s3://{BUCKET}/{prefix}"), trusted(keys["ci"][1]), host)
+    """A machine `host` caching under `root`, on the bucket's `prefix`, trusting `ci` only, that
+    remembers passed probes in `probes` (as a workspace does in its state folder)."""
+    remote = Remote(f"s3://{BUCKET}/{prefix}")
+    return SharedStore(Store(root), remote, trusted(keys["ci"][1]), host, probes)
 
 
 def artifact(folder: Path, size: int = 4096) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -29,3 +30,12 @@ def copy_toy(dest: Path, reference: Path) -> Path:
     shutil.copytree(EXAMPLES / "toy", dest, ignore=_FRESH)
     shutil.copytree(reference, dest / "reference")
     return dest
+
+
+def toy_with_remote(dest: Path, reference: Path, url: str, entries: list[str]) -> Path:
+    """`copy_toy` whose Cgfile shares its store at `url`, trusting the publisher `entries`."""
+    ws = copy_toy(dest, reference)
+    cg = ws / "Cgfile"
+    declared = f"[workspace]\nremote = {json.dumps(url)}\ntrusted = {json.dumps(entries)}\n"
+    cg.write_text(cg.read_text().replace("[workspace]\n", declared, 1))
+    return ws
