@@ -113,6 +113,23 @@ def test_a_moved_pipeline_is_served_eager_by_name(served_ws: tuple[Path, dict[st
     assert reason.startswith("eager:") and served.components["transformer"].adopted.last_reason is not None
 
 
+def test_a_pipeline_offloaded_to_the_cpu_is_served_compiled(served_ws: tuple[Path, dict[str, Any]]) -> None:
+    """`enable_model_cpu_offload` wraps every module's forward in accelerate's hooks, which move
+    its weights to the execution device before each call: the served modules follow (re-bound,
+    counted) and every call still runs compiled, the image unchanged."""
+    ws, _ = served_ws
+    pipe = flux2_klein_pipeline(seed=5)
+    want = _run(pipe, "np")
+    served = adopt_pipeline(pipe, ws / "manifest.json", store=Store(ws / ".cgbuild" / "store"))
+    pipe.enable_model_cpu_offload(device="cpu")
+    got = _run(served, "np")
+    counters = served.counters
+    assert counters["transformer"]["compiled"] == 2 and counters["vae.decode"]["compiled"] == 1, counters
+    assert not [k for c in counters.values() for k in c if k.startswith("eager")], counters
+    assert rel_rms(torch.as_tensor(got), torch.as_tensor(want)) < TOLERANCE
+    served.release()
+
+
 def test_a_compiled_only_module_raises_instead_of_running_eager(
     served_ws: tuple[Path, dict[str, Any]],
 ) -> None:
@@ -172,3 +189,15 @@ def test_an_sdxl_pipeline_under_guidance_is_served_compiled(tmp_path_factory: py
     assert set(counters["unet"]) <= {"compiled", "restrided"}
     for kind in ("latent", "np"):
         assert rel_rms(torch.as_tensor(got[kind]), torch.as_tensor(want[kind])) < TOLERANCE
+
+    # An fp16 VAE with `force_upcast` (SDXL's own): the pipeline casts it to fp32 for the decode
+    # and back after. The decode follows the weights each time (re-bound) and stays compiled.
+    for p in (pipe, eager := sdxl_pipeline(seed=5)):
+        p.vae.to(torch.float16)
+    want_up = _run(eager, "np", sdxl_inputs(), 5.0)
+    before = dict(served.counters["vae.decode"])
+    got_up = _run(served, "np", sdxl_inputs(), 5.0)
+    after = served.counters["vae.decode"]
+    assert after["compiled"] == before["compiled"] + 1 and after.get("rebound", 0) > before.get("rebound", 0)
+    assert pipe.vae.dtype == torch.float16  # cast back by the pipeline
+    assert rel_rms(torch.as_tensor(got_up), torch.as_tensor(want_up)) < TOLERANCE
