@@ -174,3 +174,61 @@ def test_the_closest_class_is_the_one_whose_sizes_or_range_lie_nearest() -> None
     assert distance(contract, (torch.zeros(1, 5, 8),), {}) == 1
     assert distance(contract, (torch.zeros(1, 1, 9),), {}) == 2
     assert distance(contract, (), {"x": torch.zeros(1, 3, 8)}) is None
+
+
+PIXEL_FRAMES = {2: 5, 3: 9, 4: 13}
+"""WanPipeline's `num_frames` counts pixel frames, 4 a latent frame after the first: the
+transformer sees (num_frames - 1) // 4 + 1, which is what the module declares."""
+
+
+def _wan_video(pipe: Any, num_frames: int) -> torch.Tensor:
+    embeds = torch.randn(1, 4, pipe.transformer.config.text_dim, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        out = pipe(
+            prompt_embeds=embeds,
+            height=64,
+            width=64,
+            num_frames=num_frames,
+            num_inference_steps=2,
+            guidance_scale=1.0,  # no negative prompt: one transformer call a step
+            output_type="latent",
+            generator=torch.Generator().manual_seed(3),
+        ).frames
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+@pytest.mark.slow
+def test_the_stock_wan_pipeline_is_served_compiled_at_every_frame_count_of_the_range(
+    ranged: tuple[Path, dict[str, Any]],
+) -> None:
+    """A stock `WanPipeline` (no text encoder, no VAE: latents out), armed by `adopt_pipeline`: every
+    transformer call at 5, 9 and 13 pixel frames (2 to 4 latent) compiled, the video as eager's;
+    17 pixel frames (5 latent) is outside the range: eager, named with the class."""
+    from cgbuild_rules.pipeline import adopt_pipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    ws, doc = ranged
+    module, _, _ = served_module(ws, LABEL)
+    pipe = WanPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=None,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=module.eval(),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    want = {n: _wan_video(pipe, n) for n in (*PIXEL_FRAMES.values(), 17)}
+    served = adopt_pipeline(pipe, doc, store=Store(ws / ".cgbuild" / "store"))
+    for latent, pixel in PIXEL_FRAMES.items():
+        got = _wan_video(served, pixel)
+        assert got.shape[2] == latent
+        assert rel_rms(got, want[pixel]) < 1e-4, pixel
+    counters = served.counters["wan-range"]
+    assert counters["compiled"] == 2 * len(PIXEL_FRAMES) and set(counters) <= {"compiled", "restrided"}
+    assert rel_rms(_wan_video(served, 17), want[17]) < 1e-6  # eager: the module's own computation
+    counters = served.counters["wan-range"]
+    assert counters["eager:out-of-envelope"] == 2, counters
+    reason = served.components["wan-range"].adopted.last_reason
+    assert reason is not None and "8x8-f2..4-t4-b1" in reason.detail
+    served.release()
