@@ -110,6 +110,8 @@ class Adopted(Attached):
             if why is None:
                 if restrided is not None:
                     restrided.extend(copied)
+                for at, value in art.supplied:  # the lane selector, where the program reads it
+                    leaves.insert(at, value)
                 return art, leaves, None
             if closest is None:
                 closest = Refusal(why.code, f"{art.label}: {why.detail}")
