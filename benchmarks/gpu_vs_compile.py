@@ -182,8 +182,10 @@ def phase(name: str, work: Path, label: str) -> dict[str, Any]:
         if name != "bare_aoti":
             rec["cxx"] = configs["cpp.cxx"] = compiler.choose_cxx()
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            ep = torch.export.export(b.module, b.args, b.kwargs, strict=False)
+        from cgbuild_rules.lanes import export
+
+        with torch.inference_mode():  # the program the mint compiles: the lane selector's too
+            ep = export(b.module, b.args, b.kwargs, b.dynamic_shapes, b.selector)
         rec["export_s"] = round(time.perf_counter() - t0, 2)
         beside = None
         if name == "bare_aoti_cxx_beside_check":  # a mint's check stage starts with the compile

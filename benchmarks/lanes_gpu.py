@@ -1,8 +1,8 @@
 """The toy's kernel lanes on a GPU: one AOTI artifact, three lanes, each bound and measured.
 
 Why: a CPU box never builds the `triton` lane (it needs CUDA and triton), so the claims that
-matter on a card are checked here, on a machine with one: (1) the one compiled artifact, bound
-to each lane through its one-hot switch, gives each lane's eager result, the Triton kernel
+matter on a card are checked here, on a machine with one: (1) the one compiled artifact, given
+each lane's selector, gives each lane's eager result, the Triton kernel
 included; (2) a fresh serving process that never imports the entry (so `toy::triton_linear` is
 not registered) still runs the Triton lane: AOTInductor compiled the kernel into the package
 rather than calling the op back through the proxy executor; (3) the mint's measurement protocol
@@ -37,24 +37,25 @@ LANES = ["baseline", "chunked", "triton"]
 
 _SERVE = """
 import json, sys, torch
-from cgbuild_rules.lanes import bindings, measure
+from cgbuild_rules.lanes import measure, switch_inputs
 from cgbuild_rules.loader import Package
 work, lane, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-rows = json.load(open(work + "/rows.json"))
+block = json.load(open(work + "/lanes.json"))
 state = torch.load(work + "/state.pt")
 x = state.pop("__x__")
 package = Package(work + "/model.pt2", device_index=0)
-package.bind({**state, **bindings(rows, {"linear": lane}, "cuda")})
+package.bind(state)
+_, inputs = switch_inputs(block, {"linear": lane}, "cuda")
 out = {"lane": lane, "entry_imported": "toy_models" in sys.modules,
        "op_registered": hasattr(torch.ops, "toy") and hasattr(torch.ops.toy, "triton_linear")}
 with torch.no_grad():
-    y = package(x)
+    y = package(x, **inputs)
 torch.cuda.synchronize()
 want = torch.load(work + "/eager.pt")[lane]
 out["max_abs_vs_eager"] = float((y - want).abs().max())
 out["rel_rms_vs_eager"] = float((y - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
 if mode == "measure":
-    out.update(measure(lambda: package(x), torch.device("cuda")))
+    out.update(measure(lambda: package(x, **inputs), torch.device("cuda")))
 print(json.dumps(out))
 """
 
@@ -120,7 +121,7 @@ def main() -> int:
 
     sys.path.insert(0, str(ROOT / "examples" / "toy"))
     import toy_models
-    from cgbuild_rules.lanes import lane_rows, set_lanes
+    from cgbuild_rules.lanes import export, lane_rows, selector_of, selector_spec, set_lanes
 
     from cgbuild import lanes
     from cgbuild.identity import compiler, policy
@@ -139,7 +140,7 @@ def main() -> int:
             set_lanes(m, {"linear": lane})
             eager[lane] = m(x)
         set_lanes(m, {"linear": "baseline"})
-        ep = torch.export.export(m, (x,), strict=False)
+        ep = export(m, (x,), {}, None, selector_of(m, dev))
         rows2d = x.reshape(-1, args.hidden)
         direct = toy_models.triton_linear()(rows2d, m.fc1.weight, m.fc1.bias)
         triton_vs_cublas = float(
@@ -162,7 +163,7 @@ def main() -> int:
     torch._inductor.aoti_compile_and_package(ep, package_path=str(work / "model.pt2"), inductor_configs=known)
     compile_s = time.perf_counter() - t
     rows = lane_rows(m, ["linear"], spec_lanes)
-    (work / "rows.json").write_text(json.dumps(rows))
+    (work / "lanes.json").write_text(json.dumps({"axes": rows, "selector": selector_spec(rows)}))
     state = {**{k: v for k, v in m.state_dict().items()}, "__x__": x}
     torch.save(state, work / "state.pt")
     torch.save(eager, work / "eager.pt")

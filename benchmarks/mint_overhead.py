@@ -93,8 +93,10 @@ def child_bare(arg: Mapping[str, Any]) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     module, x = _toy()
-    with torch.no_grad():
-        ep = torch.export.export(module, (x,), strict=False)
+    from cgbuild_rules.lanes import export, selector_of
+
+    with torch.no_grad():  # as the trace exports it: the lanes chosen by the selector input
+        ep = export(module, (x,), {}, None, selector_of(module))
     t1 = time.perf_counter()
     configs: dict[str, Any] = dict(policy.inductor_configs(normalize_arch(platform.machine())))
     configs["cpp.cxx"] = (None, arg["cxx"])
@@ -152,9 +154,12 @@ def child_adopt(arg: Mapping[str, Any]) -> dict[str, Any]:
 def child_aoti(arg: Mapping[str, Any]) -> dict[str, Any]:
     imported = _import_torch()
     import torch
+    from cgbuild_rules.lanes import SELECTOR, selector_of
 
     t0 = time.perf_counter()
     module, x = _toy()
+    sel = selector_of(module)  # the program's lane selector input (the reference lane)
+    lane = {} if sel is None else {SELECTOR: sel}
     t1 = time.perf_counter()
     compiled = torch._inductor.aoti_load_package(arg["pt2"])
     t2 = time.perf_counter()
@@ -166,7 +171,7 @@ def child_aoti(arg: Mapping[str, Any]) -> dict[str, Any]:
     )
     t3 = time.perf_counter()
     with torch.no_grad():
-        out = compiled(x)
+        out = compiled(x, **lane)
     t4 = time.perf_counter()
     return {
         "import_torch": imported,

@@ -5,17 +5,25 @@ the engine without importing the entry; `cgbuild.lanes`) and builds, for each ax
 `LaneSwitch(axis, spec["lanes"][axis])`. The switch carries EVERY value the spec names and picks
 one at run time, so one sealed artifact serves every lane and the key never mentions one:
 
-- with two or more values the switch holds `onehot`, a non-persistent int64 buffer of one entry per
-  value, and routes through nested `torch.cond` on `onehot[i] != 0`. The buffer is a trace-baked
-  literal (its default, value 0 selected, enters the digest and the artifact's
-  `constants.safetensors`); adopt binds a different one-hot in its place before the first call.
-- the one-hot has at least two elements on purpose: Inductor's uniform-value constant folding
-  evaluates single-element constants at compile time (a scalar index would be folded to the
-  value it had while compiling, and every other lane silently lost). Measured on torch 2.13.0:
-  a 0-d index bound to 2 ran lane 0; the one-hot runs the lane it is bound to. The mint verifies
-  every lane of the compiled artifact against eager, so a torch that folds more would fail the
-  mint (`verify-mismatch`), never ship a dead lane.
-- with one value there is no buffer and no branch: the program is the plain one.
+- the choice enters the compiled program as a SIZE, never as data: `export` adds one keyword
+  input, `_cgbuild_lanes` (`SELECTOR`), a zero-element tensor of shape
+  `(2 + i_1, ..., 2 + i_k, 0)` for the value index `i_d` of each switched axis (axes in name
+  order), each dimension a symbol of range `[2, 1 + n_d]`. `select` is nested
+  `torch.cond(selector.shape[d] == 2 + i, ...)`, which AOTInductor compiles into a plain host
+  `if` on the input's size: no device→host read, no kernel. The offset is there because torch
+  specialises sizes 0 and 1. The selector holds no data; adopt builds it once, from the
+  verdict it re-fits, and passes it with every call.
+- the compiled program does NOT check the selector's sizes: any size that is no other value's
+  runs the last value. So a selector is checked against the program's sealed contract (rank,
+  dtype, each size within its symbol's range) before it is used (`cgbuild_rules.adopt`), and
+  the mint verifies every lane of the compiled artifact against eager (`verify-mismatch`).
+- outside `export` (eager calls, a plain `torch.export`, `torch.compile`) a switch runs the value
+  it is set to (`set_lanes`; the first value by default), as plain Python: no branch at all.
+- with one value there is no selector dimension and no branch: the program is the plain one.
+
+Artifacts sealed before the selector existed switch on `onehot`, an int64 buffer per switch read
+by `torch.cond(onehot[i] != 0, ...)` (a device→host copy per switch per call on a GPU); adopt
+still binds the chosen one-hot by the FQN their table names (`bindings`).
 
 The first value of an axis (in the entry's table order) is its reference: index 0 by default, and
 the baseline the other values' numerics are checked against.
@@ -36,12 +44,14 @@ re-faulting the trimmed pages; the median does not see it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import ctypes.util
+import inspect
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,10 +59,21 @@ from torch import nn
 
 WARMUP = 3
 TIMED = 9
+SELECTOR = "_cgbuild_lanes"
+"""The keyword input that carries the lane choice into a compiled program (a name no forward uses)."""
+SELECTOR_BASE = 2
+"""Value i of an axis is selector size 2 + i: torch specialises sizes 0 and 1 to constants."""
+SELECTOR_DTYPE = torch.uint8
+
+_ACTIVE: contextvars.ContextVar[Mapping[str, tuple[torch.Tensor, int]] | None] = contextvars.ContextVar(
+    "cgbuild_lanes_selector", default=None
+)
+"""While `export` traces: axis → (the selector input, its dimension for that axis)."""
 
 
 def one_hot(index: int, n: int) -> torch.Tensor:
-    """The switch value selecting value `index` of `n` (int64, on the CPU; move it as needed)."""
+    """The switch value of an artifact sealed with one-hot switches, selecting value `index` of `n`
+    (int64, on the CPU; move it as needed)."""
     if not 0 <= index < n:
         raise IndexError(f"lane index {index} outside [0, {n})")
     t = torch.zeros(n, dtype=torch.int64)
@@ -61,31 +82,28 @@ def one_hot(index: int, n: int) -> torch.Tensor:
 
 
 def _branch(
-    onehot: torch.Tensor, fns: Sequence[Callable[..., Any]], operands: tuple[Any, ...], i: int
+    sel: torch.Tensor, dim: int, fns: Sequence[Callable[..., Any]], operands: tuple[Any, ...], i: int
 ) -> Any:
     if i == len(fns) - 1:
         return fns[i](*operands)
 
-    def take(sel: torch.Tensor, *ops: Any) -> Any:
+    def take(s: torch.Tensor, *ops: Any) -> Any:
         return fns[i](*ops)
 
-    def rest(sel: torch.Tensor, *ops: Any) -> Any:
-        return _branch(sel, fns, ops, i + 1)
+    def rest(s: torch.Tensor, *ops: Any) -> Any:
+        return _branch(s, dim, fns, ops, i + 1)
 
-    return torch.cond(onehot[i] != 0, take, rest, (onehot, *operands))
+    return torch.cond(sel.shape[dim] == SELECTOR_BASE + i, take, rest, (sel, *operands))
 
 
 class LaneSwitch(nn.Module):
     """One lane axis of a module: every value's implementation, chosen at run time.
 
-    `select(impls, *operands)` calls `impls[value]` for the bound value; every implementation
+    `select(impls, *operands)` calls `impls[value]` for the chosen value; every implementation
     takes the same tensor operands and returns tensors of the same shape and dtype (a branch of
     `torch.cond`). Implementations must be real and distinct code paths: the mint checks each
     against eager and against the reference before it may become a candidate.
     """
-
-    onehot: torch.Tensor
-    """The buffer of a switch of two or more values (`register_buffer`)."""
 
     def __init__(self, axis: str, values: Sequence[str]) -> None:
         super().__init__()
@@ -94,46 +112,50 @@ class LaneSwitch(nn.Module):
             raise ValueError(f"lane axis {axis!r}: values must be non-empty and distinct, got {values}")
         self.axis = axis
         self.values = values
-        if len(values) > 1:
-            self.register_buffer("onehot", one_hot(0, len(values)), persistent=False)
+        self._index = 0  # private: the eager choice is no configuration of the program
+
+    @property
+    def value(self) -> str:
+        """The value eager calls run."""
+        return self.values[self._index]
 
     def select(self, impls: Mapping[str, Callable[..., Any]], *operands: Any) -> Any:
         missing = [v for v in self.values if v not in impls]
         if missing:
             raise KeyError(f"lane axis {self.axis!r}: no implementation for {missing}")
         fns = [impls[v] for v in self.values]
-        if len(fns) == 1:
-            return fns[0](*operands)
-        return _branch(self.onehot, fns, operands, 0)
+        active = _ACTIVE.get()
+        if len(fns) == 1 or active is None or self.axis not in active:
+            return fns[self._index](*operands)
+        sel, dim = active[self.axis]
+        return _branch(sel, dim, fns, operands, 0)
 
     def set(self, value: str) -> None:
-        """Choose `value` for eager calls of this module (in place)."""
-        if len(self.values) > 1:
-            self.onehot.copy_(one_hot(self.values.index(value), len(self.values)).to(self.onehot.device))
-        elif value != self.values[0]:
-            raise ValueError(f"lane axis {self.axis!r} has only {self.values[0]!r}")
+        """Choose `value` for eager calls of this module."""
+        if value not in self.values:
+            raise ValueError(f"lane axis {self.axis!r} has no value {value!r} (it has {list(self.values)})")
+        self._index = self.values.index(value)
 
     def extra_repr(self) -> str:
         return f"axis={self.axis!r}, values={list(self.values)}"
 
 
-def switches(module: nn.Module) -> dict[str, dict[str, Any]]:
-    """axis → {"fqn": the one-hot's FQN (None for a single value), "values"} of a built module.
+def switches(module: nn.Module) -> dict[str, list[str]]:
+    """axis → values of the switches of a built module.
 
     One switch per axis: two switches of one axis could be bound to different values, a lane
     combination nobody measured.
     """
-    found: dict[str, dict[str, Any]] = {}
+    found: dict[str, tuple[str, list[str]]] = {}
     for prefix, mod in module.named_modules():
         if isinstance(mod, LaneSwitch):
             if mod.axis in found:
                 raise ValueError(
-                    f"two switches for lane axis {mod.axis!r} ({found[mod.axis]['owner']!r}, {prefix!r}): "
+                    f"two switches for lane axis {mod.axis!r} ({found[mod.axis][0]!r}, {prefix!r}): "
                     "share one LaneSwitch per axis"
                 )
-            fqn = (f"{prefix}.onehot" if prefix else "onehot") if len(mod.values) > 1 else None
-            found[mod.axis] = {"fqn": fqn, "values": list(mod.values), "owner": prefix}
-    return {axis: {"fqn": s["fqn"], "values": s["values"]} for axis, s in found.items()}
+            found[mod.axis] = (prefix, list(mod.values))
+    return {axis: values for axis, (_, values) in found.items()}
 
 
 def set_lanes(module: nn.Module, choice: Mapping[str, str]) -> None:
@@ -143,16 +165,140 @@ def set_lanes(module: nn.Module, choice: Mapping[str, str]) -> None:
             mod.set(choice[mod.axis])
 
 
+# ---- the selector: the lane choice as an input's sizes --------------------------------------------
+def selector_spec(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The sealed description of a program's selector input for its switch table: the input's
+    name, the axes of its dimensions (the switched ones, by name) and the size of value 0.
+    None when no axis has two values (the program takes no selector)."""
+    axes = sorted(str(r["axis"]) for r in rows if len(r["values"]) > 1)
+    return {"input": SELECTOR, "axes": axes, "base": SELECTOR_BASE} if axes else None
+
+
+def _rows(module: nn.Module) -> list[dict[str, Any]]:
+    return [{"axis": axis, "values": values} for axis, values in switches(module).items()]
+
+
+def selector(
+    block: Mapping[str, Any], choice: Mapping[str, str], device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The selector input choosing `choice` (axis → value) in a program whose sealed lanes block
+    is `block` (`{"axes": rows, "selector": selector_spec(rows)}`): zero elements, no memory."""
+    spec = block["selector"]
+    values = {r["axis"]: list(r["values"]) for r in block["axes"]}
+    sizes = []
+    for axis in spec["axes"]:
+        if choice.get(axis) not in values[axis]:
+            raise ValueError(f"lane axis {axis!r} has no value {choice.get(axis)!r} (it has {values[axis]})")
+        sizes.append(int(spec["base"]) + values[axis].index(choice[axis]))
+    return torch.empty((*sizes, 0), dtype=SELECTOR_DTYPE, device=device)
+
+
+def selector_of(module: nn.Module, device: torch.device | str | None = None) -> torch.Tensor | None:
+    """The selector of the values `module`'s switches are set to (None: nothing switches); the
+    trace passes the one of a freshly built module, every axis at its reference."""
+    rows = _rows(module)
+    spec = selector_spec(rows)
+    if spec is None:
+        return None
+    choice = {m.axis: m.value for m in module.modules() if isinstance(m, LaneSwitch)}
+    return selector({"axes": rows, "selector": spec}, choice, device)
+
+
+def switch_inputs(
+    block: Mapping[str, Any], choice: Mapping[str, str], device: torch.device | str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(constants to bind, inputs to pass) that select `choice` in a program sealed with `block`:
+    the selector input, or for an artifact sealed with one-hot switches their values by FQN."""
+    inputs = {block["selector"]["input"]: selector(block, choice, device)} if block.get("selector") else {}
+    return bindings(block.get("axes") or [], choice, device), inputs
+
+
 def bindings(
     table: Sequence[Mapping[str, Any]], choice: Mapping[str, str], device: torch.device | str
 ) -> dict[str, torch.Tensor]:
-    """FQN → one-hot for a lane choice, for the switched axes of a sealed lanes table."""
+    """FQN → one-hot for a lane choice, for the switched axes of a table sealed with one-hot
+    switches (rows with an `fqn`); {} for any other table."""
     out: dict[str, torch.Tensor] = {}
     for row in table:
         if row.get("fqn"):
             values = list(row["values"])
             out[row["fqn"]] = one_hot(values.index(choice[row["axis"]]), len(values)).to(device)
     return out
+
+
+def _shapes(dynamic_shapes: Any, names: Sequence[str], dims: dict[int, Any]) -> Any:
+    """The entry's `dynamic_shapes` (None, by name, or in input order) by name, with the selector's."""
+    if dynamic_shapes is None:
+        by_name = dict.fromkeys(names)
+    elif isinstance(dynamic_shapes, Mapping):
+        by_name = dict(dynamic_shapes)
+    elif isinstance(dynamic_shapes, tuple | list) and len(dynamic_shapes) == len(names):
+        by_name = dict(zip(names, dynamic_shapes, strict=True))
+    else:
+        raise ValueError(f"dynamic_shapes {type(dynamic_shapes).__name__} does not name the module's inputs")
+    return {**by_name, SELECTOR: dims}
+
+
+def export(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    dynamic_shapes: Any = None,
+    sel: torch.Tensor | None = None,
+) -> torch.export.ExportedProgram:
+    """`torch.export` (non-strict) of `module` with every switch's values in the program, chosen by
+    the selector input `sel` (`selector_of`: made where the inputs were, fake or real; None only
+    for a module that switches nothing).
+
+    The module's own call stays the program's: for the export only, an instance `forward` takes
+    the selector as one more keyword and calls the module's own `forward` with the rest, so the
+    state-dict names, the inputs' names and the entry's dynamic shapes are the module's.
+    """
+    found = switches(module)
+    axes = sorted(a for a, values in found.items() if len(values) > 1)
+    if not axes:
+        return torch.export.export(module, args, dict(kwargs), dynamic_shapes=dynamic_shapes, strict=False)
+    if sel is None:  # the program would silently be the one lane the switches are set to
+        raise ValueError(f"{type(module).__name__} switches lanes {axes}: pass its selector (`selector_of`)")
+    forward = module.forward
+    signature = inspect.signature(forward)
+    if SELECTOR in signature.parameters:
+        raise ValueError(f"{type(module).__name__}.forward takes {SELECTOR!r}, the lane selector's name")
+    names = list(signature.bind(*args, **kwargs).arguments)
+    dims = {
+        d: torch.export.Dim(f"cgbuild_lane{d}", min=SELECTOR_BASE, max=SELECTOR_BASE + len(found[a]) - 1)
+        for d, a in enumerate(axes)
+    }
+    shapes = _shapes(dynamic_shapes, names, dims)
+
+    def with_selector(*a: Any, **kw: Any) -> Any:
+        token = _ACTIVE.set({axis: (kw[SELECTOR], d) for d, axis in enumerate(axes)})
+        try:
+            return forward(*a, **{k: v for k, v in kw.items() if k != SELECTOR})
+        finally:
+            _ACTIVE.reset(token)
+
+    params = list(signature.parameters.values())
+    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+    params.insert(at, inspect.Parameter(SELECTOR, inspect.Parameter.KEYWORD_ONLY))
+    with_selector.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    with _instance_forward(module, with_selector):
+        return torch.export.export(
+            module, args, {**kwargs, SELECTOR: sel}, dynamic_shapes=shapes, strict=False
+        )
+
+
+@contextlib.contextmanager
+def _instance_forward(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    prior = module.__dict__.get("forward")
+    module.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if prior is None:
+            del module.__dict__["forward"]
+        else:
+            module.forward = prior  # type: ignore[method-assign]
 
 
 # ---- measurement --------------------------------------------------------------------------------
@@ -290,8 +436,8 @@ def device_memory_bytes(device: torch.device) -> int:
 def lane_rows(
     module: nn.Module, declared: Sequence[str], spec_lanes: Mapping[str, Sequence[str]]
 ) -> list[dict[str, Any]]:
-    """The sealed switch table of a built module: {"axis", "values", "fqn"} per declared axis it
-    uses, in declaration order. Refuses a switch that does not carry what the spec asked (the
+    """The sealed switch table of a built module: {"axis", "values"} per declared axis it uses, in
+    declaration order. Refuses a switch that does not carry what the spec asked (the
     program would not be the one the key was computed for) and a switch of an undeclared axis."""
     found = switches(module)
     rows: list[dict[str, Any]] = []
@@ -299,10 +445,10 @@ def lane_rows(
         if axis not in found:
             continue  # this module does not use the axis
         want = list(spec_lanes.get(axis) or [])
-        if found[axis]["values"] != want:
-            raise ValueError(f"LaneSwitch({axis!r}) carries {found[axis]['values']}, the spec asked {want}")
-        rows.append({"axis": axis, "values": found[axis]["values"], "fqn": found[axis]["fqn"]})
-    stray = sorted(a for a, s in found.items() if a not in declared and s["fqn"])
+        if found[axis] != want:
+            raise ValueError(f"LaneSwitch({axis!r}) carries {found[axis]}, the spec asked {want}")
+        rows.append({"axis": axis, "values": found[axis]})
+    stray = sorted(a for a, values in found.items() if a not in declared and len(values) > 1)
     if stray:
         raise ValueError(f"switches for undeclared lane axes {stray}: declare them in the Cgfile")
     return rows

@@ -8,7 +8,9 @@ runs under FakeTensorMode (or the meta device), `torch.device(device)`, the spec
 `torch.no_grad()`; the module is put in eval mode. So one entry serves digests, mints and CPU
 and CUDA targets without ever moving a tensor. `spec["lanes"]` names, per lane axis, the values
 to compile into the program (`{}` without lanes): the entry builds one
-`cgbuild_rules.lanes.LaneSwitch` per axis carrying all of them (docs/lanes.md).
+`cgbuild_rules.lanes.LaneSwitch` per axis carrying all of them, and the export adds the lane
+selector as one keyword input, made beside the entry's inputs (`cgbuild_rules.lanes.export`;
+docs/lanes.md).
 
 Build modes of `export_job`:
 - `fake`: FakeTensorMode; no weight memory at all (a 4B transformer traces in < 0.5 GB). Digests.
@@ -46,6 +48,7 @@ from typing import Any, Literal
 import torch
 from cgbuild_rules import configured
 from cgbuild_rules import dims as declared_dims
+from cgbuild_rules import lanes as lane_rt
 from cgbuild_rules import quant as quant_rules
 from cgbuild_rules.digest import TraceError, graph_facts, is_hidden
 from cgbuild_rules.loader import state_tensors
@@ -206,6 +209,9 @@ class Built:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     dynamic_shapes: Any = None
+    selector: torch.Tensor | None = None
+    """The lane selector the export adds to the call (`cgbuild_rules.lanes.export`), made beside
+    the inputs (fake, meta or real); None when no switch has two values."""
 
 
 def _unpack(out: Any) -> Built:
@@ -339,6 +345,7 @@ def build(job: Job, mode: Mode, fn: Callable[[dict[str, Any]], Any] | None = Non
             torch.manual_seed(0)
             stack.enter_context(device)
         built = call_entry(fn, job.spec, job.quant)
+        built.selector = lane_rt.selector_of(built.module)
     if mode == "empty":
         ties = _ties(built.module)
         with torch.no_grad():
@@ -354,6 +361,7 @@ def build(job: Job, mode: Mode, fn: Callable[[dict[str, Any]], Any] | None = Non
 
         built.args = tree_map(real, built.args)
         built.kwargs = tree_map(real, built.kwargs)
+        built.selector = real(built.selector)
     return built
 
 
@@ -415,9 +423,7 @@ def export_job(job: Job | Mapping[str, Any], mode: Mode = "fake") -> tuple[Expor
     configuration = configured.record(built.module)  # before export: it may set attributes
     try:
         with torch.no_grad():
-            ep = torch.export.export(
-                built.module, built.args, built.kwargs, dynamic_shapes=built.dynamic_shapes, strict=False
-            )
+            ep = lane_rt.export(built.module, built.args, built.kwargs, built.dynamic_shapes, built.selector)
     except Exception as e:
         raise TraceError(f"torch.export failed: {type(e).__name__}: {e}") from None
     try:

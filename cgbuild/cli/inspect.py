@@ -16,6 +16,7 @@ from cgbuild.cli.render import component_summary, console, phase_times, print_js
 from cgbuild.config.dims import Range
 from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
+from cgbuild.lanes import caller_contract
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -139,7 +140,8 @@ def show(doc: dict[str, Any]) -> None:
         f"cgbuild {meta.get('cgbuild')}",
     )
     contract = meta["graph"].get("contract") or {}
-    row("signature", _signature(contract))
+    selector = (meta.get("lanes") or {}).get("selector") or {}
+    row("signature", _signature(caller_contract(contract, [selector["input"]] if selector else [])))
     for i, line in enumerate(_lane_summary(meta, doc.get("lane_evidence"))):
         row("lanes" if i == 0 else "", line.removeprefix("lanes: ").strip())
     members = doc.get("members") or {}
@@ -214,9 +216,12 @@ def _lane_summary(meta: dict[str, Any], evidence: dict[str, Any] | None) -> list
     if not lanes:
         return []
     v = lanes["verdict"]
+    sel = lanes.get("selector")
+    switch = f"selector {sel['input']}[{', '.join(sel['axes'])}]" if sel else "one-hot literals"
     out = [
         f"lanes: winner {v['winner']} ({v['binding']}); fallback {' > '.join(v.get('fallback') or [])}; "
         + ", ".join(f"{lane} peak {p / (1 << 30):.2f} GiB" for lane, p in (v.get("peaks") or {}).items())
+        + f"; switched by {switch}"
     ]
     for host, doc in sorted((evidence or {}).items()):
         for run in doc.get("runs", []):

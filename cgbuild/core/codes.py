@@ -96,6 +96,7 @@ class Code(StrEnum):
     NO_ARTIFACT = "no-artifact"
     BAD_ARTIFACT = "bad-artifact"
     KEY_MISMATCH = "key-mismatch"
+    LANE_SELECTOR = "lane-selector"
     WRONG_SM = "wrong-sm"
     TORCH_VERSION = "torch-version"
     HOST_ISA = "host-isa"

@@ -115,11 +115,32 @@ def _lane_axis(value: Any, where: str) -> None:
     _need(row.get("fqn") is None or isinstance(row["fqn"], str), f"{where}.fqn", "not a string")
 
 
+def _lane_switches(block: Mapping[str, Any], where: str) -> None:
+    """Each axis of two or more values is switched one way: by the selector input (what a trace
+    makes) or by its one-hot literal (artifacts sealed before), never neither (adopt would bind
+    nothing and the program run its default) and never both."""
+    selector = _obj(block.get("selector"), f"{where}.selector", optional=True)
+    dims: list[str] = []
+    if selector:
+        _str(selector.get("input"), f"{where}.selector.input")
+        _list(selector.get("axes"), f"{where}.selector.axes", _str, optional=False)
+        _int(selector.get("base"), f"{where}.selector.base")
+        dims = selector["axes"]
+        _need(len(set(dims)) == len(dims), f"{where}.selector.axes", "repeat an axis")
+    for i, row in enumerate(block["axes"]):
+        switched = len(row["values"]) > 1
+        ways = int(bool(row.get("fqn"))) + int(row["axis"] in dims)
+        _need(ways == int(switched), f"{where}.axes[{i}]", "not switched by exactly one selector or one-hot")
+    unknown = sorted(set(dims) - {row["axis"] for row in block["axes"]})
+    _need(not unknown, f"{where}.selector.axes", f"names {unknown[0] if unknown else ''!r}, not an axis")
+
+
 def _lanes(value: Any, where: str) -> None:
     block = _obj(value, where, optional=True)
     if not block.get("axes"):
         return
     _list(block["axes"], f"{where}.axes", _lane_axis)
+    _lane_switches(block, where)
     verdict = _obj(block.get("verdict"), f"{where}.verdict")
     _str(verdict.get("winner"), f"{where}.verdict.winner")
     _need(

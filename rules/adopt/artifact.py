@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from cgbuild_rules.adopt.bind import adapter_hint, config_refusal, layout_refusal, literals_of, weights_of
+from cgbuild_rules.adopt.contract import supplied_positions, supplied_refusal
 from cgbuild_rules.adopt.host import host_refusal, module_device
 from cgbuild_rules.adopt.refusal import REARMABLE, Refusal, log
 from cgbuild_rules.bound import (
@@ -23,7 +24,7 @@ from cgbuild_rules.bound import (
     Watch,
     structure,
 )
-from cgbuild_rules.lanes import bindings, device_memory_bytes
+from cgbuild_rules.lanes import device_memory_bytes, switch_inputs
 from cgbuild_rules.loader import Package
 from torch import nn
 
@@ -63,6 +64,9 @@ class Artifact:
     seconds: float = 0.0
     lane: Refit | None = None
     """The kernel lane bound before the first call and why (None: the artifact has no lanes)."""
+    supplied: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    """(leaf index, tensor) of the inputs adopt passes with every call: the lane selector."""
+    call_contract: dict[str, Any] | None = None
     watch: Watch | None = None
     """What the package is bound to; while refused for a binding reason, the module as refused
     (nothing is retried until something in it moves)."""
@@ -75,8 +79,14 @@ class Artifact:
     """Load it again (an artifact refused before its package was loaded is re-armed so)."""
 
     @property
-    def contract(self) -> dict[str, Any]:
+    def sealed_contract(self) -> dict[str, Any]:
+        """The program's call contract as sealed, the lane selector included."""
         return self.metadata.get("graph", {}).get("contract", {})
+
+    @property
+    def contract(self) -> dict[str, Any]:
+        """What a caller's call must fit: once armed, the sealed contract without the lane selector."""
+        return self.call_contract if self.call_contract is not None else self.sealed_contract
 
     @property
     def dynamic(self) -> bool:
@@ -85,8 +95,9 @@ class Artifact:
 
 def choose_lane(
     meta: Mapping[str, Any], device: torch.device, *, memory_bytes: int | None = None, pin: str | None = None
-) -> tuple[Refit | None, dict[str, torch.Tensor]]:
-    """The lane this device serves and the switch values that bind it (docs/lanes.md).
+) -> tuple[Refit | None, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The lane this device serves, the constants and the inputs that select it (docs/lanes.md):
+    the selector input, or for an artifact sealed with one-hot switches their values by FQN.
 
     Re-applies the fit rule to THIS device's memory (`memory_bytes` overrides it: a smaller card,
     a share of a larger one) on the peaks the mint recorded, rounded up: `lane-adopted`,
@@ -95,7 +106,7 @@ def choose_lane(
     """
     block = meta.get("lanes")
     if not block or not block.get("axes"):
-        return None, {}
+        return None, {}, {}
     rows = block["axes"]
     axes = [r["axis"] for r in rows]
     carried = lanes.combinations([(r["axis"], r["values"]) for r in rows])
@@ -106,7 +117,7 @@ def choose_lane(
     else:
         memory = memory_bytes if memory_bytes is not None else device_memory_bytes(device)
         choice = lanes.refit(block["verdict"], memory)
-    return choice, bindings(rows, lanes.split(choice.lane, axes), device)
+    return (choice, *switch_inputs(block, lanes.split(choice.lane, axes), device))
 
 
 def _arm(
@@ -125,8 +136,13 @@ def _arm(
         except Exception as e:  # safetensors' own error type: the literals file is not one
             art.refusal = Refusal(Code.BAD_LITERALS, f"{LITERALS}: {type(e).__name__}: {e}")
             return
-    art.lane, switch = choose_lane(art.metadata, device, memory_bytes=memory_bytes, pin=pin)
+    art.lane, switch, inputs = choose_lane(art.metadata, device, memory_bytes=memory_bytes, pin=pin)
     art.literals.update(switch)  # bound with the rest below: before the first call, kept by rebind
+    if refusal := supplied_refusal(art.sealed_contract, inputs):
+        art.refusal = refusal
+        return
+    art.supplied = supplied_positions(art.sealed_contract, inputs)
+    art.call_contract = lanes.caller_contract(art.sealed_contract, inputs)
     if art.lane is not None:
         log.info("%s: lane %s (%s: %s)", art.label, art.lane.lane, art.lane.code, art.lane.detail)
     try:

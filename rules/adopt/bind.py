@@ -91,10 +91,10 @@ def literals_of(
     holds the same value at that FQN has it bound in place (no copy: in-place updates reach
     both paths); one that holds another value would compute something else eager, so the
     artifact is refused (`literal-mismatch`); a literal the module does not hold (a constant
-    created in `forward`) is bound from the artifact. Lane switches are the lane choice's to
-    bind and are not compared.
+    created in `forward`) is bound from the artifact. The one-hot switches of an artifact sealed
+    before the lane selector are the lane choice's to bind and are not compared.
     """
-    switches = {r["fqn"] for r in (meta.get("lanes") or {}).get("axes") or []}
+    switches = {r.get("fqn") for r in (meta.get("lanes") or {}).get("axes") or []}
     out: dict[str, torch.Tensor] = {}
     for fqn, value in sealed.items():
         if fqn not in names:

@@ -1,5 +1,6 @@
 """A call against the traced contract: dtypes, devices, shapes, symbol ranges and strides, and
-the inputs copied into the traced layout where only their strides or alignment differ.
+the inputs copied into the traced layout where only their strides or alignment differ; the
+inputs adopt passes itself (the lane selector) held to it once, and placed among a call's leaves.
 """
 
 from __future__ import annotations
@@ -252,3 +253,33 @@ def _is_default(value: Any, default: Any) -> bool:
         return bool(value == default)
     except Exception:  # a value whose comparison raises is not known to be the default
         return False
+
+
+# ---- inputs adopt supplies itself (the lane selector) --------------------------------------------
+def supplied_positions(contract: Mapping[str, Any], supplied: Mapping[str, Any]) -> list[tuple[int, Any]]:
+    """(leaf index in the sealed contract, value) of each supplied input, ascending: inserted in
+    this order into a caller's fitted leaves, each lands where the program reads it."""
+    out: list[tuple[int, Any]] = []
+    index = 0
+    for spec in contract.get("inputs") or []:
+        if spec["name"] in supplied:
+            out.append((index, supplied[spec["name"]]))
+        index += len(spec.get("leaves") or [])
+    return out
+
+
+def supplied_refusal(contract: Mapping[str, Any], supplied: Mapping[str, Any]) -> Refusal | None:
+    """Why an input adopt passes itself does not fit the program (`lane-selector`), or None.
+
+    A compiled lanes program reads its selector's sizes unchecked: a size no value has runs the
+    last value. So the selector built from the sealed lanes table is held to the sealed contract
+    (dtype, rank, each size within its symbol's range) once, before the first call."""
+    traced = [i for i in contract.get("inputs") or [] if i["name"] in supplied]
+    absent = sorted(set(supplied) - {i["name"] for i in traced})
+    if absent:
+        return Refusal(Code.LANE_SELECTOR, f"the program takes no input {absent[0]!r}")
+    sub = {"inputs": [{**i, "keyword": True} for i in traced], "symbols": contract.get("symbols") or []}
+    why, _ = fit(sub, (), supplied)
+    if why is None:
+        return None
+    return Refusal(Code.LANE_SELECTOR, f"{why.detail} ({why.code}): the lane would not be the one chosen")

@@ -124,6 +124,8 @@ class Adopted(Attached):
             if why is None:
                 if restrided is not None:
                     restrided.extend(copied)
+                for at, value in art.supplied:  # the lane selector, where the program reads it
+                    leaves.insert(at, value)
                 return art, leaves, None
             far = distance(art.contract, args, kwargs)
             if closest is None or (far is not None and (nearest is None or far < nearest)):

@@ -37,9 +37,8 @@ class _Checked:
     """The module's own values of those literals (what it was built with), put back before the
     serve part: a serving process's module holds its own, not the compile's."""
     package: Any = None
-    bound: dict[str, Any] = field(default_factory=dict)
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    """The sealed switch table, as verify found it on the module."""
+    block: dict[str, Any] = field(default_factory=lambda: {"axes": []})
+    """The switch table as verify found it on the module, with its selector (the sealed form)."""
 
 
 def _verify(req: Mapping[str, Any], work: Path, c: _Checked) -> dict[str, Any]:
@@ -47,6 +46,7 @@ def _verify(req: Mapping[str, Any], work: Path, c: _Checked) -> dict[str, Any]:
     literals the compile wrote), and every lane of it when the request has lanes."""
     fault("verify")
     import torch
+    from cgbuild_rules import lanes as lane_rt
     from cgbuild_rules import trace
     from cgbuild_rules.adopt.bind import attribute
     from cgbuild_rules.loader import Package, state_tensors
@@ -68,14 +68,17 @@ def _verify(req: Mapping[str, Any], work: Path, c: _Checked) -> dict[str, Any]:
         raise MintFailure(
             Code.CONSTANT_TABLE_MISMATCH, f"the package needs constants the module lacks: {missing[:5]}"
         )
-    c.bound = {fqn: live[fqn] for fqn in c.package.constant_fqns}
-    c.package.bind(c.bound)
+    c.package.bind({fqn: live[fqn] for fqn in c.package.constant_fqns})
+    sel = lane_rt.selector_of(built.module, job.device)  # the lanes eager `want` ran
+    lane_inputs = {} if sel is None else {lane_rt.SELECTOR: sel}
     with torch.no_grad():
-        got = c.package(*built.args, **built.kwargs)
+        got = c.package(*built.args, **built.kwargs, **lane_inputs)
     result: dict[str, Any] = {"ok": True, "errors": compare_outputs(got, want, tolerance_of(job.quant))}
     if req.get("lanes"):
-        result["lanes"] = _verify_lanes(req, job, built, c.package, c.bound)
-        c.rows = result["lanes"]["rows"]
+        rows = _lane_rows(req, job, built.module)
+        c.block = {"axes": rows, "selector": lane_rt.selector_spec(rows)}
+        checks = _verify_lanes(job, built, c.package, c.block)
+        result["lanes"] = {"rows": rows, "selector": c.block["selector"], **checks}
     return result
 
 
@@ -206,15 +209,11 @@ def _lane_rows(req: Mapping[str, Any], job: Any, module: Any) -> list[dict[str, 
         raise MintFailure(Code.ENTRY_ERROR, str(e)) from None
 
 
-def _verify_lanes(
-    req: Mapping[str, Any], job: Any, built: Any, package: Any, bound: Mapping[str, Any]
-) -> dict[str, Any]:
+def _verify_lanes(job: Any, built: Any, package: Any, block: Mapping[str, Any]) -> dict[str, Any]:
     """Every lane of the ONE compiled artifact against eager with the same lane, and each value
     against its axis's reference (the numerics self-check that makes it a candidate)."""
     import torch
     from cgbuild_rules import lanes as lane_rt
-
-    rows = _lane_rows(req, job, built.module)
 
     def eager(choice: Mapping[str, str]) -> Any:
         lane_rt.set_lanes(built.module, choice)
@@ -222,19 +221,18 @@ def _verify_lanes(
             return built.module(*built.args, **built.kwargs)
 
     def compiled(choice: Mapping[str, str]) -> Any:
-        package.bind({**bound, **lane_rt.bindings(rows, choice, job.device)})
+        _, inputs = lane_rt.switch_inputs(block, choice, job.device)
         with torch.no_grad():
-            return package(*built.args, **built.kwargs)
+            return package(*built.args, **built.kwargs, **inputs)
 
     compare = functools.partial(compare_outputs, tolerance=tolerance_of(job.quant))
-    checks = lane_rt.verify_lanes(rows, eager, compiled, compare)
-    return {"rows": rows, **checks}
+    return lane_rt.verify_lanes(block["axes"], eager, compiled, compare)
 
 
 def _measure(req: Mapping[str, Any], c: _Checked, candidates: Sequence[str]) -> dict[str, Any]:
     """Every candidate lane's benchmark, in turn, on the module and package this stage already
-    holds (cgbuild_rules.lanes.measure): each lane is bound in its place before its own warm-ups,
-    peak reset and timed calls. A lane measured later does not inherit an earlier one's peak: the
+    holds (cgbuild_rules.lanes.measure): each lane's selector is passed to its own warm-ups, peak
+    reset and timed calls. A lane measured later does not inherit an earlier one's peak: the
     GPU's counter and the CPU's resident high-water mark are reset per lane, after freed memory
     was returned."""
     fault("measure")
@@ -252,16 +250,13 @@ def _measure(req: Mapping[str, Any], c: _Checked, candidates: Sequence[str]) -> 
         # per call measured here at 2 threads, against 0.1 ms alone), which would rank lanes by
         # the neighbours' load. The thread count is in the evidence.
         torch.set_num_threads(1)
-    rows, axes = c.rows, [r["axis"] for r in c.rows]
+    axes = [r["axis"] for r in c.block["axes"]]
     device = torch.device(job.device)
-
-    def call() -> Any:
-        return c.package(*built.args, **built.kwargs)
-
     runs: dict[str, Any] = {}
     for lane in candidates:
         print(f"lanes: measuring {lane}", file=sys.stderr, flush=True)
-        c.package.bind({**c.bound, **lane_rt.bindings(rows, lanes.split(lane, axes), job.device)})
+        _, inputs = lane_rt.switch_inputs(c.block, lanes.split(lane, axes), job.device)
+        call = functools.partial(c.package, *built.args, **built.kwargs, **inputs)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -318,10 +313,12 @@ def lane_verdict(
         verdict = None
     block = {
         "schema": lanes.LANES_SCHEMA,
-        "axes": [{"axis": r["axis"], "values": r["values"], "fqn": r["fqn"]} for r in rows],
+        "axes": [{"axis": r["axis"], "values": r["values"]} for r in rows],
         "excluded": excluded,
         "verdict": verdict,
     }
+    if checked["lanes"].get("selector"):
+        block["selector"] = checked["lanes"]["selector"]
     evidence = {
         "schema": "cgbuild.lane-evidence-run/1",
         "sm": req.sm,

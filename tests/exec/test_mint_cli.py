@@ -291,9 +291,8 @@ def test_toy_lanes_verdict_evidence_and_inspect(minted_toy: Path) -> None:
     plan = json.loads(cli(minted_toy, "plan", "@fp32", "--json").stdout)
     for t in plan["targets"]:
         block = read_metadata(store.resolve(t["key"]).path)["lanes"]
-        assert block["axes"] == [
-            {"axis": "linear", "values": ["baseline", "chunked"], "fqn": "lanes.linear.onehot"}
-        ]
+        assert block["axes"] == [{"axis": "linear", "values": ["baseline", "chunked"]}]
+        assert block["selector"] == {"input": "_cgbuild_lanes", "axes": ["linear"], "base": 2}
         assert block["excluded"] == {"linear.triton": "not-buildable: needs a cuda device"}
         verdict = block["verdict"]
         assert verdict["candidates"] == ["baseline", "chunked"] and verdict["rule"] == lanes.RULE
@@ -325,7 +324,8 @@ def test_toy_lanes_verdict_evidence_and_inspect(minted_toy: Path) -> None:
     assert meta["key"] in rows["key"] and MLP8 in rows["labels"]
     assert meta["graph"]["digest"] in rows["graph"] and meta["toolchain"]["fold"] in rows["toolchain"]
     assert "toy.mlp@1+plain.fp32@1" in rows["layout"]
-    assert "(x: float32[1, 8, 64]) -> float32[1, 8, 10]" in rows["signature"]
+    assert rows["signature"].rstrip().split("  ")[-1].strip() == "(x: float32[1, 8, 64]) -> float32[1, 8, 10]"
+    assert "switched by selector _cgbuild_lanes[linear]" in rows["lanes"]  # not in the signature
     assert f"winner {meta['lanes']['verdict']['winner']}" in rows["lanes"]
     assert f"evidence {host_name()} (mint)" in proc.stdout
     torch = meta["toolchain"]["components"]["torch"]["version"]

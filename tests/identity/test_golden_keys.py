@@ -7,6 +7,11 @@ plan must give the golden keys under the golden torch, and under another torch e
 differs must say why: the toolchain (torch is a member) or the graph moved. Nothing skips. The
 banked H200 plan's keys are recomputed from the axes that plan recorded. A change that moves a
 key on purpose updates the golden file in the same commit and says why.
+
+Re-banked: the toy's six keys moved (graph axis only) when a lane switch stopped reading a one-hot
+literal and became a size comparison on the lane selector input: every program with a switched
+axis is another program. flux2-klein-tiny declares no lanes here and kept its keys; the H200 keys
+are the banked plan's, whose artifacts switch by one-hot and still adopt.
 """
 
 from __future__ import annotations

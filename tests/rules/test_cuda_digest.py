@@ -9,6 +9,11 @@ tensors and must compute the same digests: the re-trace test checks that where s
 installed. The archives of the program before lanes (gpu_sm90_store.tgz, *_768.tgz, *_fp8.tgz)
 are history: they must still verify and their keys recompute from their own axes.
 
+Every banked target carries lanes, and these are the programs whose switches read a one-hot
+literal. Programs traced since branch on the lane selector's size (docs/lanes.md, "The switch"):
+another graph, so the re-trace gives other digests until a plan and store traced on the H200
+with the selector are banked here in their place.
+
 The archive checks read only the committed files (no torch): they are cheap enough for every run.
 """
 

@@ -110,6 +110,18 @@ def _bend(path: str, value: Any) -> Callable[[dict[str, Any]], Any]:
     return edit
 
 
+_SEL = {"input": "_cgbuild_lanes", "axes": ["linear"], "base": 2}
+
+
+def _lanes(fqn: str | None = "lanes.linear.onehot", selector: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A lanes block of one two-valued axis, switched by a one-hot (`fqn`), a selector, both or neither."""
+    block: dict[str, Any] = {
+        "axes": [{"axis": "linear", "values": ["a", "b"], "fqn": fqn}],
+        "verdict": {"winner": "a"},
+    }
+    return block if selector is None else {**block, "selector": selector}
+
+
 @pytest.mark.parametrize(
     ("edit", "needle"),
     [
@@ -124,6 +136,11 @@ def _bend(path: str, value: Any) -> Callable[[dict[str, Any]], Any]:
             _bend("lanes", {"axes": [{"axis": "linear", "values": ["a"]}], "verdict": {"winner": "b"}}),
             "lane 'b'",
         ),
+        (_bend("lanes", _lanes(fqn=None)), "axes[0]: not switched by exactly one selector or one-hot"),
+        (_bend("lanes", _lanes(selector=_SEL)), "axes[0]: not switched by exactly one selector or one-hot"),
+        (_bend("lanes", _lanes(fqn=None, selector={**_SEL, "axes": "linear"})), "selector.axes: not a list"),
+        (_bend("lanes", _lanes(fqn=None, selector={**_SEL, "axes": ["linear"] * 2})), "repeat an axis"),
+        (_bend("lanes", _lanes(selector={**_SEL, "axes": ["other"]})), "names 'other', not an axis"),
         (_bend("host.isa", []), "host.isa: not an object"),
         (_bend("graph.contract.inputs", [{"name": "x", "leaves": "abc"}]), "inputs[0].leaves: not a list"),
         (

@@ -57,9 +57,8 @@ def minted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_the_mint_seals_both_attention_kernels_and_a_measured_verdict(minted: dict[str, Any]) -> None:
     lanes = minted["inspect"]["metadata"]["lanes"]
     # the entry's order (flash first, the reference), not the Cgfile's
-    assert lanes["axes"] == [
-        {"axis": "attention", "values": ["flash", "math"], "fqn": "attention_lane.onehot"}
-    ]
+    assert lanes["axes"] == [{"axis": "attention", "values": ["flash", "math"]}]
+    assert lanes["selector"] == {"input": "_cgbuild_lanes", "axes": ["attention"], "base": 2}
     verdict = lanes["verdict"]
     assert verdict["candidates"] == ["flash", "math"]
     assert verdict["winner"] in ("flash", "math") and verdict["sku"]["name"] == "cpu"

@@ -42,3 +42,40 @@ def edited(src: Path, dest: Path, edit: Callable[[dict[str, Any]], Any]) -> Path
     edit(meta)
     seal(dest, meta, {k: v for k, v in files.items() if k != "metadata.json"})
     return dest
+
+
+HOST_READS = ("item_bool", "aoti_torch_item")
+"""How AOTInductor's generated C++ reads a tensor's value on the host (a device→host sync on a GPU)."""
+
+
+def compile_package(ep: Any, path: Path) -> Path:
+    """`ep` AOTI-compiled under the mint's compile policy (weightless) into `path` (`model.pt2`:
+    the loader reads the package's `model` folder)."""
+    import platform
+
+    import torch
+
+    from cgbuild.core.platform import normalize_arch
+    from cgbuild.identity import compiler, policy
+
+    configs: dict[str, Any] = policy.inductor_configs(normalize_arch(platform.machine()))
+    configs["cpp.cxx"] = (None, compiler.choose_cxx(None))
+    torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=configs)
+    return path
+
+
+def wrapper_source(pt2: Path) -> str:
+    """The generated C++ that runs a package's calls (AOTInductor keeps it in the package)."""
+    with zipfile.ZipFile(pt2) as z:
+        (name,) = [n for n in z.namelist() if n.endswith("wrapper.cpp")]
+        return z.read(name).decode()
+
+
+def host_read_ops(call: Callable[[], Any]) -> set[str]:
+    """The ops `call()` ran that read a tensor's value back to the host (`item`), as torch's
+    profiler records them."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, torch.no_grad():
+        call()
+    return {e.name for e in prof.events()} & {"aten::item", "aten::_local_scalar_dense"}
