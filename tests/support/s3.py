@@ -18,6 +18,7 @@ as a gateway holding the bucket's credentials would.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import threading
@@ -53,6 +54,23 @@ class S3:
         import boto3
 
         return boto3.client("s3", endpoint_url=self.endpoint)
+
+    def bucket(self, name: str, timeout: float = 60.0) -> None:
+        """Create bucket `name` and wait until it takes a write: SeaweedFS gives a new bucket its
+        volume lazily and answers InternalError until then (seen on a loaded 2-core box)."""
+        client = self.client()
+        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+            client.create_bucket(Bucket=name)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.put_object(Bucket=name, Key="ready", Body=b"")
+                client.delete_object(Bucket=name, Key="ready")
+                return
+            except client.exceptions.ClientError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
 
 @dataclass
