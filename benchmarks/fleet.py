@@ -91,7 +91,7 @@ from engine import (
     trace_count,
     write_workspace,
 )
-from harness import load_average, scratch, stamp, write_json, write_result
+from harness import cgbuild, load_average, scratch, stamp, write_json, write_result
 
 HERE = Path(__file__).resolve().parent
 TOY = HERE.parent / "examples" / "toy"
@@ -110,15 +110,6 @@ def toy_workspace(dest: Path, rows: list[int]) -> Path:
     text = text[: text.index("[family.toy.module.conv]")]
     cg.write_text(text)
     return dest
-
-
-def cgbuild(ws: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"cgbuild {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr[-2000:]}")
-    return proc
 
 
 def fleet_mint(ws: Path, address: str, label: str) -> dict[str, Any]:

@@ -218,3 +218,14 @@ if __name__ == "__main__":
     # Another Python's versions (a benchmark that measures an interpreter other than its own):
     # `PY benchmarks/harness.py PACKAGE...` prints them as one JSON line, torch imported.
     print(json.dumps(versions(*sys.argv[1:], torch=True)))
+
+
+def cgbuild(ws: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """`cgbuild -C WS ARGS` in a child process, its output captured; with `check`, a failure ends
+    the benchmark naming the command and the tail of what it printed."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True
+    )
+    if check and proc.returncode != 0:
+        raise SystemExit(f"cgbuild {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import commit_option, write_result
+from harness import cgbuild, commit_option, write_result
 from targets import drop_lanes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,17 +77,8 @@ MANIFESTS = {  # (workspace, selector) of each part: `ws` without lanes, `ws-lan
 }
 
 
-def _cgbuild(ws: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"cgbuild {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
 def _statuses(ws: Path, selector: str) -> dict[str, str]:
-    plan = json.loads(_cgbuild(ws, "plan", selector, "--json").stdout)
+    plan = json.loads(cgbuild(ws, "plan", selector, "--json").stdout)
     return {t["label"]: t["status"] for t in plan["targets"]}
 
 
@@ -116,7 +107,7 @@ def setup(work: Path, archive_out: Path | None) -> dict[str, Any]:
     vae = [label for label, status in before.items() if "/vae.decode/" in label and status != "fresh"]
     if vae:
         t = time.perf_counter()
-        minted = _cgbuild(ws, "mint", "//flux2-klein/vae.decode:sm_90", "--json")
+        minted = cgbuild(ws, "mint", "//flux2-klein/vae.decode:sm_90", "--json")
         rec["vae_mint"] = {
             "seconds": round(time.perf_counter() - t, 1),
             "summary": json.loads(minted.stdout.strip().splitlines()[-1]),
@@ -128,7 +119,7 @@ def setup(work: Path, archive_out: Path | None) -> dict[str, Any]:
         docs = []
         for i, (where, selector) in enumerate(parts):
             out = work / f"manifest-{name}-{i}.json"
-            _cgbuild(work / where, "manifest", selector, "-o", str(out))
+            cgbuild(work / where, "manifest", selector, "-o", str(out))
             docs.append(json.loads(out.read_text()))
         merged = docs[0]
         for doc in docs[1:]:  # one family's manifests of disjoint modules: one manifest

@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from harness import commit_option, cuda_timed, scratch, write_result
+from harness import cgbuild, commit_option, cuda_timed, scratch, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "tests" / "zoo"
@@ -39,15 +38,6 @@ def _workspace(ws: Path, sm: str) -> None:
     (ws / "Cgfile").write_text(head + "[family.zoo-pipe]\n" + body + ("\n[family." + rest if rest else ""))
 
 
-def _cgbuild(ws: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), *args], capture_output=True, text=True
-    )
-    if check and proc.returncode != 0:
-        raise SystemExit(f"cgbuild {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
-    return proc
-
-
 def measure(ws: Path, steps: int, reps: int) -> dict[str, Any]:
     import torch
     from cgbuild_rules.adopt.host import device_sm
@@ -59,7 +49,7 @@ def measure(ws: Path, steps: int, reps: int) -> dict[str, Any]:
     sm = device_sm(torch.device("cuda"))
     _workspace(ws, sm)
     t = time.perf_counter()
-    mint = _cgbuild(ws, "mint", f"//zoo-pipe:{sm}", "--json", check=False)
+    mint = cgbuild(ws, "mint", f"//zoo-pipe:{sm}", "--json", check=False)
     minted = json.loads(mint.stdout.strip().splitlines()[-1])
     mint_s = time.perf_counter() - t
     # a component whose mint failed is left out of the manifest: the pipeline calls it eager
@@ -67,7 +57,7 @@ def measure(ws: Path, steps: int, reps: int) -> dict[str, Any]:
     if not fresh:
         raise SystemExit(f"nothing minted: {minted['failed']}")
     selector = f"//zoo-pipe/{fresh[0]}:{sm}" if len(fresh) == 1 else f"//zoo-pipe:{sm}"
-    _cgbuild(ws, "manifest", selector, "-o", str(ws / "manifest.json"))
+    cgbuild(ws, "manifest", selector, "-o", str(ws / "manifest.json"))
     pipe = flux2_klein_pipeline(seed=5).to("cuda")
     embeds = flux2_klein_inputs(pipe)["prompt_embeds"].cuda()
 

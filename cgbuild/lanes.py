@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild.core.codes import Code
-from cgbuild.core.entry import entry_files
 from cgbuild.core.errors import UserError
-from cgbuild.core.literal import read_literal
+from cgbuild.core.literal import read_entry_literal
 from cgbuild.core.platform import device_of, sm_number
 
 LANES_SCHEMA = "cgbuild.lanes/2"
@@ -105,12 +104,6 @@ class LaneTable:
     axes: dict[str, dict[str, Needs]] = field(default_factory=dict)
 
 
-def entry_source(root: Path, entry: str) -> Path | None:
-    """The source file of an entry's module under the Cgfile's folder, or None."""
-    files = entry_files(root, entry)
-    return files[0] if files else None
-
-
 def _needs(raw: Any, where: str, fail: Any) -> Needs:
     if not isinstance(raw, dict):
         raise fail(f"{where}: expected a dict of needs, got {type(raw).__name__}")
@@ -131,12 +124,8 @@ def _needs(raw: Any, where: str, fail: Any) -> Needs:
     return Needs(device, triton, min_sm)
 
 
-def parse_lane_table(source: str, file: str) -> LaneTable | None:
-    """The module-level `LANES = {...}` literal of an entry's source; None when it has none."""
-    found = read_literal(source, file, TABLE_NAME)
-    if found is None:
-        return None
-    raw, line = found
+def _lane_table(raw: Any, line: int, file: str) -> LaneTable:
+    """The entry's `LANES` literal (read at `file:line`) as a table, checked by field."""
 
     def fail(message: str) -> UserError:
         return UserError(message, file=file, line=line, field=TABLE_NAME)
@@ -158,15 +147,9 @@ def parse_lane_table(source: str, file: str) -> LaneTable | None:
 
 
 def read_lane_table(root: Path, entry: str) -> LaneTable | None:
-    """Read an entry's lane table from its source under `root`; None when the file has none."""
-    path = entry_source(root, entry)
-    if path is None:
-        return None
-    try:
-        source = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read the entry: {e}", file=str(path)) from None
-    return parse_lane_table(source, str(path))
+    """Read an entry's lane table from its source under `root`; None when it has none."""
+    found = read_entry_literal(root, entry, TABLE_NAME)
+    return None if found is None else _lane_table(*found)
 
 
 # ---- what a target's program carries, and what its mint benchmarks --------------------------------

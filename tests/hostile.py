@@ -66,8 +66,12 @@ CGFILE: dict[str, Any] = {
     },
 }
 
-ENTRY_SOURCE = 'LANES = {"linear": {"baseline": {}, "fast": {"device": "cuda", "min_sm": 90}}}\n'
-"""The entry's source: its lane table is read (never imported); nothing traces, so no `build`."""
+ENTRY_SOURCE = (
+    'LANES = {"linear": {"baseline": {}, "fast": {"device": "cuda", "min_sm": 90}}}\n'
+    'CALLS = {"mlp": {"passes": {"return_dict": False}, "first_row": ["ids"], "returns": "tuple"}}\n'
+)
+"""The entry's source: its lane table and call adapters are read (never imported); nothing
+traces, so no `build`."""
 
 _TORCH = {"dist": "torch", "version": "2.0.0+cpu", "digest": "0" * 64}
 LOCK: dict[str, Any] = {

@@ -259,6 +259,12 @@ MANIFEST_V3: dict[str, Any] = {
                     "envelope": {"shape": "8x8", "frames": 5, "text_len": None, "batch": 1, "guidance": []},
                 }
             ],
+            "call": {
+                "passes": {"return_dict": False},
+                "first_row": ["ids"],
+                "returns": "tuple",
+                "traced_class": "entry.Traced",
+            },
         }
     },
 }
