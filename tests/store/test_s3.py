@@ -46,6 +46,14 @@ def test_remote_keys_read_fresh_with_one_listing_per_thousand(
     assert calls == ["ListObjectsV2"] * 3  # 2,100 keys: three pages, no per-key request
 
 
+def test_the_server_takes_writes_in_every_bucket_a_test_makes(s3: S3, request: pytest.FixtureRequest) -> None:
+    """Suites make buckets of their own (the probe memo's second bucket); a server that runs out
+    of volumes after two answers InternalError to every write in a third (SeaweedFS's default)."""
+    for n in range(4):
+        s3.bucket(f"{BUCKET}-many-{n}", timeout=10.0)
+        s3.client().put_object(Bucket=f"{BUCKET}-many-{n}", Key=f"{prefix_of(request)}/x", Body=b"x")
+
+
 @pytest.mark.parametrize(
     ("mode", "code", "needle"),
     [

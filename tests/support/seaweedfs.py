@@ -36,6 +36,7 @@ LIFETIME_S = 4 * 3600.0
 STOP_GRACE_S = 3.0
 """SIGTERM, then SIGKILL: `weed server` stops its volume server at once but can keep its filer
 waiting for it, and a test server's data is thrown away anyway."""
+MAX_VOLUMES = 1000
 PORTS = (
     "master.port",
     "master.port.grpc",
@@ -92,6 +93,11 @@ def command(weed: Path, folder: Path, ports: dict[str, int]) -> list[str]:
         **{name: str(port) for name, port in ports.items()},
         "volume.port.public": str(ports["volume.port"]),
         "volume.preStopSeconds": "0",
+        # each bucket is a collection that takes 7 volumes at its first write, and the default of
+        # 8 volumes a server leaves a third bucket "no free volumes left" (InternalError); volumes
+        # are sparse files, so many small ones cost nothing
+        "volume.max": str(MAX_VOLUMES),
+        "master.volumeSizeLimitMB": "256",
         "master.telemetry": "false",
         "metricsPort": "0",
         "filer": "true",
