@@ -57,7 +57,7 @@ CGFILE: dict[str, Any] = {
                 },
                 "vae.decode": {
                     "shapes": ["8x8"],
-                    "frames": [2, 5],
+                    "pixel_frames": [5, 17],  # 2 and 5 latent frames by the entry's PIXEL_FRAMES
                     "serves": "vae.decode",
                     "layouts": ["bf16"],
                 },
@@ -69,9 +69,10 @@ CGFILE: dict[str, Any] = {
 ENTRY_SOURCE = (
     'LANES = {"linear": {"baseline": {}, "fast": {"device": "cuda", "min_sm": 90}}}\n'
     'CALLS = {"mlp": {"passes": {"return_dict": False}, "first_row": ["ids"], "returns": "tuple"}}\n'
+    'PIXEL_FRAMES = {"vae.decode": 4}\n'
 )
-"""The entry's source: its lane table and call adapters are read (never imported); nothing
-traces, so no `build`."""
+"""The entry's source: its lane table, call adapters and pixel -> latent frame rule are read
+(never imported); nothing traces, so no `build`."""
 
 _TORCH = {"dist": "torch", "version": "2.0.0+cpu", "digest": "0" * 64}
 LOCK: dict[str, Any] = {

@@ -174,6 +174,7 @@ def _runtime(runtime: Any) -> str:
 
 def _facet(f: dict[str, Any]) -> str:
     text = f"{f.get('shape')}" + (f" frames {_size(f['frames'])}" if f.get("frames") is not None else "")
+    text += f" (pixel frames {_size(f['pixel_frames'])})" if f.get("pixel_frames") is not None else ""
     text += f" batch {_size(f.get('batch'))}"
     text += f" text {_size(f['text_len'])}" if f.get("text_len") is not None else ""
     return text + (f" guidance {', '.join(f['guidance'])}" if f.get("guidance") else "")

@@ -119,6 +119,7 @@ def show(plan: dict[str, Any], *, every: bool) -> None:
     width = max((len(t["label"]) for t in rows), default=0)
     lines = [
         f"{t['status']:<8} {t['label']:<{width}}  {(t['key'] or '-')[:12]:<12}  {_roots(t)[0]['detail']}"
+        + _pixel_frames(t)
         for t in rows
     ]
     sys.stdout.write("\n".join(lines) + ("\n" if lines else ""))
@@ -126,6 +127,18 @@ def show(plan: dict[str, Any], *, every: bool) -> None:
         print(
             f"... {len(pending) - ROW_LIMIT} more need action (--all lists every target, --json for machines)"
         )
+
+
+def _pixel_frames(t: dict[str, Any]) -> str:
+    """The pipeline's frame count beside the label's (module) count, where the entry states it."""
+    pixel = (t.get("envelope") or {}).get("pixel_frames")
+    if pixel is None:
+        return ""
+    return (
+        f"  [pixel frames {pixel['min']}..{pixel['max']}]"
+        if isinstance(pixel, dict)
+        else f"  [pixel frames {pixel}]"
+    )
 
 
 VERB = {"mint": "re-mint", "trace": "wait for a trace", "blocked": "blocked"}

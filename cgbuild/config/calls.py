@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild.config.labels import ATTRIBUTE_PATH
+from cgbuild.config.reader import NAME
 from cgbuild.core.errors import UserError
-from cgbuild.core.literal import read_entry_literal
+from cgbuild.core.literal import read_entry_table
 
 TABLE_NAME = "CALLS"
 RETURNS = ("tuple",)
@@ -87,16 +88,12 @@ def adapter_from_json(raw: Any, where: str) -> CallAdapter:
 
 def read_calls(root: Path, entry: str) -> dict[str, CallAdapter]:
     """module → its adapter, from the entry's `CALLS` under `root` ({} when it declares none)."""
-    found = read_entry_literal(root, entry, TABLE_NAME)
+    found = read_entry_table(root, entry, TABLE_NAME, "module -> adapter", NAME)
     if found is None:
         return {}
     raw, line, path = found
-    if not isinstance(raw, dict) or not raw:
-        raise UserError(f"{TABLE_NAME} must be a non-empty dict: module -> adapter", file=path, line=line)
     out: dict[str, CallAdapter] = {}
     for module, adapter in raw.items():
-        if not isinstance(module, str) or not ATTRIBUTE_PATH.fullmatch(module):
-            raise UserError(f"{TABLE_NAME}: bad module name {module!r}", file=path, line=line)
         try:
             out[module] = adapter_from_json(adapter, f"{TABLE_NAME}[{module!r}]")
         except ValueError as e:

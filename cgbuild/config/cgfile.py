@@ -18,6 +18,8 @@ from typing import Any
 
 from cgbuild.config.calls import CallAdapter, read_calls
 from cgbuild.config.dims import MAX_DIM, Declared, Range, dimension
+from cgbuild.config.frames import TABLE_NAME as FRAMES_TABLE
+from cgbuild.config.frames import Temporal, latent_frames, read_pixel_frames
 from cgbuild.config.labels import ATTRIBUTE_PATH
 from cgbuild.config.lanes import RULE_AXES, family_lanes
 from cgbuild.config.reader import (
@@ -98,6 +100,9 @@ class Module:
     layouts: tuple[str, ...] = ()
     """The family's layouts this module is minted in; the family's own when not declared (a VAE
     decoder kept bf16 beside an fp8 transformer)."""
+    temporal: Temporal | None = None
+    """The entry's pixel → latent frame rule for this module (`cgbuild.config.frames`), when it
+    states one: facets then show the pipeline's count beside the module's."""
 
 
 @dataclass(frozen=True)
@@ -406,8 +411,10 @@ def _family(r: Reader, name: str, raw: Any, skus: dict[str, Sku], layouts: dict[
     modules_raw = r.table(t.get("module", {}), (*where, "module"), None)
     if not modules_raw:
         raise r.fail("no [family.<name>.module.*] declared", *where, "module")
+    temporal = read_pixel_frames(r.path.resolve().parent, entry)
     modules = {
-        m: _module(r, (*where, "module", m), m, spec, tuple(fam_layouts)) for m, spec in modules_raw.items()
+        m: _module(r, (*where, "module", m), m, spec, tuple(fam_layouts), temporal.get(m))
+        for m, spec in modules_raw.items()
     }
     rules = {layouts[lay].quant for lay in fam_layouts}
     lanes, table = family_lanes(r, where, t["lanes"], entry, rules) if "lanes" in t else ((), {})
@@ -430,6 +437,7 @@ MODULE_KEYS = {
     "component",
     "shapes",
     "frames",
+    "pixel_frames",
     "text_lengths",
     "batch_sizes",
     "guidance",
@@ -439,7 +447,12 @@ MODULE_KEYS = {
 
 
 def _module(
-    r: Reader, where: tuple[str, ...], name: str, raw: Any, family_layouts: tuple[str, ...]
+    r: Reader,
+    where: tuple[str, ...],
+    name: str,
+    raw: Any,
+    family_layouts: tuple[str, ...],
+    temporal: Temporal | None,
 ) -> Module:
     r.name(name, *where)
     if isinstance(raw, dict):
@@ -477,12 +490,14 @@ def _module(
         shapes.append((int(m.group(1)), int(m.group(2))))
     texts = dimension(r, t, where, "text_lengths", "integers")
     frames = dimension(r, t, where, "frames", "the module's input frame counts")
+    pixel = dimension(r, t, where, "pixel_frames", "the pipeline's frame counts (num_frames)")
     batches = dimension(r, t, where, "batch_sizes", "integers")
     batches = (1,) if batches is None else batches
     guidance = r.get(t, where, "guidance", is_num_list, "an array of numbers", default=[])
     for key, values in (
         ("shapes", shapes_raw),
         ("frames", frames),
+        ("pixel_frames", pixel),
         ("text_lengths", texts),
         ("batch_sizes", batches),
     ):
@@ -498,9 +513,36 @@ def _module(
         r.positive(max(h, w), MAX_DIM, *where, "shapes")
     for g in guidance:
         r.finite(g, *where, "guidance")
+    if pixel is not None:
+        frames = _from_pixel(r, where, pixel, frames, temporal)
     serves, layouts = _serving(r, where, t, name, family_layouts)
     envelope = Envelope(tuple(shapes), texts, batches, tuple(_num_text(g) for g in guidance), frames)
-    return Module(name, component, envelope, serves, layouts)
+    return Module(name, component, envelope, serves, layouts, temporal)
+
+
+def _from_pixel(
+    r: Reader, where: tuple[str, ...], pixel: Declared, frames: Declared | None, temporal: Temporal | None
+) -> Declared:
+    """`pixel_frames` as the module's own frames, through the entry's rule; refused beside
+    `frames`, without a rule, or for a count no pipeline call makes."""
+    if frames is not None:
+        raise r.fail(
+            "declare frames (the module's own input frames) or pixel_frames (the pipeline's), not both",
+            *where,
+            "pixel_frames",
+        )
+    if temporal is None:
+        raise r.fail(
+            f"pixel_frames needs the entry to state its pixel -> latent frame rule ({FRAMES_TABLE} = "
+            f"{{'{where[-1]}': <its VAE's temporal factor>}} beside LANES); or declare frames, the "
+            "module's own input frames",
+            *where,
+            "pixel_frames",
+        )
+    try:
+        return latent_frames(temporal, pixel)
+    except ValueError as e:
+        raise r.fail(str(e), *where, "pixel_frames") from None
 
 
 def _serving(

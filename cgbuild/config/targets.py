@@ -17,6 +17,7 @@ from typing import Any
 
 from cgbuild.config.cgfile import Cgfile, Family, Module
 from cgbuild.config.dims import LETTER, Declared, Range
+from cgbuild.config.frames import Temporal
 from cgbuild.config.labels import Selector, TargetId
 from cgbuild.core.errors import UserError, Where
 from cgbuild.core.platform import device_of
@@ -34,16 +35,23 @@ class GraphClass:
     """Spec key (`frames`, `text_len`, `batch`) → its declared range; that field then holds the
     size the program is traced at."""
 
-    def facet(self, guidance: tuple[str, ...]) -> dict[str, Any]:
+    def facet(self, guidance: tuple[str, ...], temporal: Temporal | None = None) -> dict[str, Any]:
+        """What the class covers; a video module whose entry states its pixel -> latent frame
+        rule also says the pipeline's `pixel_frames` (coverage, as the rest: never identity)."""
         frames = {} if self.frames is None else {"frames": self.frames}
-        facet = {
+        facet: dict[str, Any] = {
             "shape": f"{self.height}x{self.width}",
             **frames,
             "text_len": self.text_len,
             "batch": self.batch,
             "guidance": list(guidance),
         }
-        return facet | {name: r.to_json() for name, r in self.ranges}
+        facet |= {name: r.to_json() for name, r in self.ranges}
+        if self.frames is None or temporal is None:
+            return facet
+        declared = dict(self.ranges).get("frames") or (self.frames,)
+        pixels = temporal.pixels(declared)
+        return facet | {"pixel_frames": pixels.to_json() if isinstance(pixels, Range) else pixels[0]}
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ class Target:
 
     @property
     def facet(self) -> dict[str, Any]:
-        return self.graph_class.facet(self.module.envelope.guidance)
+        return self.graph_class.facet(self.module.envelope.guidance, self.module.temporal)
 
 
 def graph_classes(module: Module) -> list[GraphClass]:

@@ -6,6 +6,7 @@ for torch.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +57,21 @@ def read_entry_literal(root: Path, entry: str, name: str) -> tuple[Any, int, str
         raise UserError(f"cannot read the entry: {e}", file=str(files[0])) from None
     found = read_literal(source, str(files[0]), name)
     return None if found is None else (*found, str(files[0]))
+
+
+def read_entry_table(
+    root: Path, entry: str, name: str, maps: str, keys: re.Pattern[str]
+) -> tuple[dict[str, Any], int, str] | None:
+    """(value, line, file) of an entry's table `name` (`CALLS`, `PIXEL_FRAMES`), or None when it
+    states none; anything but a non-empty dict whose keys all match `keys` (module names) is
+    refused with the file and line, saying what the table `maps` ("module -> adapter")."""
+    found = read_entry_literal(root, entry, name)
+    if found is None:
+        return None
+    raw, line, path = found
+    if not isinstance(raw, dict) or not raw:
+        raise UserError(f"{name} must be a non-empty dict: {maps}", file=path, line=line, field=name)
+    for key in raw:
+        if not isinstance(key, str) or not keys.fullmatch(key):
+            raise UserError(f"{name}: bad module name {key!r}", file=path, line=line, field=name)
+    return raw, line, path

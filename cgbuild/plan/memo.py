@@ -309,7 +309,7 @@ def plan_text(plan: dict[str, Any]) -> str:
     return json.dumps(plan, indent=None, sort_keys=True, separators=(",", ":")) + "\n"
 
 
-VIEW_FIELDS = ("label", "family", "status", "key")  # with each reason's code, detail and root
+VIEW_FIELDS = ("label", "family", "status", "key")  # with each reason's code, detail and root (`_view`)
 
 
 @dataclass
@@ -330,13 +330,18 @@ class PlanOutput:
 
 
 def _view(plan: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        {
+    """Per target what the summary prints: `VIEW_FIELDS`, its reasons, and a video module's
+    pipeline frame count where its entry states one (the only part of the envelope shown)."""
+    rows = []
+    for t in plan["targets"]:
+        row = {
             **{f: t[f] for f in VIEW_FIELDS},
             "reasons": [{k: r[k] for k in ("code", "detail", "root")} for r in t["reasons"]],
         }
-        for t in plan["targets"]
-    ]
+        if (pixel := t["envelope"].get("pixel_frames")) is not None:
+            row["envelope"] = {"pixel_frames": pixel}
+        rows.append(row)
+    return rows
 
 
 def plan_output(

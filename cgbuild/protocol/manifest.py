@@ -170,12 +170,17 @@ def _entry(row: Any, where: str, *, v3: bool) -> Entry:
 
 
 def _envelope(value: Any, where: str) -> dict[str, Any]:
-    """A facet: its four fields, and `frames` (an integer) for a video module's; a declared
-    range's dimension (`frames`, `text_len`, `batch`) holds `{"min": .., "max": ..}` instead."""
-    if not isinstance(value, Mapping) or not set(_ENVELOPE) <= set(value) <= {*_ENVELOPE, "frames"}:
+    """A facet: its four fields, and `frames` (an integer) for a video module's, with the
+    pipeline's `pixel_frames` where the entry states its rule; a declared range's dimension
+    holds `{"min": .., "max": ..}` instead."""
+    video = {"frames", "pixel_frames"}
+    if not isinstance(value, Mapping) or not set(_ENVELOPE) <= set(value) <= {*_ENVELOPE, *video}:
         raise BadManifest(f"{where}.envelope: must be an object with {', '.join(_ENVELOPE)} (and frames)")
-    for name, kind in (*_ENVELOPE.items(), ("frames", int)):
-        if name in LETTER and isinstance(value.get(name), Mapping) and Range.from_json(dict(value[name])):
+    if "pixel_frames" in value and "frames" not in value:
+        raise BadManifest(f"{where}.envelope.pixel_frames: stated without the module's frames")
+    for name, kind in (*_ENVELOPE.items(), ("frames", int), ("pixel_frames", int)):
+        ranged = name in LETTER or name == "pixel_frames"
+        if ranged and isinstance(value.get(name), Mapping) and Range.from_json(dict(value[name])):
             continue
         if name in value and (not isinstance(value[name], kind) or isinstance(value[name], bool)):
             raise BadManifest(f"{where}.envelope.{name}: not what a facet holds")

@@ -162,7 +162,7 @@ def _facet(value: Any, where: str) -> None:
     row = _obj(value, where)
     for name in ("shape", "graph_class"):
         _str(row.get(name), f"{where}.{name}", optional=True)
-    for name in ("batch", "text_len", "frames"):
+    for name in ("batch", "text_len", "frames", "pixel_frames"):
         if isinstance(row.get(name), dict):  # a declared range
             _need(Range.from_json(row[name]) is not None, f"{where}.{name}", "not a range {min, max}")
         else:

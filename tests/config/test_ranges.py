@@ -1,6 +1,7 @@
 """Declared ranges, engine side: `frames = {min = 2, max = 4}` (and the same for text lengths and
 batches) read with file, line and field on every refusal, named by one graph class, stated by
-its facet and its job, and read back from a manifest and sealed metadata."""
+its facet and its job, and read back from a manifest and sealed metadata (with the pipeline's
+`pixel_frames` beside a video module's frames)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.cgfiles import error_of, write
+from support.cgfiles import VIDEO_MODULE, error_of, write
 
 from cgbuild.config import cgfile
 from cgbuild.config.dims import Range
@@ -17,23 +18,7 @@ from cgbuild.protocol import manifest
 from cgbuild.protocol.trace import BadJob, TraceJob, job_for
 from cgbuild.store.metadata import metadata_problem
 
-BASE = """\
-[sku.cpu]
-sm = "cpu"
-memory_gib = 4
-
-[layout.fp32]
-quant = "plain.fp32"
-
-[family.v]
-entry = "m:build"
-skus = ["cpu"]
-layouts = ["fp32"]
-
-[family.v.module.wan]
-shapes = ["8x8"]
-"""
-"""One module, its envelope last: a test appends the dimensions it declares."""
+BASE = VIDEO_MODULE
 LINE = BASE.count("\n") + 1
 """The line a dimension appended to BASE is declared on."""
 
@@ -153,21 +138,41 @@ def _manifest(envelope: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+SEALED = {
+    "key": "k",
+    "kind": "aot-inductor",
+    "sm": "cpu",
+    "torch": "2",
+    "graph": {"digest": "d", "contract": {}},
+    "toolchain": {"fold": "f"},
+}
+"""Sealed metadata with the fields every artifact has: a test adds the facets it checks."""
+
+
 def test_a_manifest_and_sealed_metadata_carry_a_range_and_refuse_a_broken_one() -> None:
     facet = {"shape": "8x8", "frames": {"min": 2, "max": 4}, "text_len": 4, "batch": 1, "guidance": []}
     (entry,) = manifest.read(_manifest(facet))["wan"]
     assert entry.envelope == facet
-    meta = {
-        "key": "k",
-        "kind": "aot-inductor",
-        "sm": "cpu",
-        "torch": "2",
-        "graph": {"digest": "d", "contract": {}},
-    }
-    meta |= {"toolchain": {"fold": "f"}, "facets": [facet]}
+    meta = SEALED | {"facets": [facet]}
     assert metadata_problem(meta) is None
     for broken in ({"min": 4, "max": 2}, {"min": 2}, {"min": 2, "max": 4.0}):
         with pytest.raises(manifest.BadManifest, match=r"envelope\.frames"):
             manifest.read(_manifest({**facet, "frames": broken}))
         problem = metadata_problem({**meta, "facets": [{**facet, "frames": broken}]})
         assert problem is not None and problem.startswith("facets[0].frames")
+
+
+def test_the_manifest_and_sealed_facets_carry_the_pipeline_count_only_beside_frames() -> None:
+    facet = {"shape": "8x8", "frames": 2, "pixel_frames": 5, "text_len": None, "batch": 1, "guidance": []}
+    ranged = facet | {"frames": {"min": 2, "max": 4}, "pixel_frames": {"min": 5, "max": 13}}
+    meta = SEALED
+    for good in (facet, ranged):
+        (entry,) = manifest.read(_manifest(good))["wan"]
+        assert entry.envelope == good
+        assert metadata_problem(meta | {"facets": [good]}) is None
+    alone = {k: v for k, v in facet.items() if k != "frames"}
+    for bad in (alone, facet | {"pixel_frames": "5"}, facet | {"pixel_frames": {"min": 5}}):
+        with pytest.raises(manifest.BadManifest, match="pixel_frames"):
+            manifest.read(_manifest(bad))
+    problem = metadata_problem(meta | {"facets": [facet | {"pixel_frames": {"min": 5}}]})
+    assert problem is not None and problem.startswith("facets[0].pixel_frames")

@@ -21,6 +21,8 @@ from cgbuild.store.local import Store
 
 LABEL = "//zoo-video/wan-range/8x8-f2..4-t4-b1@fp32:cpu"
 RANGE = {"min": 2, "max": 4}
+PIXEL_RANGE = {"min": 5, "max": 13}
+"""What the zoo's Cgfile declares (`pixel_frames`): WanPipeline's num_frames for 2 to 4 latent frames."""
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +38,34 @@ def test_plan_why_inspect_and_the_manifest_show_the_range(ranged: tuple[Path, di
     ws, doc = ranged
     (target,) = json.loads(cli(ws, "plan", "//zoo-video/wan-range", "--json").stdout)["targets"]
     assert (target["label"], target["status"], target["envelope"]["frames"]) == (LABEL, "fresh", RANGE)
+    assert target["envelope"]["pixel_frames"] == PIXEL_RANGE  # what the Cgfile declares
+    assert f"{LABEL}  {target['key'][:12]}" in cli(ws, "plan", "//zoo-video/wan-range", "--all").stdout
+    assert "[pixel frames 5..13]" in cli(ws, "plan", "//zoo-video/wan-range", "--all").stdout
     assert "'frames': {'min': 2, 'max': 4}" in cli(ws, "why", LABEL).stdout
-    assert "covers      8x8 frames 2..4 batch 1 text 4" in cli(ws, "inspect", LABEL).stdout
+    covers = "covers      8x8 frames 2..4 (pixel frames 5..13) batch 1 text 4"
+    assert covers in cli(ws, "inspect", LABEL).stdout
     (entry,) = doc["modules"]["wan-range"]["entries"]
     assert (entry["graph_class"], entry["envelope"]["frames"]) == ("8x8-f2..4-t4-b1", RANGE)
+    assert entry["envelope"]["pixel_frames"] == PIXEL_RANGE
+
+
+@pytest.mark.slow
+def test_declaring_the_modules_own_frames_instead_keeps_the_label_and_key(
+    ranged: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """The pipeline's count is a way to declare the module's, not an identity of its own: the same
+    class declared as `frames` plans the same label, the same key, fresh from the same artifact."""
+    ws, _ = ranged
+    (was,) = json.loads(cli(ws, "plan", "//zoo-video/wan-range", "--json").stdout)["targets"]
+    own = tmp_path / "own"
+    shutil.copytree(ws, own)
+    cgfile = (own / "Cgfile").read_text()
+    assert "pixel_frames = { min = 5, max = 13 }" in cgfile
+    (own / "Cgfile").write_text(
+        cgfile.replace("pixel_frames = { min = 5, max = 13 }", "frames = { min = 2, max = 4 }")
+    )
+    (now,) = json.loads(cli(own, "plan", "//zoo-video/wan-range", "--json").stdout)["targets"]
+    assert (now["label"], now["key"], now["status"]) == (was["label"], was["key"], "fresh")
 
 
 @pytest.mark.slow

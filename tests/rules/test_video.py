@@ -24,9 +24,12 @@ def test_frames_name_the_graph_class_and_stay_out_of_image_labels() -> None:
     cg = cgfile.load(ZOO / "Cgfile")
     labels = {t.label: t for t in expand(cg)}
     assert set(LABELS.values()) <= set(labels)
-    assert labels[LABELS[3]].facet == {"shape": "8x8", "frames": 3, "text_len": 4, "batch": 1, "guidance": []}
+    want = {"shape": "8x8", "frames": 3, "text_len": 4, "batch": 1, "guidance": []}
+    assert labels[LABELS[3]].facet == want | {"pixel_frames": 9}  # the entry's PIXEL_FRAMES: 4 a frame
     image = labels["//zoo-dit/wan/8x8-t4-b1@fp32:cpu"]  # the same module declared without frames
-    assert "frames" not in image.facet and image.graph_class.frames is None
+    assert (
+        "frames" not in image.facet and "pixel_frames" not in image.facet and image.graph_class.frames is None
+    )
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,20 @@ import pytest
 from cgbuild.config import cgfile
 from cgbuild.core.errors import UserError
 
-ONE_MODULE = """\
-[workspace]
-{workspace}
-
+CPU_FP32 = """\
 [sku.cpu]
 sm = "cpu"
 memory_gib = 4
 
 [layout.fp32]
 quant = "plain.fp32"
+"""
+"""One CPU sku and one fp32 layout: what a one-module Cgfile runs on."""
 
+ONE_MODULE = (
+    "[workspace]\n{workspace}\n\n"
+    + CPU_FP32
+    + """
 [family.t]
 entry = "m:build"
 skus = ["cpu"]
@@ -28,7 +31,22 @@ layouts = ["fp32"]
 [family.t.module.mlp]
 shapes = ["8x64"]
 """
+)
 """One family of one module on one sku; `{workspace}` is the body of its `[workspace]` table."""
+
+VIDEO_MODULE = (
+    CPU_FP32
+    + """
+[family.v]
+entry = "m:build"
+skus = ["cpu"]
+layouts = ["fp32"]
+
+[family.v.module.wan]
+shapes = ["8x8"]
+"""
+)
+"""One module whose envelope comes last: a test appends the dimensions it declares."""
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -26,9 +26,12 @@ pipelines pass (`return_dict=False`, a tuple out):
 
 The video zoo (family `zoo-video`) builds the same `wan` at its declared frame counts; a module
 that declares a frame range (`wan-range`) gets it exported as the `frames` Dim, one program for
-every count in it. Family `zoo-skew`'s `skew` is right at every frame count of its range but one,
-and only in eager (`zoo.skew_at`, config): it stands for a program compiled wrong at one size, a
-kernel chosen by size or a shape branch the export never saw, which only a check at that size finds.
+every count in it. Wan's VAE makes a latent frame of the first pixel frame and of every 4 after
+it, which `PIXEL_FRAMES` states, so `wan-range` declares the pipeline's count (`pixel_frames`,
+WanPipeline's `num_frames`) and the plan derives its own. Family `zoo-skew`'s `skew` is right at
+every frame count of its range but one, and only in eager (`zoo.skew_at`, config): it stands for
+a program compiled wrong at one size, a kernel chosen by size or a shape branch the export never
+saw, which only a check at that size finds.
 
 `zoo.random_buffer` (config) adds a buffer drawn at random on construction: a literal no live
 module reproduces, which adopt must refuse.
@@ -225,6 +228,9 @@ SD3 = {
     "pos_embed_max_size": 8,
 }
 """The tiny SD3 transformer's config: one joint block, 2 heads x 16 dims."""
+
+PIXEL_FRAMES = {"wan": 4, "wan-range": 4}
+"""The Wan modules' pixel -> latent frame rule: num_frames = 4 * (latent frames - 1) + 1."""
 
 WAN = {
     "patch_size": (1, 2, 2),
