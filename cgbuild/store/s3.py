@@ -87,6 +87,15 @@ def _status(e: Exception) -> tuple[str, int]:
     return code, int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
 
 
+def _unavailable(e: Exception) -> bool:
+    """The store could not be reached or could not serve, after botocore's retries: a transport
+    failure (refused, reset, timed out) or a 5xx answer (503 SlowDown, 500 InternalError). Not the
+    request's fault and not the key's, so `remote-unavailable`, which a later run may not meet."""
+    from botocore.exceptions import BotoCoreError
+
+    return isinstance(e, BotoCoreError) or _status(e)[1] >= 500
+
+
 class Remote:
     """One `s3://bucket/prefix`, reached through boto3's default endpoint and credential chain."""
 
@@ -140,7 +149,11 @@ class Remote:
                 import boto3
                 from botocore.config import Config
 
-                # its own session: boto3's default one caches credentials for the whole process
+                # its own session: boto3's default one caches credentials for the whole process;
+                # standard retries whatever AWS_RETRY_MODE or the profile asks (legacy mode tries
+                # 5 times): 3 attempts unless AWS_MAX_ATTEMPTS or the profile's max_attempts says
+                # otherwise, jittered exponential backoff, 503 SlowDown and dropped connections
+                # included (docs/store.md, "Faults")
                 session = boto3.session.Session()
                 self._client = session.client("s3", config=Config(retries={"mode": "standard"}))
                 if os.environ.get(FAULT_ENV):
@@ -148,12 +161,16 @@ class Remote:
             return self._client
 
     def _call(self, op: str, **kw: Any) -> Any:
-        """One S3 call; transport and permission failures become `RemoteError`s naming the store."""
+        """One S3 call; transport failures, 5xx answers (after botocore's retries) and missing
+        credentials become `RemoteError`s naming the store; other refusals stay `ClientError`s
+        for the caller to judge (404, 412)."""
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
         try:
             return getattr(self.client, op)(Bucket=self.bucket, **kw)
-        except ClientError:
+        except ClientError as e:
+            if _unavailable(e):
+                raise RemoteError(Code.REMOTE_UNAVAILABLE, f"{self.url}: {e}") from None
             raise
         except NoCredentialsError:
             raise RemoteError(
@@ -344,22 +361,22 @@ class Remote:
         """Put an object's bytes under its hash; large ones in parts, aborted on failure.
 
         The object name carries no meaning until a ref names it, so a re-upload of the same
-        bytes is harmless; the `sha256` tag lets `has_object` skip what is already there.
+        bytes is harmless; the `sha256` tag lets `has_object` skip what is already there. A store
+        that cannot be reached or cannot serve is `remote-unavailable`, any other failure
+        `upload-failed` (the transfer manager's own errors, not wrapped as `upload_file` wraps
+        them, tell which).
         """
-        from boto3.s3.transfer import TransferConfig
+        from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
         part = max(MIN_PART, min(self.multipart_threshold, DEFAULT_MULTIPART))
         config = TransferConfig(multipart_threshold=self.multipart_threshold, multipart_chunksize=part)
+        extra = {"Metadata": {"sha256": sha}}
         try:
-            self.client.upload_file(
-                str(path),
-                self.bucket,
-                self.object_name(sha),
-                ExtraArgs={"Metadata": {"sha256": sha}},
-                Config=config,
-            )
-        except Exception as e:  # s3transfer has aborted the multipart upload by now
-            raise RemoteError(Code.UPLOAD_FAILED, f"{self.url}: upload {sha[:12]}: {e}") from None
+            with create_transfer_manager(self.client, config) as manager:
+                manager.upload(str(path), self.bucket, self.object_name(sha), extra).result()
+        except Exception as e:  # s3transfer has aborted the multipart upload by now (if it could)
+            code = Code.REMOTE_UNAVAILABLE if _unavailable(e) else Code.UPLOAD_FAILED
+            raise RemoteError(code, f"{self.url}: upload {sha[:12]}: {e}") from None
 
     def delete(self, name: str, *, etag: str | None = None) -> bool:
         """Delete `name` (only while its ETag is `etag`, when given); False when it had changed."""

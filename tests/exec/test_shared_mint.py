@@ -30,7 +30,7 @@ from cgbuild.config import cgfile
 from cgbuild.protocol.mint import MintFailed
 from cgbuild.store.local import Store
 from cgbuild.store.s3 import Remote
-from cgbuild.store.shared import SEEN_TTL_S, SharedStore
+from cgbuild.store.shared import SEEN_TTL_S, SharedStore, seen_path
 from cgbuild.store.trust import SIGNING_KEY_ENV, load_signer
 
 MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
@@ -94,6 +94,21 @@ def test_mint_publishes_and_a_clean_clone_plans_fresh_without_tracing(
         proxy.stop()
 
 
+def _copy(source: Remote, prefix: str, subs: tuple[str, ...]) -> Remote:
+    """A store under `prefix` holding what `source` holds under `subs`, copied by the server."""
+    remote = Remote(f"s3://{BUCKET}/{prefix}")
+    for sub in subs:
+        for n in source.list_names(sub):
+            copied = {"Bucket": BUCKET, "Key": source.name(sub, n)}
+            remote.client.copy_object(Bucket=BUCKET, CopySource=copied, Key=remote.name(sub, n))
+    return remote
+
+
+def _listed(proxy: Proxy) -> list[str]:
+    """What each listing the proxy forwarded listed: `refs`, `quarantine`, `facts`."""
+    return [p.split("prefix=", 1)[1].split("%2F")[1] for _, p in proxy.log if "list-type=2" in p]
+
+
 @pytest.mark.slow
 def test_a_no_op_plan_the_remembered_listing_vouches_for_is_served_from_the_memo(
     published: tuple[Path, str, str],
@@ -106,12 +121,8 @@ def test_a_no_op_plan_the_remembered_listing_vouches_for_is_served_from_the_memo
     one listing of `quarantine/` (never of `refs/`), and stops being served the moment the key is
     quarantined or the remembered listing it rests on is older than its TTL."""
     _, published_url, key = published
-    source, prefix = Remote(published_url), f"memo-{secrets.token_hex(3)}"
-    remote = Remote(f"s3://{BUCKET}/{prefix}")  # a copy of the published store: this test quarantines
-    for sub in ("refs", "objects", "facts"):
-        for n in source.list_names(sub):
-            copied = {"Bucket": BUCKET, "Key": source.name(sub, n)}
-            remote.client.copy_object(Bucket=BUCKET, CopySource=copied, Key=remote.name(sub, n))
+    prefix = f"memo-{secrets.token_hex(3)}"
+    remote = _copy(Remote(published_url), prefix, ("refs", "objects", "facts"))  # this test quarantines
     clone = toy_with_remote(tmp_path / "clone", toy_reference, remote.url, [keys["ci"][1]])
     proxy = Proxy(s3).start()
     try:
@@ -121,8 +132,7 @@ def test_a_no_op_plan_the_remembered_listing_vouches_for_is_served_from_the_memo
             proxy.log.clear()
             proc = cli(clone, "plan", MLP8, "--json", env=env)
             assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
-            listed = [p.split("prefix=", 1)[1].split("%2F")[1] for m, p in proxy.log if "list-type=2" in p]
-            return proc.stdout, listed
+            return proc.stdout, _listed(proxy)
 
         first, listed = plan()  # lists refs/ and remembers it: the listing moved, so no memo yet
         assert json.loads(first)["targets"][0]["status"] == "fresh" and "refs" in listed
@@ -159,7 +169,9 @@ def test_mint_publishes_what_only_this_cache_holds(
 ) -> None:
     """A key admitted here but not in the remote (its publish failed after the local admission, or
     it was minted before the remote was declared) reads fresh in plan: mint publishes it from the
-    cache, signed as admitted, instead of leaving it on this machine for good."""
+    cache, signed as admitted, instead of leaving it on this machine for good. A store answering
+    503 SlowDown past botocore's retries makes the mint one line, `remote-unavailable` (exit 2, no
+    traceback), that changes nothing here and remembers no listing; the next mint publishes."""
     ws, _, key = published
     moved = shutil.copytree(ws, tmp_path / "toy")
     url = f"s3://{BUCKET}/republish-{secrets.token_hex(3)}"
@@ -169,12 +181,23 @@ def test_mint_publishes_what_only_this_cache_holds(
     remote = Remote(url)
     assert key not in remote.list_keys()
     env = child_env(s3, **{SIGNING_KEY_ENV: str(keys["ci"][0])})
+    cache = Store(moved / ".cgbuild" / "store")
+    shedding = Proxy(s3, slow_down=10**6).start()
+    try:
+        down = cli(moved, "mint", MLP8, "--json", env={**env, "AWS_ENDPOINT_URL": shedding.url})
+    finally:
+        shedding.stop()
+    assert down.returncode == 2 and "Traceback" not in down.stderr and not down.stdout, down.stderr
+    error = down.stderr.strip().splitlines()[-1]
+    assert error.startswith("cgbuild: error: field 'workspace.remote': remote-unavailable: "), error
+    assert "SlowDown" in error and "reached max retries" in error
+    assert cache.ref_state(key) == "fresh" and not seen_path(cache.root, url).exists()
     proc = cli(moved, "mint", MLP8, "--json", env=env)
     summary = last_json(proc)
     assert proc.returncode == 0, summary
     assert summary["minted"] == [] and summary["published"] == [{"key": key, "publish": "admitted"}]
     ref = remote.get_json(remote.ref_name(key))
-    local = Store(moved / ".cgbuild" / "store").read_ref(key)
+    local = cache.read_ref(key)
     assert ref is not None and local is not None
     assert (ref.doc["object"], ref.doc["signature"]) == (local.object, local.metadata["signature"])
     assert remote.has_object(local.object, local.size)
@@ -183,6 +206,55 @@ def test_mint_publishes_what_only_this_cache_holds(
         again = cli(moved, "mint", MLP8, "--json", env={**env, "AWS_ENDPOINT_URL": proxy.url})
         assert last_json(again)["published"] == []
         assert not [p for p in proxy.requests("GET", "list-type=2") if "refs" in p]
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.slow
+def test_a_key_published_elsewhere_after_the_listing_was_remembered_is_found_not_minted(
+    published: tuple[Path, str, str],
+    s3: S3,
+    keys: dict[str, tuple[Path, str]],
+    toy_reference: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The remembered listing vouches only for the keys it names (docs/store.md): a key it does not
+    name is looked for in `refs/` again, within its TTL as past it. So a key another machine
+    published after this machine's listing was taken plans `fresh`, and a mint of it finds the ref
+    and compiles nothing (fetch or adopt pulls it, verified)."""
+    ws, published_url, key = published
+    remote = _copy(Remote(published_url), f"later-{secrets.token_hex(3)}", ("facts",))  # no tracing
+    named = "0" * 64  # a key the remembered listing names, so that it is no empty listing
+    assert remote.create(remote.ref_name(named), b"{}")
+    clone = toy_with_remote(tmp_path / "clone", toy_reference, remote.url, [keys["ci"][1]])
+    proxy = Proxy(s3).start()
+    try:
+        env = child_env(s3, AWS_ENDPOINT_URL=proxy.url, **{SIGNING_KEY_ENV: None})
+
+        def run(*args: str) -> tuple[dict[str, Any], list[str]]:
+            proxy.log.clear()
+            return last_json(cli(clone, *args, MLP8, "--json", env=env)), _listed(proxy)
+
+        assert run("plan")[0]["targets"][0]["status"] == "mint"
+        remembered = seen_path(clone / ".cgbuild" / "store", remote.url)
+        taken = json.loads(remembered.read_text())
+        assert taken["keys"] == [named]
+        monkeypatch.setenv(SIGNING_KEY_ENV, str(keys["ci"][0]))  # the publisher, from its own cache
+        elsewhere = SharedStore(Store(ws / ".cgbuild" / "store"), remote, trusted(keys["ci"][1]), "ci")
+        assert elsewhere.republish(key)[0] == "admitted"
+
+        plan, listed = run("plan")  # within the TTL: the listing does not name the key
+        assert plan["targets"][0]["status"] == "fresh" and listed == ["quarantine", "refs"]
+        remembered.write_text(json.dumps(taken))  # the listing as it was taken, still young
+        minted, listed = run("mint")
+        assert minted["fresh"] == 1 and minted["minted"] == [] and minted["failed"] == []
+        assert "refs" in listed and not (clone / ".cgbuild" / "mint" / f"{key}.log").exists()
+        remembered.write_text(json.dumps({**taken, "listed_at": taken["listed_at"] - SEEN_TTL_S - 1}))
+        plan, listed = run("plan")  # past the TTL: listed again, the quarantine list not needed
+        assert plan["targets"][0]["status"] == "fresh" and listed == ["refs"]
+        fetched, _ = run("fetch")
+        assert [(p["key"], p["signer"]) for p in fetched["pulled"]] == [(key, "ci")]
     finally:
         proxy.stop()
 

@@ -11,7 +11,9 @@ The proxy forwards every request and logs it (to count what a command asked), or
 If-None-Match header: a store that ignores create-only writes, for the capability probe; or
 checks for the name and writes without the header after a pause: a store whose create-only
 writes race; or denies one prefix, as a bucket policy would; or drops the connection halfway
-through a body; or answers a create-only write "exists" for a name nobody can read. It signs
+through a body; or answers a create-only write "exists" for a name nobody can read; or, for a
+stretch of requests, answers 503 SlowDown or resets the connection halfway through the request's
+body (what botocore's retries meet, and give up on past their bound). It signs
 what it forwards again with the test identity (SigV4 covers the Host and the headers it drops),
 as a gateway holding the bucket's credentials would.
 """
@@ -21,11 +23,14 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
+import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -90,8 +95,23 @@ class Proxy:
     refuse_create: str | None = None
     """Create-only PUTs whose path holds this are answered 412 and never reach the store: the
     writer is told the name exists, a reader finds nothing (as if quarantined in between)."""
+    slow_down: int = 0
+    """The next this many requests are answered 503 SlowDown, as a store shedding load does; each
+    attempt a client retries counts one."""
+    reset: int = 0
+    """The next this many requests that carry a body (objects, parts, refs) are cut off mid-transfer:
+    half the body is read, then the connection is reset with no answer."""
     log: list[tuple[str, str]] = field(default_factory=list)
     server: ThreadingHTTPServer | None = None
+    _faults: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self, fault: str) -> bool:
+        """Whether this request meets `fault` (`slow_down` or `reset`), counting it off the stretch."""
+        with self._faults:
+            left = int(getattr(self, fault))
+            if left > 0:
+                setattr(self, fault, left - 1)
+            return left > 0
 
     @property
     def url(self) -> str:
@@ -143,13 +163,24 @@ class Proxy:
                 self.send_header("Content-Type", "application/xml")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                if self.command != "HEAD":  # a HEAD answer has no body: it would start the next one
+                    self.wfile.write(body)
+
+            def _reset(self, length: int) -> None:
+                """Read half the body, then close with SO_LINGER 0: the peer gets a reset, no answer."""
+                self.rfile.read(length // 2)
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.close_connection = True
 
             def _forward(self) -> None:
                 proxy.log.append((self.command, self.path))
                 length = int(self.headers.get("Content-Length") or 0)
+                if length and proxy.take("reset"):
+                    return self._reset(length)
                 body = self.rfile.read(length) if length else None
                 headers = dict(self.headers.items())
+                if proxy.take("slow_down"):
+                    return self._error(503, "Slow Down", "SlowDown")
                 if proxy.deny and proxy.deny in self.path:
                     return self._error(403, "Forbidden", "AccessDenied")
                 create = self.command == "PUT" and "If-None-Match" in self.headers
@@ -230,23 +261,30 @@ def s3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
     them, and so do the cgbuild processes and Ray nodes started meanwhile). Modules share a
     server's bucket; each test works under a prefix of its own."""
     host, port = request.getfixturevalue(f"{request.param}_server")
-    nowhere = tmp_path_factory.mktemp("aws") / "none"
+    with pytest.MonkeyPatch.context() as mp:
+        env = use_endpoint(mp, f"http://{host}:{port}", tmp_path_factory.mktemp("aws"))
+        yield S3(request.param, env["AWS_ENDPOINT_URL"], (host, port), env)
+
+
+def use_endpoint(mp: pytest.MonkeyPatch, endpoint: str, folder: Path) -> dict[str, str]:
+    """Point boto3's default chain in this process at `endpoint` with the test identity, and at no
+    configuration file or profile (`folder` holds the empty ones); returns what was set."""
+    nowhere = folder / "none"
     key, secret = seaweedfs.credentials()
     env = {
         "AWS_ACCESS_KEY_ID": key,
         "AWS_SECRET_ACCESS_KEY": secret,
         "AWS_DEFAULT_REGION": REGION,
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ENDPOINT_URL": endpoint,
         "AWS_CONFIG_FILE": str(nowhere),
         "AWS_SHARED_CREDENTIALS_FILE": str(nowhere),
         "AWS_EC2_METADATA_DISABLED": "true",  # nothing but loopback is ever asked
     }
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
-            mp.delenv(name, raising=False)
-        yield S3(request.param, env["AWS_ENDPOINT_URL"], (host, port), env)
+    for k, v in env.items():
+        mp.setenv(k, v)
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        mp.delenv(name, raising=False)
+    return env
 
 
 def child_env(s3: S3, **extra: str | None) -> dict[str, str]:

@@ -10,7 +10,8 @@ temporary folder (its gRPC unix sockets go there), an environment without the ca
 settings, and the committed test-only identity of `seaweedfs-s3.json`. It runs in its own process
 group; a watchdog process (this file run as a script) kills that group and removes the folder
 when the test process is gone, or after `LIFETIME_S` at the latest, so a killed pytest leaves
-no server behind.
+no server behind. `Server.kill` and `restart` crash a server and start it again on its folder and
+ports, for the tests of what a crashed store leaves.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,9 @@ def command(weed: Path, folder: Path, ports: dict[str, int]) -> list[str]:
         "volume.max": str(MAX_VOLUMES),
         "master.volumeSizeLimitMB": "256",
         "master.telemetry": "false",
+        # a restarted master resumes its raft state and waits this long before it leads again
+        # (10 s by default); a single master has no peer to lose the election to
+        "master.electionTimeout": "1s",
         "metricsPort": "0",
         "filer": "true",
         "filer.localSocket": str(folder / "filer.sock"),
@@ -149,9 +153,13 @@ class Server:
     proc: subprocess.Popen[bytes]
     watchdog: subprocess.Popen[bytes]
     folder: Path
-    port: int
+    ports: dict[str, int]
     version: str
     sockets: list[Path]
+
+    @property
+    def port(self) -> int:
+        return self.ports["s3.port"]
 
     @property
     def log(self) -> Path:
@@ -175,14 +183,24 @@ class Server:
         self.watchdog.wait()
         _remove(self.folder, self.sockets)
 
+    def kill(self) -> None:
+        """SIGKILL the whole group at once, as a crash or an OOM kill would: nothing shuts down
+        cleanly, and the folder stays for `restart`."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.watchdog.kill()
+        self.watchdog.wait()
 
-def start(folder: Path) -> Server:
-    """Start a server in `folder` (created, and removed by `Server.stop`); not ready yet."""
+
+def start(folder: Path, ports: dict[str, int] | None = None) -> Server:
+    """Start a server in `folder` (created, and removed by `Server.stop`) on free ports, or on
+    `ports` (`restart`); not ready yet."""
     weed = weed_binary()
-    (folder / "data").mkdir(parents=True)
-    ports = dict(zip(PORTS, _free_ports(len(PORTS)), strict=True))
+    (folder / "data").mkdir(parents=True, exist_ok=ports is not None)
+    ports = ports or dict(zip(PORTS, _free_ports(len(PORTS)), strict=True))
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(folder), "TMPDIR": str(folder), "LC_ALL": "C"}
-    with open(folder / "weed.log", "wb") as log:
+    with open(folder / "weed.log", "ab") as log:
         proc = subprocess.Popen(
             command(weed, folder, ports),
             cwd=folder,
@@ -195,13 +213,23 @@ def start(folder: Path) -> Server:
     socks = sockets(ports)
     watch = [sys.executable, __file__, str(os.getpid()), str(proc.pid), str(LIFETIME_S), str(folder), *socks]
     watchdog = subprocess.Popen(list(map(str, watch)), stdin=subprocess.DEVNULL, start_new_session=True)
-    return Server(proc, watchdog, folder, ports["s3.port"], version(weed), socks)
+    return Server(proc, watchdog, folder, ports, version(weed), socks)
 
 
-def wait_ready(server: Server, bucket: str, timeout: float = READY_TIMEOUT_S) -> None:
+def restart(killed: Server) -> Server:
+    """A killed server started again on the same folder and ports: the data it left on disk, at the
+    endpoint its clients already know (not ready yet)."""
+    return start(killed.folder, killed.ports)
+
+
+def wait_ready(
+    server: Server, bucket: str, timeout: float = READY_TIMEOUT_S, reads: Collection[str] = ()
+) -> None:
     """Until the S3 API creates `bucket` and a small object can be written into it and deleted
-    (the master has a leader, the volume server registered, the filer and the gateway serve);
-    a server that exits or is not ready within `timeout` is an error with its log's tail."""
+    (the master has a leader, the volume server registered, the filer and the gateway serve),
+    and the objects named in `reads` read back: a restarted server takes writes before its master
+    knows every volume again, and answers InternalError for objects in the others until then.
+    A server that exits or is not ready within `timeout` is an error with its log's tail."""
     import boto3
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
@@ -226,6 +254,8 @@ def wait_ready(server: Server, bucket: str, timeout: float = READY_TIMEOUT_S) ->
                 client.create_bucket(Bucket=bucket)
             client.put_object(Bucket=bucket, Key="ready", Body=b"")
             client.delete_object(Bucket=bucket, Key="ready")
+            for name in reads:
+                client.get_object(Bucket=bucket, Key=name)["Body"].read()
             return
         except ClientError as e:  # it answers: a refusal other than "not yet" will not change
             last = str(e)
