@@ -83,9 +83,10 @@ def _free_ports(n: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
-def command(weed: Path, folder: Path, ports: dict[str, int]) -> list[str]:
+def command(weed: Path, folder: Path, ports: dict[str, int], metrics_port: int = 0) -> list[str]:
     """The `weed server` command line: every listening port, bind address and optional endpoint
-    set here, so nothing depends on the defaults of the installed version."""
+    set here, so nothing depends on the defaults of the installed version. `metrics_port` (0: none)
+    serves its Prometheus metrics on loopback: per-bucket request counters, for a benchmark."""
     flags = {
         "dir": str(folder / "data"),
         "ip": "127.0.0.1",
@@ -99,7 +100,8 @@ def command(weed: Path, folder: Path, ports: dict[str, int]) -> list[str]:
         "volume.max": str(MAX_VOLUMES),
         "master.volumeSizeLimitMB": "256",
         "master.telemetry": "false",
-        "metricsPort": "0",
+        "metricsPort": str(metrics_port),
+        "metricsIp": "127.0.0.1",
         "filer": "true",
         "filer.localSocket": str(folder / "filer.sock"),
         "s3": "true",
@@ -152,6 +154,7 @@ class Server:
     port: int
     version: str
     sockets: list[Path]
+    metrics_port: int = 0
 
     @property
     def log(self) -> Path:
@@ -176,15 +179,18 @@ class Server:
         _remove(self.folder, self.sockets)
 
 
-def start(folder: Path) -> Server:
-    """Start a server in `folder` (created, and removed by `Server.stop`); not ready yet."""
+def start(folder: Path, *, metrics: bool = False) -> Server:
+    """Start a server in `folder` (created, and removed by `Server.stop`); not ready yet. With
+    `metrics`, its Prometheus metrics are served at `Server.metrics_port`."""
     weed = weed_binary()
     (folder / "data").mkdir(parents=True)
-    ports = dict(zip(PORTS, _free_ports(len(PORTS)), strict=True))
+    free = _free_ports(len(PORTS) + 1)
+    ports = dict(zip(PORTS, free, strict=False))
+    metrics_port = free[-1] if metrics else 0
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(folder), "TMPDIR": str(folder), "LC_ALL": "C"}
     with open(folder / "weed.log", "wb") as log:
         proc = subprocess.Popen(
-            command(weed, folder, ports),
+            command(weed, folder, ports, metrics_port),
             cwd=folder,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -195,7 +201,7 @@ def start(folder: Path) -> Server:
     socks = sockets(ports)
     watch = [sys.executable, __file__, str(os.getpid()), str(proc.pid), str(LIFETIME_S), str(folder), *socks]
     watchdog = subprocess.Popen(list(map(str, watch)), stdin=subprocess.DEVNULL, start_new_session=True)
-    return Server(proc, watchdog, folder, ports["s3.port"], version(weed), socks)
+    return Server(proc, watchdog, folder, ports["s3.port"], version(weed), socks, metrics_port)
 
 
 def wait_ready(server: Server, bucket: str, timeout: float = READY_TIMEOUT_S) -> None:
@@ -241,9 +247,9 @@ def wait_ready(server: Server, bucket: str, timeout: float = READY_TIMEOUT_S) ->
 
 
 @contextlib.contextmanager
-def running(folder: Path, bucket: str) -> Iterator[Server]:
+def running(folder: Path, bucket: str, *, metrics: bool = False) -> Iterator[Server]:
     """A ready server with `bucket` created, stopped and removed on exit."""
-    server = start(folder)
+    server = start(folder, metrics=metrics)
     try:
         wait_ready(server, bucket)
         yield server
