@@ -1,4 +1,5 @@
-"""Fleet: mint throughput through Ray on 1 and 2 nodes, and plan time for 10,000+ keys against the remote.
+"""Fleet: mint throughput through Ray on 1 and 2 nodes, plan time for 10,000+ keys against the remote,
+and the shared store's transfer throughput against a real S3 server.
 
 Throughput (`throughput`): the same toy-sized CPU keys minted through Ray on 1 and on 2 nodes.
 
@@ -23,8 +24,11 @@ values (+ C CPU families; default F=50, S=10, C=0: 12,000 GPU targets). Its GPU 
 under a CUDA build of torch (no GPU needed: CUDA graphs trace under fake tensors), so every cgbuild
 process runs under `--python`, a Python with a CUDA build of torch and cgbuild installed; the one
 CUDA trace unit of a target is shared by its six sm values, so 2,000 traces key 12,000 targets.
-moto's S3 server (`moto_server`, beside this interpreter or on PATH) runs as a subprocess on
-loopback; its request log is what counts each command's requests.
+The S3 server (`--store`) runs as a subprocess on loopback: moto's (`moto_server`, beside this
+interpreter or on PATH), whose request log counts each command's requests by kind and prefix; or
+SeaweedFS (`weed server`, started by tests/support/seaweedfs.py as the shared-store tests start
+it), whose Prometheus counters, served on loopback, count them by kind only (LIST, GET with HEAD,
+PUT, DELETE), so its checks are "one listing" and "twelve listings", not which prefix.
 
   1. cold plan (once; remote declared, signing key set): traces every unit and publishes each
      unit's signed trace facts. Then a remote ref is published for every key, through
@@ -48,12 +52,24 @@ engine imported torch); wall and CPU time (the child's; the S3 server's CPU time
 recorded beside it), medians, load averages before and after. The code measured is a git
 snapshot (`--code`, as plan_scale.py).
 
+Transfers (`transfer`): what publishing and fetching one large artifact costs against SeaweedFS
+on loopback, beside boto3's own transfer manager on the same server as the anchor. Per size (100
+MiB and 1 GiB of random bytes) and round: `SharedStore.publish` (the object deleted first, so it
+uploads: Remote.upload's TransferConfig, 64 MiB parts; then the create-only ref),
+`client.upload_file` (boto3's defaults: 8 MiB parts, 10 threads), `SharedStore.pull` into a fresh
+cache (what `cgbuild fetch` does per key: ref, signature, one streamed GET hashed on arrival, local
+admission), `Remote.download` alone (that GET into a file) and `client.download_file` (ranged GETs
+in parallel); MiB/s, medians, the server's CPU per run. The code measured is this checkout.
+
 Writes benchmarks/results/fleet.json: `throughput` rewrites the file but keeps
-`plan_against_remote`; `plan-remote` adds or replaces only `plan_against_remote`.
+`plan_against_remote`; `plan-remote` adds or replaces only `plan_against_remote`. Against
+SeaweedFS, `plan-remote --store seaweedfs` and `transfer` write `plan_against_remote` and
+`transfer` of benchmarks/results/fleet_seaweedfs.json.
 
     python benchmarks/fleet.py throughput [--keys 3] [--reps 3]
     python benchmarks/fleet.py plan-remote --python PY [--families 50] [--shapes 10] [--cpu-families 0]
-        [--reps 7] [--clone-reps 3] [--code HEAD]
+        [--reps 7] [--clone-reps 3] [--code HEAD] [--store moto|seaweedfs]
+    python benchmarks/fleet.py transfer [--sizes 100 1024] [--reps 3]
 """
 
 from __future__ import annotations
@@ -91,11 +107,12 @@ from engine import (
     trace_count,
     write_workspace,
 )
-from harness import cgbuild, load_average, scratch, stamp, write_json, write_result
+from harness import REPO, cgbuild, load_average, scratch, stamp, write_json, write_result
 
 HERE = Path(__file__).resolve().parent
 TOY = HERE.parent / "examples" / "toy"
 RESULT = HERE / "results" / "fleet.json"
+SEAWEEDFS_RESULT = HERE / "results" / "fleet_seaweedfs.json"
 TARGET_MEMO_SECONDS = 0.4  # a no-op plan of 10,000+ keys the remembered listing vouches for
 MB = 1 << 20
 
@@ -204,6 +221,10 @@ REMOTE_URL = f"s3://{BUCKET}/plan"
 SIGNING_KEY_ENV = "CGBUILD_SIGNING_KEY"  # cgbuild.store.trust.SIGNING_KEY_ENV
 # werkzeug's access log line (colours included): "GET /bucket/prefix/refs/…?query HTTP/1.1" 200 -
 REQUEST = re.compile(r'"(?:\x1b\[[0-9;]*m)*([A-Z]+) (\S+) HTTP/[\d.]+')
+# SeaweedFS's counter of S3 requests, labels in Prometheus's (sorted) order
+SEAWEED_REQUESTS = re.compile(
+    r'^SeaweedFS_s3_request_total\{bucket="([^"]*)",code="[^"]*",type="([^"]*)"\} (\S+)$', re.M
+)
 # The measured Python's versions, in a process of its own: harness.py prints them.
 CHILD_VERSIONS = (str(HERE / "harness.py"), "cgbuild", "boto3", "botocore", "cryptography", "networkx")
 # The listing alone, in a fresh process: import, client, every page of refs/.
@@ -226,10 +247,12 @@ WHAT_IMPORTED = (
 
 
 class S3Server:
-    """moto's S3 server (`moto_server`) as a subprocess on a free loopback port.
+    """moto's S3 server (`moto_server`) as a subprocess on a free loopback port, with the bucket.
 
     Its access log (one line per request) counts what each command asked of the store.
     """
+
+    name = "moto_server"
 
     def __init__(self, folder: Path) -> None:
         beside = Path(sys.executable).with_name("moto_server")
@@ -268,6 +291,10 @@ class S3Server:
                 time.sleep(0.1)
         else:
             raise SystemExit(f"moto_server did not come up: {self.log.read_text()[-2000:]}")
+        import boto3
+
+        session = boto3.session.Session(aws_access_key_id="testing", aws_secret_access_key="testing")
+        session.client("s3", endpoint_url=self.endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
         self.requests()
 
     def requests(self) -> Counter[str]:
@@ -286,14 +313,101 @@ class S3Server:
                 kinds[f"{method} {parts[3] if len(parts) > 3 else url.path}"] += 1
         return kinds
 
+    def listing(self, sub: str, pages: int) -> Counter[str]:
+        """What `pages` list requests of `sub/` look like in `requests`."""
+        return Counter({f"list {sub}": pages})
+
+    def wrote(self, sent: Counter[str], area: str, n: int) -> bool:
+        """`sent` holds exactly `n` PUTs under `area/`."""
+        return sent[f"PUT {area}"] == n
+
     def cpu(self) -> float:
-        """The server's CPU seconds so far (user + sys): what answering cost, beside the client's."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
+
+
+def cpu_seconds(pid: int) -> float:
+    """A server's CPU seconds so far (user + sys): what answering cost, beside the client's."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def seaweedfs_support() -> Any:
+    """tests/support/seaweedfs.py: SeaweedFS started as the shared-store tests start it (loopback,
+    every port chosen, telemetry off, the committed test-only identity, a watchdog that stops it
+    if this process dies), reached the way kill_points.py reaches the test support code."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from support import seaweedfs
+
+    return seaweedfs
+
+
+class SeaweedServer:
+    """SeaweedFS (`weed server`: master, volume, filer and S3 gateway in one process) on loopback,
+    with the bucket. Its Prometheus request counters, served on a loopback port, count what each
+    command asked: per bucket and per kind (`LIST`; `GET`, which counts HEADs too; `PUT`;
+    `DELETE`), never per prefix."""
+
+    name = "seaweedfs"
+
+    def __init__(self, folder: Path) -> None:
+        support = seaweedfs_support()
+        self.server = support.start(folder / "weed", metrics=True)
+        try:
+            support.wait_ready(self.server, BUCKET)
+        except BaseException:
+            self.server.stop()
+            raise
+        self.version = self.server.version
+        self.endpoint = f"http://127.0.0.1:{self.server.port}"
+        key, secret = support.credentials()
+        nowhere = folder / "no-aws-config"
+        self.env = {
+            "AWS_ACCESS_KEY_ID": key,
+            "AWS_SECRET_ACCESS_KEY": secret,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_CONFIG_FILE": str(nowhere),
+            "AWS_SHARED_CREDENTIALS_FILE": str(nowhere),
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+        self._seen = self._totals()
+
+    def _totals(self) -> Counter[str]:
+        time.sleep(0.3)  # a request is counted as it ends
+        url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as page:
+            text = page.read().decode()
+        totals: Counter[str] = Counter()
+        for bucket, kind, n in SEAWEED_REQUESTS.findall(text):
+            if bucket == BUCKET:
+                totals[kind] += int(float(n))
+        return totals
+
+    def requests(self) -> Counter[str]:
+        """Requests since the last call, by kind."""
+        now = self._totals()
+        new, self._seen = now - self._seen, now
+        return new
+
+    def listing(self, sub: str, pages: int) -> Counter[str]:
+        return Counter({"LIST": pages})
+
+    def wrote(self, sent: Counter[str], area: str, n: int) -> bool:
+        """At least `n` PUTs (the counters do not say where: the probe's writes count too)."""
+        return sent["PUT"] >= n
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.server.proc.pid)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+SERVERS: dict[str, type[S3Server] | type[SeaweedServer]] = {"moto": S3Server, "seaweedfs": SeaweedServer}
 
 
 def plan_logged(python: str, ws: Path, env: dict[str, str], wrapper: str = NO_TORCH) -> tuple[Run, dict, str]:
@@ -363,13 +477,10 @@ def plan_remote(args: argparse.Namespace) -> None:
         at_start = child_versions()
         if not at_start["cuda"]:
             raise SystemExit(f"{python}: torch {at_start['torch']} is not a CUDA build")
-        server = S3Server(tmp)
+        server = SERVERS[args.store](tmp)
         stack.callback(server.stop)
         env.update(server.env)
         os.environ.update(server.env)  # this process publishes the refs
-        import boto3
-
-        boto3.client("s3").create_bucket(Bucket=BUCKET)
         from cgbuild.store.trust import keygen
 
         key_path = tmp / "publisher.pem"
@@ -396,7 +507,8 @@ def plan_remote(args: argparse.Namespace) -> None:
         assert statuses == {"mint": len(targets)} and len(labels) == len(targets), statuses
         facts = listed("facts")
         server.requests()  # not the plan's: this process's own listing
-        assert facts == traces == cold_requests["PUT facts"], (facts, traces, cold_requests)
+        wrote = server.wrote(cold_requests, "facts", traces)
+        assert facts == traces and wrote, (facts, traces, cold_requests)
         assert cold_err.count("tracing [") == traces  # so its absence below means no trace ran
         print(f"cold plan: {len(targets)} keys, {traces} traces, {cold_run.wall:.1f} s", flush=True)
         pub_start = time.perf_counter()
@@ -481,13 +593,13 @@ def plan_remote(args: argparse.Namespace) -> None:
                 if name == "warm_plan_json_remote_full":
                     memo_rewritten.append(bool(memo_stamp()))  # its memo was removed before the run
                 if name in ("warm_plan_json_remote", "warm_plan_human_remote", "warm_plan_json_remote_full"):
-                    assert sent == {"list quarantine": 1}, sent
+                    assert sent == server.listing("quarantine", 1), sent
                 elif name == "warm_plan_json_remote_relist":
-                    assert sent == {"list refs": -(-refs // 1000)}, sent
+                    assert sent == server.listing("refs", -(-refs // 1000)), sent
                     memoise()  # the listing moved, so the memo with it: plan until it is kept again
                     server.requests()
                 elif name == "list_refs_only":
-                    assert sent == {"list refs": -(-refs // 1000)}, sent
+                    assert sent == server.listing("refs", -(-refs // 1000)), sent
                 else:
                     assert not sent, (name, sent)
         assert all(all(memo_hits[name]) for name in from_memo), memo_hits
@@ -531,15 +643,15 @@ def plan_remote(args: argparse.Namespace) -> None:
         sms = Counter(t["sm"] for t in targets)
         section = {
             "what": f"cgbuild plan of {len(keys)} keyed targets against a shared S3 store "
-            f"(moto on loopback) holding {refs} refs: warm with the remembered listing (lists "
-            "quarantine/ only) served from the plan memo (--json and human) and computed in full, "
-            "warm with the listing removed (lists refs/), no remote declared (every key mint; that "
-            "no-op plan is served from its memo too), and a clean "
+            f"({server.name} {server.version} on loopback) holding {refs} refs: warm with the "
+            "remembered listing (lists quarantine/ only) served from the plan memo (--json and "
+            "human) and computed in full, warm with the listing removed (lists refs/), no remote "
+            "declared (every key mint; that no-op plan is served from its memo too), and a clean "
             "clone that takes its trace facts from the store; fresh processes",
             **stamp(commit=code.commit),
             "load_average": {"before": load_before, "after": load_average()},
             "python": "a venv with a CUDA build of torch (no GPU: CUDA graphs trace under fake tensors)",
-            "store": f"moto_server {server.version}, a subprocess on loopback: no network latency; "
+            "store": f"{server.name} {server.version}, a subprocess on loopback: no network latency; "
             "its CPU time is not in the plans' CPU time",
             "workspace": {
                 "generator": "benchmarks/engine.py write_workspace, plus remote and trusted",
@@ -583,7 +695,8 @@ def plan_remote(args: argparse.Namespace) -> None:
                 "expected_ref_listings": -(-refs // 1000),
             },
             "server_cpu_seconds": {
-                "basis": "moto_server's user + sys CPU during each run (its answers; not in the runs' cpu)",
+                "basis": f"{server.name}'s user + sys CPU during each run (its answers; not in the "
+                "runs' cpu)",
                 **{
                     name: {"runs": v, "median": round(statistics.median(v), 2)}
                     for name, v in server_cpu.items()
@@ -622,11 +735,164 @@ def plan_remote(args: argparse.Namespace) -> None:
             "torch_imported_by_engine": False,  # every timed cgbuild run exits 99 otherwise
             "benchmark_seconds": round(time.perf_counter() - started, 1),
         }
-        section["versions"] = {**at_start, "moto_server": server.version}  # the measured Python's
-        result = json.loads(RESULT.read_text()) if RESULT.exists() else {"benchmark": "fleet"}
+        section["versions"] = {**at_start, server.name: server.version}  # the measured Python's
+        path = RESULT if args.store == "moto" else SEAWEEDFS_RESULT
+        result = json.loads(path.read_text()) if path.exists() else {"benchmark": path.stem}
         result["plan_against_remote"] = section
-        write_json(RESULT, result)
+        write_json(path, result)
         print(json.dumps({k: section[k] for k in ("targets", "seconds", "ratios")}, indent=2))
+
+
+# -- transfers against SeaweedFS ---------------------------------------------------------------------
+TRANSFER_URL = f"s3://{BUCKET}/transfer"
+OPS = ("publish", "boto3_upload_file", "fetch", "download", "boto3_download_file")
+"""Measured per round, in this order on even rounds and the anchors first on odd ones."""
+
+
+def random_file(path: Path, size: int) -> str:
+    """`size` random bytes at `path` (incompressible, as a packed artifact nearly is); their sha256."""
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for start in range(0, size, 64 * MB):
+            block = os.urandom(min(64 * MB, size - start))
+            h.update(block)
+            f.write(block)
+    return h.hexdigest()
+
+
+class Transfers:
+    """One artifact's transfers through cgbuild (`SharedStore.publish`, `SharedStore.pull`,
+    `Remote.download`) and through boto3's transfer manager with its defaults (`upload_file`,
+    `download_file`), each a callable that leaves the store as the next round needs it."""
+
+    def __init__(self, tmp: Path, path: Path, sha: str, trusted: dict[str, bytes]) -> None:
+        import boto3
+
+        from cgbuild.store import trust
+        from cgbuild.store.local import Store
+        from cgbuild.store.s3 import Remote
+        from cgbuild.store.shared import SharedStore
+
+        self.tmp, self.path, self.sha, self.size = tmp, path, sha, path.stat().st_size
+        self.key = hashlib.sha256(f"transfer {sha}".encode()).hexdigest()
+        self.remote = Remote(TRANSFER_URL)
+        self.client = boto3.session.Session().client("s3")
+        signer = trust.load_signer()
+        assert signer is not None
+        self.signature = signer.sign(trust.artifact_statement(self.key, sha, self.size))
+        self.publisher = SharedStore(Store(tmp / "publisher"), self.remote, trusted, "fleet-bench")
+        self.publisher.check_publishable()  # the create-only probe, once, untimed
+        self.cache = lambda: SharedStore(Store(tmp / "cache"), Remote(TRANSFER_URL), trusted, "fleet-bench")
+        self.anchor = f"anchor/{sha}"
+
+    def publish(self) -> None:
+        """The object uploaded (it was deleted before), then its create-only ref."""
+        self.remote.delete(self.remote.object_name(self.sha))
+        self.remote.delete(self.remote.ref_name(self.key))
+        status, _ = self.publisher.publish(self.key, self.path, self.sha, self.size, self.signature, {})
+        assert status == "admitted", status
+
+    def boto3_upload_file(self) -> None:
+        self.client.upload_file(str(self.path), BUCKET, self.anchor)
+
+    def fetch(self) -> None:
+        """`cgbuild fetch`'s work for one key: ref read, signature checked, the object streamed
+        and hashed into the cache's temp folder, admitted into a fresh cache (copy, fsync, hash)."""
+        shutil.rmtree(self.tmp / "cache", ignore_errors=True)
+        self.cache().pull(self.key)
+
+    def download(self) -> None:
+        """`Remote.download` alone: the transfer (one GET, hashed as it streams) into a file."""
+        with open(self.tmp / "download", "wb") as out:
+            assert self.remote.download(self.sha, out) == (self.sha, self.size)
+
+    def boto3_download_file(self) -> None:
+        self.client.download_file(BUCKET, self.anchor, str(self.tmp / "anchor-download"))
+
+
+def transfer_size(tmp: Path, size: int, reps: int, server: SeaweedServer) -> dict[str, Any]:
+    """Every op on one artifact of `size` bytes, `reps` rounds: seconds, MiB/s, the server's CPU."""
+    from cgbuild.store import trust
+
+    key_path = tmp / "publisher.pem"
+    if not key_path.exists():
+        os.environ[SIGNING_KEY_ENV] = str(key_path)
+        trust.keygen(key_path, "fleet-bench")
+    name, _, public = Path(f"{key_path}.pub").read_text().strip().partition(":")
+    art = tmp / f"artifact-{size}"
+    transfers = Transfers(tmp, art, random_file(art, size), {name: trust.public_key_bytes(public)})
+    seconds: dict[str, list[float]] = {op: [] for op in OPS}
+    server_cpu: dict[str, list[float]] = {op: [] for op in OPS}
+    for r in range(reps):
+        order = OPS if r % 2 == 0 else (OPS[1], OPS[0], OPS[4], OPS[2], OPS[3])
+        for op in order:
+            cpu = server.cpu()
+            started = time.perf_counter()
+            getattr(transfers, op)()
+            seconds[op].append(round(time.perf_counter() - started, 3))
+            server_cpu[op].append(round(server.cpu() - cpu, 2))
+        print(f"{size >> 20} MiB round {r}: { {op: v[-1] for op, v in seconds.items()} }", flush=True)
+    for leftover in (art, tmp / "download", tmp / "anchor-download"):
+        leftover.unlink(missing_ok=True)
+    rate = {op: [round(size / MB / t, 1) for t in ts] for op, ts in seconds.items()}
+    med = {op: statistics.median(v) for op, v in rate.items()}
+    return {
+        "bytes": size,
+        "seconds": seconds,
+        "mib_per_s": rate,
+        "median_mib_per_s": {op: round(v, 1) for op, v in med.items()},
+        "server_cpu_seconds": server_cpu,
+        "ratios_vs_boto3": {
+            "publish_over_upload_file": round(med["publish"] / med["boto3_upload_file"], 2),
+            "fetch_over_download_file": round(med["fetch"] / med["boto3_download_file"], 2),
+            "download_over_download_file": round(med["download"] / med["boto3_download_file"], 2),
+        },
+    }
+
+
+def transfer(args: argparse.Namespace) -> None:
+    """Publish and fetch throughput of artifacts of `--sizes` MiB against SeaweedFS on loopback."""
+    from boto3.s3.transfer import TransferConfig
+
+    from cgbuild.store import s3
+
+    load_start = load_average()
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(scratch("cgbuild-fleet-transfer-", args.keep))
+        server = SeaweedServer(tmp)
+        stack.callback(server.stop)
+        os.environ.update(server.env)
+        by_size = {f"{mib}_mib": transfer_size(tmp, mib * MB, args.reps, server) for mib in args.sizes}
+    defaults, threshold = TransferConfig(), s3.Remote(TRANSFER_URL).multipart_threshold
+    section = {
+        "what": "publish and fetch of one incompressible artifact per size against SeaweedFS on loopback, "
+        "through cgbuild (SharedStore.publish: HEAD, upload, create-only ref, HEAD; SharedStore.pull: ref, "
+        "signature, streamed download hashed on arrival, admission into a fresh local cache; "
+        "Remote.download: the streamed GET alone) beside boto3's transfer manager with its defaults "
+        "(upload_file, download_file) on the same server; the object and the ref are deleted before each "
+        "publish, so each uploads; files are in the page cache (24 GiB of memory)",
+        **stamp("boto3", "botocore", "cgbuild"),
+        "load_average": {"start": load_start, "end": load_average()},
+        "store": f"SeaweedFS {server.version} (`weed server`, one process) on loopback, data on this disk",
+        "reps": args.reps,
+        "cgbuild_upload": {
+            "multipart_threshold": threshold,
+            "part_bytes": max(s3.MIN_PART, min(threshold, s3.DEFAULT_MULTIPART)),
+            "max_concurrency": defaults.max_request_concurrency,
+        },
+        "cgbuild_download": "one GET, streamed in 1 MiB chunks, hashed as it arrives",
+        "boto3_defaults": {
+            "multipart_threshold": defaults.multipart_threshold,
+            "part_bytes": defaults.multipart_chunksize,
+            "max_concurrency": defaults.max_request_concurrency,
+        },
+        "sizes": by_size,
+        "benchmark_seconds": round(time.perf_counter() - started, 1),
+    }
+    result = json.loads(SEAWEEDFS_RESULT.read_text()) if SEAWEEDFS_RESULT.exists() else {}
+    write_json(SEAWEEDFS_RESULT, {"benchmark": SEAWEEDFS_RESULT.stem, **result, "transfer": section})
+    print(json.dumps({k: v["median_mib_per_s"] | v["ratios_vs_boto3"] for k, v in by_size.items()}, indent=2))
 
 
 def main() -> None:
@@ -647,8 +913,13 @@ def main() -> None:
     pr.add_argument("--publish-threads", type=int, default=8)
     pr.add_argument("--code", default="HEAD", help="commit to measure (exported), or 'worktree'")
     pr.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    pr.add_argument("--store", choices=sorted(SERVERS), default="moto", help="the S3 server on loopback")
+    tr = sub.add_parser("transfer", help="publish and fetch throughput against SeaweedFS")
+    tr.add_argument("--sizes", type=int, nargs="+", default=[100, 1024], help="artifact sizes in MiB")
+    tr.add_argument("--reps", type=int, default=3, help="rounds per size")
+    tr.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = parser.parse_args()
-    (throughput if args.part == "throughput" else plan_remote)(args)
+    {"throughput": throughput, "plan-remote": plan_remote, "transfer": transfer}[args.part](args)
 
 
 if __name__ == "__main__":

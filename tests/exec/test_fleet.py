@@ -4,7 +4,9 @@ Ray's and cgbuild's own, never stand-ins.
 
 The head carries no `cpu` resource; each test adds the worker nodes it needs and removes them,
 so which node can run a key is decided by the test. Compiles are few: one fleet mint, one local
-mint to compare shapes with, one mint whose node is killed mid-compile (retried elsewhere).
+mint to compare shapes with, one mint whose node is killed mid-compile (retried elsewhere), one
+whose only capable node is killed mid-compile. A node is lost the hard way: its raylet and the
+node's other daemons SIGKILLed at once (`allow_graceful=False`), as when a machine drops off.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from support.cli import cli
 from support.publishers import keypair
@@ -38,6 +41,7 @@ from cgbuild.store.seal import read_metadata
 from cgbuild.store.trust import SIGNING_KEY_ENV, key_id, public_key_bytes
 
 ray = pytest.importorskip("ray")
+from ray._private import ray_constants  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -49,21 +53,31 @@ MLP16 = "//toy/mlp/16x64-b1@fp32:cpu"
 CONV = "//toy/conv/32x32-b2@fp32:cpu"
 MINT_TIMEOUT_S = 900
 """A fleet mint that outlives this is stuck, not slow."""
+ORPHAN_GRACE_S = 30
+"""A Ray worker notices its raylet gone within about a second, and its mint child dies with it."""
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    """A head without sm resources, this process joined to it as the driver."""
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "object_store_memory": 100 * MB, "include_dashboard": False},
-    )
-    fleet.connect(fleet.Executor("ray", c.address))
-    try:
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
+    """A head without sm resources, this process joined to it as the driver, on 127.0.0.1.
+
+    Ray gives a node this machine's routable address (and its servers every interface) unless it
+    runs as a single-host cluster, the switch below; the nodes, their workers and the cgbuild
+    drivers the tests start inherit it, so the whole cluster talks over loopback alone."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, "0")
+        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)  # read when this process was imported
+        c = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "object_store_memory": 100 * MB, "include_dashboard": False},
+        )
+        assert c.address.startswith("127.0.0.1:"), c.address
+        fleet.connect(fleet.Executor("ray", c.address))
+        try:
+            yield c
+        finally:
+            ray.shutdown()
+            c.shutdown()
 
 
 @contextmanager
@@ -98,6 +112,65 @@ def planned(ws: Path, label: str) -> tuple[Workspace, MintKey]:
     w = Workspace(cgfile.load(ws / "Cgfile"))
     (mk,) = approved(make_plan(w, parse_selector(label)), w)
     return w, mk
+
+
+def compiling_on(
+    executor: fleet.Fleet, ws: Workspace, mk: MintKey
+) -> tuple[threading.Thread, threading.Event, list[str]]:
+    """The fleet mint of `mk` on a thread, the event set once the key's compile starts, and the
+    phases the board was shown."""
+    compiling = threading.Event()
+    events: list[str] = []
+
+    def on_event(_mk: MintKey, phase: str) -> None:
+        events.append(phase)
+        if phase == "compile":
+            compiling.set()
+
+    run = threading.Thread(target=executor.mint_keys, args=(ws, [mk], on_event))
+    run.start()
+    return run, compiling, events
+
+
+def command(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return "(gone)"
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kill_node(c: Cluster, node: Any) -> None:
+    """Remove `node` without grace while it mints: its raylet SIGKILLed, and with it every process
+    under it, its Ray workers and their mint children (checked: the mint child was there, and
+    within seconds nothing under the raylet is left, whoever adopted it)."""
+    raylet = psutil.Process(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+    under = [raylet, *raylet.children(recursive=True)]
+    assert any("cgbuild_rules.mint" in command(p) for p in under[1:]), [command(p) for p in under]
+    c.remove_node(node, allow_graceful=False)
+
+    deadline = time.monotonic() + ORPHAN_GRACE_S
+    while any(map(alive, under)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in under if alive(p)]
+    for p in left:  # a failing run tidies up after itself
+        p.kill()
+    assert not left, f"outlived their raylet: {[command(p) for p in left]}"
+
+
+def consistent(store: Store) -> list[str]:
+    """The store's keys, once every ref verifies and every object is named by a ref (no partial
+    object, no ref without its object)."""
+    assert all(v.status == "ok" for v in store.verify_all()), store.verify_all()
+    report = store.gc(dry_run=True)
+    assert report.objects_removed == [] and report.refs_dropped == [], report
+    return [r.key for r in store.iter_refs()]
 
 
 # ---- no cluster needed ------------------------------------------------------------------------
@@ -236,21 +309,12 @@ def test_node_lost_mid_mint_is_retried_on_another_without_partial_state(
     cluster: Cluster, tmp_path: Path, toy_reference: Path
 ) -> None:
     ws, mk = planned(copy_toy(tmp_path / "toy", toy_reference), CONV)
-    events: list[str] = []
-    compiling = threading.Event()
-
-    def on_event(_mk: MintKey, phase: str) -> None:
-        events.append(phase)
-        if phase == "compile":
-            compiling.set()
-
     executor = fleet.Fleet()
     with nodes(cluster, {"cpu": 1}, {"cpu": 1}) as pair:
-        run = threading.Thread(target=executor.mint_keys, args=(ws, [mk], on_event))
-        run.start()
+        run, compiling, events = compiling_on(executor, ws, mk)
         assert compiling.wait(300)
         first = next(n for n in pair if n.node_id == executor.placed[mk.key])
-        cluster.remove_node(first)
+        kill_node(cluster, first)
         run.join(900)
     assert not run.is_alive()
     assert isinstance(mk.result, Minted), mk.result
@@ -259,9 +323,7 @@ def test_node_lost_mid_mint_is_retried_on_another_without_partial_state(
     survivor = next(n for n in pair if n is not first)
     record = json.loads(ws.state.record(mk.key).read_text())
     assert record["state"] == "ok" and record["node"]["id"] == survivor.node_id
-    store = Store(ws.cg.store_dir)
-    assert [r.key for r in store.iter_refs()] == [mk.key]
-    assert store.verify(mk.key).status == "ok"
+    assert consistent(Store(ws.cg.store_dir)) == [mk.key]
     assert not list(ws.state.build.glob("*.tar.gz"))  # the sealed file went into the store
 
 
@@ -269,15 +331,13 @@ def test_last_capable_node_lost_fails_instead_of_queueing(
     cluster: Cluster, tmp_path: Path, toy_reference: Path
 ) -> None:
     ws, mk = planned(copy_toy(tmp_path / "toy", toy_reference), MLP8)
-    started = threading.Event()
     executor = fleet.Fleet()
-    with nodes(cluster, {"cpu": 1}) as (node,):
-        run = threading.Thread(target=executor.mint_keys, args=(ws, [mk], lambda _mk, phase: started.set()))
-        run.start()
-        assert started.wait(300)
-        cluster.remove_node(node)
+    with nodes(cluster, {"cpu": 1}, {"sm_90": 1}) as (node, _gpu):
+        run, compiling, _ = compiling_on(executor, ws, mk)
+        assert compiling.wait(300)
+        kill_node(cluster, node)
         run.join(120)
     assert not run.is_alive()
     assert isinstance(mk.result, MintFailed), mk.result
     assert mk.result.code == "fleet-node-lost" and mk.result.retryable, mk.result
-    assert list(Store(ws.cg.store_dir).iter_refs()) == []
+    assert consistent(Store(ws.cg.store_dir)) == []

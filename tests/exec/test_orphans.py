@@ -15,44 +15,18 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+from support.procs import MARK, marked, wait_for
 from support.toy import copy_toy
 
 from cgbuild.exec.mint import sweep_build
 from cgbuild.plan.workspace import StateDir
 
 MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
-MARK = "CGBUILD_TEST_MARK"
 
 pytestmark = pytest.mark.slow
-
-
-def marked(token: str) -> dict[int, str]:
-    """pid -> command line of every live process whose environment carries `token`."""
-    found: dict[int, str] = {}
-    want = f"{MARK}={token}".encode()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if want in (proc / "environ").read_bytes().split(b"\0"):
-                found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue  # gone meanwhile, or not ours
-    return found
-
-
-def wait_for(check: Callable[[], Any], seconds: float) -> Any:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if got := check():
-            return got
-        time.sleep(0.1)
-    return check()
 
 
 def start_mint(ws: Path, token: str, err: Path, **env: str) -> subprocess.Popen[bytes]:

@@ -84,9 +84,10 @@ def _free_ports(n: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
-def command(weed: Path, folder: Path, ports: dict[str, int]) -> list[str]:
+def command(weed: Path, folder: Path, ports: dict[str, int], metrics_port: int = 0) -> list[str]:
     """The `weed server` command line: every listening port, bind address and optional endpoint
-    set here, so nothing depends on the defaults of the installed version."""
+    set here, so nothing depends on the defaults of the installed version. `metrics_port` (0: none)
+    serves its Prometheus metrics on loopback: per-bucket request counters, for a benchmark."""
     flags = {
         "dir": str(folder / "data"),
         "ip": "127.0.0.1",
@@ -103,7 +104,8 @@ def command(weed: Path, folder: Path, ports: dict[str, int]) -> list[str]:
         # a restarted master resumes its raft state and waits this long before it leads again
         # (10 s by default); a single master has no peer to lose the election to
         "master.electionTimeout": "1s",
-        "metricsPort": "0",
+        "metricsPort": str(metrics_port),
+        "metricsIp": "127.0.0.1",
         "filer": "true",
         "filer.localSocket": str(folder / "filer.sock"),
         "s3": "true",
@@ -156,6 +158,7 @@ class Server:
     ports: dict[str, int]
     version: str
     sockets: list[Path]
+    metrics_port: int = 0
 
     @property
     def port(self) -> int:
@@ -193,16 +196,19 @@ class Server:
         self.watchdog.wait()
 
 
-def start(folder: Path, ports: dict[str, int] | None = None) -> Server:
+def start(folder: Path, ports: dict[str, int] | None = None, *, metrics: bool = False) -> Server:
     """Start a server in `folder` (created, and removed by `Server.stop`) on free ports, or on
-    `ports` (`restart`); not ready yet."""
+    `ports` (`restart`); not ready yet. With `metrics`, its Prometheus metrics are served at
+    `Server.metrics_port`."""
     weed = weed_binary()
     (folder / "data").mkdir(parents=True, exist_ok=ports is not None)
-    ports = ports or dict(zip(PORTS, _free_ports(len(PORTS)), strict=True))
+    free = _free_ports(len(PORTS) + 1)
+    ports = ports or dict(zip(PORTS, free, strict=False))
+    metrics_port = free[-1] if metrics else 0
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(folder), "TMPDIR": str(folder), "LC_ALL": "C"}
     with open(folder / "weed.log", "ab") as log:
         proc = subprocess.Popen(
-            command(weed, folder, ports),
+            command(weed, folder, ports, metrics_port),
             cwd=folder,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -213,7 +219,7 @@ def start(folder: Path, ports: dict[str, int] | None = None) -> Server:
     socks = sockets(ports)
     watch = [sys.executable, __file__, str(os.getpid()), str(proc.pid), str(LIFETIME_S), str(folder), *socks]
     watchdog = subprocess.Popen(list(map(str, watch)), stdin=subprocess.DEVNULL, start_new_session=True)
-    return Server(proc, watchdog, folder, ports, version(weed), socks)
+    return Server(proc, watchdog, folder, ports, version(weed), socks, metrics_port)
 
 
 def restart(killed: Server) -> Server:
@@ -271,9 +277,9 @@ def wait_ready(
 
 
 @contextlib.contextmanager
-def running(folder: Path, bucket: str) -> Iterator[Server]:
+def running(folder: Path, bucket: str, *, metrics: bool = False) -> Iterator[Server]:
     """A ready server with `bucket` created, stopped and removed on exit."""
-    server = start(folder)
+    server = start(folder, metrics=metrics)
     try:
         wait_ready(server, bucket)
         yield server
