@@ -28,6 +28,15 @@ pytest.importorskip("ray")
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _namespaces() -> None:
+    """Without a namespace of its own the cluster would not stay on loopback: not run at all."""
+    why = raynodes.namespace_refusal()
+    if why is not None:
+        pytest.skip(f"no user and network namespace here for a loopback-only Ray cluster: {why}")
+
+
 MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
 MINT_TIMEOUT_S = 900
 TESTS = Path(__file__).resolve().parents[1]

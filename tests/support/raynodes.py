@@ -181,6 +181,17 @@ class Nodes:
             self.holder.wait()
 
 
+def namespace_refusal() -> str | None:
+    """Why this machine makes no namespace for the nodes (no user namespaces allowed, no
+    util-linux `unshare`), or None when it makes one. Asked apart from `open_namespace`, so a
+    namespace that is made but leaves the cluster off loopback fails its test instead of skipping."""
+    try:
+        done = subprocess.run([*UNSHARE, "true"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    return None if done.returncode == 0 else (done.stderr.strip() or f"exit {done.returncode}")[-300:]
+
+
 def open_namespace(folder: Path, env: dict[str, str]) -> Nodes:
     """A new namespace with its holder running, not yet any node; every process of the cluster
     gets this process's environment with `env` added. `OSError` where the namespace cannot be
