@@ -125,8 +125,11 @@ class Store:
         return path, os.fdopen(fd, "wb")
 
     # ---- writing -----------------------------------------------------------------------------
-    def _install_object(self, src: Path, expected_sha: str | None) -> tuple[str, int]:
-        """Copy `src` into the store; return (sha256, size). Idempotent for identical content."""
+    def _install_object(self, src: Path, expected_sha: str | None, *, owned: bool = False) -> tuple[str, int]:
+        """Copy `src` into the store; return (sha256, size). Idempotent for identical content.
+        An `owned` `src` is linked in instead (`_link_owned`)."""
+        if owned:
+            return self._link_owned(src, expected_sha)
         tmp, out = self._temp()
         try:
             h = hashlib.sha256()
@@ -158,6 +161,31 @@ class Store:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
 
+    def _link_owned(self, src: Path, expected_sha: str | None) -> tuple[str, int]:
+        """Link `src`, a file in this store's temp folder that its writer hands over (a pull's
+        download), into place without copying it: synced, then re-read and hashed where it lies,
+        as a copy would be. The caller keeps and removes `src`, so a retried admission links it
+        again. Anything outside that folder is refused: it would be made read-only and shared."""
+        if src.resolve().parent != self.temp_dir().resolve():
+            raise StoreError(None, f"{src}: an owned admission takes a file of {self.temp_dir()} only")
+        with open(src, "rb") as f:
+            os.fsync(f.fileno())
+        sha, size = file_digest(src)
+        if expected_sha is not None and sha != expected_sha:
+            raise StoreError(None, f"{src}: sha256 {sha} is not the expected {expected_sha}")
+        os.chmod(src, 0o444)
+        dest = self.object_path(sha)
+        dest.parent.mkdir(exist_ok=True)
+        try:
+            os.link(src, dest)
+        except FileExistsError:
+            if file_digest(dest) != (sha, size):  # a corrupt resident is repaired by verified bytes
+                repair = self.root / "tmp" / f"{os.getpid()}-{secrets.token_hex(8)}.repair"
+                os.link(src, repair)
+                os.replace(repair, dest)
+        fs.fsync_dir(dest.parent)
+        return sha, size
+
     def _write_new(self, dest: Path, data: bytes) -> bool:
         """Create `dest` with `data` unless it exists (no clobber). True when this call created it."""
         tmp, out = self._temp()
@@ -184,13 +212,16 @@ class Store:
         *,
         metadata: dict[str, Any] | None = None,
         expected_sha256: str | None = None,
+        owned: bool = False,
     ) -> Admission:
         """Admit `artifact` as the one artifact of `key` (mint-once: first writer wins).
 
         `metadata` is a small canonical-JSON summary kept in the ref for listings (never the
         sealed metadata itself). A different object for an admitted key is refused as
         `conflict`, never overwritten. A key whose ref has lost its object (or that was
-        quarantined) is repaired by this admission.
+        quarantined) is repaired by this admission. `owned`: `artifact` lies in `temp_dir()`
+        and nobody else writes it, so it is linked in, not copied (it stays the caller's to
+        remove).
         """
         validated_key(key)
         summary = dict(metadata or {})
@@ -201,7 +232,7 @@ class Store:
         for _ in range(3):
             try:
                 with self._locked(exclusive=False):
-                    sha, size = self._install_object(Path(artifact), expected_sha256)
+                    sha, size = self._install_object(Path(artifact), expected_sha256, owned=owned)
                     ref = Ref(key, sha, size, summary)
                     if self._write_new(self.ref_path(key), (canonical_json(ref.to_json()) + "\n").encode()):
                         with contextlib.suppress(FileNotFoundError):

@@ -485,7 +485,9 @@ class SharedStore:
                         self.quarantine_remote(key, got, reason, drop_object=False)
                         raise KeyMismatch(key, f"{reason}: quarantined in {self.remote.url}")
                     metadata = {**(doc.get("metadata") or {}), "signature": doc["signature"]}
-                    admission = self.local.admit(key, name, metadata=metadata, expected_sha256=sha)
+                    admission = self.local.admit(
+                        key, name, metadata=metadata, expected_sha256=sha, owned=True
+                    )
                     if not admission.ok:
                         raise StoreError(key, f"the local cache holds {admission.existing} for this key")
                     return Pulled(self.local.read_ref(key), signer)  # type: ignore[arg-type]

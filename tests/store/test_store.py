@@ -228,3 +228,28 @@ def test_ref_state_is_cheap_enough_for_a_10000_target_plan(tmp_path: Path) -> No
     print(f"\nref_state x10000: fresh {fresh_s:.3f} s, missing {missing_s:.3f} s")
     assert set(states) == {"fresh"} and set(missing) == {"missing"}
     assert fresh_s < 3.0 and missing_s < 3.0  # ~0.3 s and ~0.1 s measured; generous for a busy box
+
+
+def test_an_owned_download_is_linked_in_after_its_bytes_are_hashed_where_they_lie(tmp_path: Path) -> None:
+    """A pull hands over the file it downloaded into the store's temp folder: admitted without a
+    copy (the object is that file), still re-read first, and never a file from anywhere else."""
+    store = Store(tmp_path / "s")
+    data = b"downloaded artifact"
+    sha = hashlib.sha256(data).hexdigest()
+    pulled = _blob(store.temp_dir() / "one.pull", data)
+    assert store.admit("k1", pulled, expected_sha256=sha, owned=True).status == "admitted"
+    assert store.object_path(sha).stat().st_ino == pulled.stat().st_ino  # linked, not copied
+    bad = _blob(store.temp_dir() / "two.pull", b"flipped in the temp folder")
+    with pytest.raises(StoreError, match="not the expected"):
+        store.admit("k2", bad, expected_sha256=sha, owned=True)
+    assert store.ref_state("k2") == "missing"
+    outside = _blob(tmp_path / "elsewhere.pull", data)
+    with pytest.raises(StoreError, match="an owned admission takes a file of"):
+        store.admit("k3", outside, expected_sha256=sha, owned=True)
+    assert os.access(outside, os.W_OK) and store.ref_state("k3") == "missing"
+    os.chmod(store.object_path(sha), 0o644)
+    store.object_path(sha).write_bytes(b"corrupt resident!!!")  # same size, other bytes
+    again = _blob(store.temp_dir() / "three.pull", data)
+    assert store.admit("k4", again, expected_sha256=sha, owned=True).status == "admitted"
+    assert store.object_path(sha).read_bytes() == data  # repaired by the verified download
+    _invariants(store)
