@@ -148,14 +148,7 @@ class Store:
             if file_digest(tmp) != (sha, size):
                 raise StoreError(None, f"{src}: the written copy does not hash back to {sha}")
             os.chmod(tmp, 0o444)
-            dest = self.object_path(sha)
-            dest.parent.mkdir(exist_ok=True)
-            try:
-                os.link(tmp, dest)
-            except FileExistsError:
-                if file_digest(dest) != (sha, size):
-                    os.replace(tmp, dest)  # a corrupt resident is repaired by verified bytes
-            fs.fsync_dir(dest.parent)
+            self._place(tmp, sha, size)
             return sha, size
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -174,17 +167,22 @@ class Store:
         if expected_sha is not None and sha != expected_sha:
             raise StoreError(None, f"{src}: sha256 {sha} is not the expected {expected_sha}")
         os.chmod(src, 0o444)
+        self._place(src, sha, size)
+        return sha, size
+
+    def _place(self, src: Path, sha: str, size: int) -> None:
+        """Link verified `src` in as object `sha`; a resident that does not hash to it is
+        replaced (a corrupt resident repaired by verified bytes), atomically."""
         dest = self.object_path(sha)
         dest.parent.mkdir(exist_ok=True)
         try:
             os.link(src, dest)
         except FileExistsError:
-            if file_digest(dest) != (sha, size):  # a corrupt resident is repaired by verified bytes
+            if file_digest(dest) != (sha, size):
                 repair = self.root / "tmp" / f"{os.getpid()}-{secrets.token_hex(8)}.repair"
                 os.link(src, repair)
                 os.replace(repair, dest)
         fs.fsync_dir(dest.parent)
-        return sha, size
 
     def _write_new(self, dest: Path, data: bytes) -> bool:
         """Create `dest` with `data` unless it exists (no clobber). True when this call created it."""
