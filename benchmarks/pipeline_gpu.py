@@ -1,17 +1,18 @@
 """What a user sees serving FLUX.2 [klein] (4B-shaped) as a stock diffusers pipeline on a GPU.
 
     python benchmarks/pipeline_gpu.py all WORK OUT_JSON [--phases a,b,...] [--archive-out DIR]
-                                                       [--commit SHA]
+                                                       [--lanes-archive A.tgz] [--commit SHA]
 
 `setup` copies the example workspace twice: with its lanes dropped (the plain bf16 programs the
 committed `gpu_sm90_store_fp8.tgz` and `gpu_sm90_store_768.tgz` archives hold) and as committed
-(the fp8 program with its lanes, `gpu_sm90_store_lanes.tgz`). It unpacks those archives, and
-`gpu_sm90_store_vae.tgz` when committed, into one serving store; mints the VAE decoder when the
-plan says it is not fresh (its store archive written to `--archive-out`); writes the serving
-manifests and a seed-0 bf16 checkpoint of the transformer, the VAE and the prompt embeddings.
-Then every path is a new process that builds a stock `Flux2KleinPipeline` (no text encoder:
-prompt embeddings given) from that checkpoint (in the page cache) and makes 4-step images,
-batch 1:
+(the fp8 program with its lanes, `gpu_sm90_store_lanes.tgz`, or `--lanes-archive`: a store
+minted since, e.g. by `klein_lanes_gpu.py models --mint`, whose keys the plan then finds fresh).
+It unpacks those archives, and `gpu_sm90_store_vae.tgz` when committed, into one serving store;
+mints the VAE decoder when the plan says it is not fresh (its store archive written to
+`--archive-out`); writes the serving manifests and a seed-0 bf16 checkpoint of the transformer,
+the VAE and the prompt embeddings. Then every path is a new process that builds a stock
+`Flux2KleinPipeline` (no text encoder: prompt embeddings given) from that checkpoint (in the page
+cache) and makes 4-step images, batch 1:
 
   fp32            the eager pipeline in float32: the reference image for every error
   eager           the eager pipeline in bf16
@@ -82,24 +83,25 @@ def _statuses(ws: Path, selector: str) -> dict[str, str]:
     return {t["label"]: t["status"] for t in plan["targets"]}
 
 
-def _workspace(ws: Path, lanes: bool, archives: tuple[str, ...]) -> None:
+def _workspace(ws: Path, lanes: bool, archives: tuple[Path, ...]) -> None:
     """The example at `ws` (kept when there: its store holds what an earlier call minted)."""
     if not ws.exists():
         shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
         if not lanes:
             drop_lanes(ws / "Cgfile")
     (ws / ".cgbuild").mkdir(exist_ok=True)
-    for name in archives:
-        if (RESULTS / name).exists():
-            with tarfile.open(RESULTS / name) as tar:
+    for archive in archives:
+        if archive.exists():
+            with tarfile.open(archive) as tar:
                 tar.extractall(ws / ".cgbuild", filter="data")
 
 
-def setup(work: Path, archive_out: Path | None) -> dict[str, Any]:
+def setup(work: Path, archive_out: Path | None, lanes_archive: Path) -> dict[str, Any]:
     ws = work / "ws"
-    _workspace(ws, False, (*ARCHIVES, LANES_ARCHIVE))  # the serving store holds every artifact
-    _workspace(work / "ws-lanes", True, (LANES_ARCHIVE,))
-    rec: dict[str, Any] = {"archives": [n for n in (*ARCHIVES, LANES_ARCHIVE) if (RESULTS / n).exists()]}
+    archives = (*(RESULTS / n for n in ARCHIVES), lanes_archive)
+    _workspace(ws, False, archives)  # the serving store holds every artifact
+    _workspace(work / "ws-lanes", True, (lanes_archive,))
+    rec: dict[str, Any] = {"archives": [a.name for a in archives if a.exists()]}
     t = time.perf_counter()
     rec["plan"] = before = _statuses(ws, MANIFESTS["bf16"][0][1])  # only what is served: a trace
     rec["plan_lanes"] = _statuses(work / "ws-lanes", MANIFESTS["fp8"][0][1])  # of 4B takes a while
@@ -366,12 +368,17 @@ def importtime() -> dict[str, Any]:
 
 
 def run_all(
-    work: Path, out_json: Path, phases: list[str], archive_out: Path | None, commit: str | None
+    work: Path,
+    out_json: Path,
+    phases: list[str],
+    archive_out: Path | None,
+    lanes_archive: Path,
+    commit: str | None,
 ) -> None:
     results: dict[str, Any] = {}
     work.mkdir(parents=True, exist_ok=True)
     if "setup" in phases or not (work / "manifest-bf16.json").exists():
-        results["setup"] = setup(work, archive_out)
+        results["setup"] = setup(work, archive_out, lanes_archive)
         _write(out_json, results, commit)
     for name in [p for p in phases if p != "setup"]:
         if name == "importtime":
@@ -406,6 +413,7 @@ def main() -> None:
     ap.add_argument("rest", nargs="+")
     ap.add_argument("--phases", default=",".join(("setup", *PATHS)))
     ap.add_argument("--archive-out", type=Path)
+    ap.add_argument("--lanes-archive", type=Path, default=RESULTS / LANES_ARCHIVE)
     commit_option(ap)
     args = ap.parse_args()
     if args.what == "weights":
@@ -414,7 +422,7 @@ def main() -> None:
         print(json.dumps(phase(args.rest[0], Path(args.rest[1]))))
     else:
         work, out_json = Path(args.rest[0]), Path(args.rest[1])
-        run_all(work, out_json, args.phases.split(","), args.archive_out, args.commit)
+        run_all(work, out_json, args.phases.split(","), args.archive_out, args.lanes_archive, args.commit)
 
 
 if __name__ == "__main__":
