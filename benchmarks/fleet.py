@@ -363,17 +363,7 @@ class SeaweedServer:
             raise
         self.version = self.server.version
         self.endpoint = f"http://127.0.0.1:{self.server.port}"
-        key, secret = support.credentials()
-        nowhere = folder / "no-aws-config"
-        self.env = {
-            "AWS_ACCESS_KEY_ID": key,
-            "AWS_SECRET_ACCESS_KEY": secret,
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_CONFIG_FILE": str(nowhere),
-            "AWS_SHARED_CREDENTIALS_FILE": str(nowhere),
-            "AWS_EC2_METADATA_DISABLED": "true",
-        }
+        self.env = support.client_env(self.endpoint, folder)
         self._seen = self._totals()
 
     def _totals(self) -> Counter[str]:
@@ -797,7 +787,8 @@ class Transfers:
 
     def fetch(self) -> None:
         """`cgbuild fetch`'s work for one key: ref read, signature checked, the object streamed
-        and hashed into the cache's temp folder, admitted into a fresh cache (copy, fsync, hash)."""
+        and hashed into the cache's temp folder, admitted into a fresh cache (synced, re-read and
+        hashed, linked into place)."""
         shutil.rmtree(self.tmp / "cache", ignore_errors=True)
         self.cache().pull(self.key)
 

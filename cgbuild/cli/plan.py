@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from cgbuild.cli.main import add_workspace_args, positive_int, workspace
 from cgbuild.cli.render import STATUS_STYLE, console, progress_bar
+from cgbuild.config.dims import Range
 from cgbuild.config.labels import parse_selector
 from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
@@ -134,11 +135,8 @@ def _pixel_frames(t: dict[str, Any]) -> str:
     pixel = (t.get("envelope") or {}).get("pixel_frames")
     if pixel is None:
         return ""
-    return (
-        f"  [pixel frames {pixel['min']}..{pixel['max']}]"
-        if isinstance(pixel, dict)
-        else f"  [pixel frames {pixel}]"
-    )
+    declared = Range.from_json(pixel)
+    return f"  [pixel frames {declared.text if declared is not None else pixel}]"
 
 
 VERB = {"mint": "re-mint", "trace": "wait for a trace", "blocked": "blocked"}

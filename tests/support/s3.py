@@ -269,17 +269,7 @@ def s3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
 def use_endpoint(mp: pytest.MonkeyPatch, endpoint: str, folder: Path) -> dict[str, str]:
     """Point boto3's default chain in this process at `endpoint` with the test identity, and at no
     configuration file or profile (`folder` holds the empty ones); returns what was set."""
-    nowhere = folder / "none"
-    key, secret = seaweedfs.credentials()
-    env = {
-        "AWS_ACCESS_KEY_ID": key,
-        "AWS_SECRET_ACCESS_KEY": secret,
-        "AWS_DEFAULT_REGION": REGION,
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_CONFIG_FILE": str(nowhere),
-        "AWS_SHARED_CREDENTIALS_FILE": str(nowhere),
-        "AWS_EC2_METADATA_DISABLED": "true",  # nothing but loopback is ever asked
-    }
+    env = seaweedfs.client_env(endpoint, folder, REGION)
     for k, v in env.items():
         mp.setenv(k, v)
     for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):

@@ -57,6 +57,23 @@ def credentials() -> tuple[str, str]:
     return cred["accessKey"], cred["secretKey"]
 
 
+def client_env(endpoint: str, folder: Path, region: str = "us-east-1") -> dict[str, str]:
+    """What boto3's default chain needs to reach `endpoint` with the committed test identity, and
+    no configuration file, profile or instance metadata of this machine (`folder` names the
+    absent files)."""
+    key, secret = credentials()
+    nowhere = str(folder / "none")
+    return {
+        "AWS_ACCESS_KEY_ID": key,
+        "AWS_SECRET_ACCESS_KEY": secret,
+        "AWS_DEFAULT_REGION": region,
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_CONFIG_FILE": nowhere,
+        "AWS_SHARED_CREDENTIALS_FILE": nowhere,
+        "AWS_EC2_METADATA_DISABLED": "true",  # nothing but loopback is ever asked
+    }
+
+
 def version(weed: Path) -> str:
     """`weed version`'s number, e.g. "4.48"."""
     out = subprocess.run([str(weed), "version"], capture_output=True, text=True, timeout=30, check=True)
