@@ -26,6 +26,12 @@ def test_the_table_is_read_without_importing_the_entry(tmp_path: Path) -> None:
     assert calls["transformer"].to_json() == GOOD
 
 
+def test_a_table_is_keyed_by_cgfile_module_names_hyphens_and_dots_included(tmp_path: Path) -> None:
+    """A module is named as the Cgfile names it (`wan-range`, `vae.decode`), not as an attribute."""
+    calls = read_calls(_entry(tmp_path, repr({"wan-range": GOOD, "vae.decode": GOOD})), "entry:build")
+    assert sorted(calls) == ["vae.decode", "wan-range"]
+
+
 def test_an_entry_without_a_table_has_no_adapters(tmp_path: Path) -> None:
     (tmp_path / "entry.py").write_text("LANES = {}\n")
     assert read_calls(tmp_path, "entry:build") == {}
