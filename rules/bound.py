@@ -8,9 +8,11 @@ identity, and `moved()` answers in one pass over the bound tensors and the modul
 
 - per bound tensor (every name it has): the table entry (`_parameters`, `_buffers` or the
   attribute) still holds the same tensor object, with the bound data pointer, shape and strides
-  (`.data =` a view of its own storage keeps the pointer, not the layout);
-- per submodule: its parent still holds it under that name, its class, `training` flag, number
-  of children and whether it has forward hooks or an instance `forward` are as they were;
+  (`.data =` a view of its own storage keeps the pointer, not the layout), and no instance
+  attribute of its owner shadows it (`lin.__dict__["weight"] = ...`: eager reads that);
+- per submodule: its parent still holds it under that name and no instance attribute of the
+  parent shadows it, its class and that class's `forward` (a patched class), `training` flag,
+  number of children and whether it has forward hooks or an instance `forward` are as they were;
 - per submodule, every public attribute that is not a tensor or a module (a norm's `eps`, an
   attention's `heads` and `processor`: what the program baked in) holds the same value;
 - torch's global forward hooks, present or not, are as they were.
@@ -19,8 +21,8 @@ In-place updates (`add_`, `copy_`, `fuse_lora()`'s default) keep every one of th
 sees them, and nothing moves. The cost is a few attribute reads per tensor and per submodule
 (benchmarks/bind_check.py measures it against a step).
 
-`structure()` is the same tree by FQN without object references: what a re-arm compares the
-live module with (a module that returns to that structure can be bound again).
+What the module must be held to at bind and re-arm is the module as traced, not as bound:
+`cgbuild_rules.traced`. This watch only sees what moved since.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ _data_ptr = torch.Tensor.data_ptr
 _size = operator.attrgetter("shape")
 _stride = torch.Tensor.stride
 _training = operator.attrgetter("training")
+_forward = operator.attrgetter("forward")
 
 
 def _plain(value: Any) -> bool:
@@ -90,7 +93,7 @@ def _hooks_text(counts: tuple[int, int, bool]) -> str:
     return f"{hooks} forward hook(s), {pre} pre-hook(s){' and a forward override' if override else ''}"
 
 
-def _global_hooks() -> bool:
+def global_hooks() -> bool:
     return bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
 
 
@@ -112,7 +115,9 @@ class Watch:
         self.root_kids = len(module._modules)
         self.root_class = type(module)
         self.root_training = module.training
-        self.global_hooks = _global_hooks()
+        self.global_hooks = global_hooks()
+        self._shadowed: list[tuple[str, dict[str, Any], str]] = []
+        """(FQN, the owner's instance dict, name) of every bound parameter, buffer and submodule."""
         tensors: list[tuple[str, dict[str, Any], str, torch.Tensor, int, torch.Size, tuple[int, ...]]] = []
         for fqn in sorted(names):
             prefix, _, name = fqn.rpartition(".")
@@ -124,6 +129,8 @@ class Watch:
             t = table.get(name)
             if isinstance(t, torch.Tensor):
                 tensors.append((fqn, table, name, t, t.data_ptr(), t.shape, t.stride()))
+                if table is not owner.__dict__:  # a parameter or buffer: no attribute may hide it
+                    self._shadowed.append((fqn, owner.__dict__, name))
         self.tensors = tensors
         edges: list[tuple[str, dict[str, Any], str, nn.Module, type, bool, int, tuple[int, int, bool]]] = []
         values: list[tuple[str, dict[str, Any], str, Any]] = []
@@ -136,6 +143,7 @@ class Watch:
                 where = f"{fqn}.{name}" if fqn else name
                 state = (type(child), child.training, len(child._modules), _hook_counts(child))
                 edges.append((where, parent._modules, name, child, *state))
+                self._shadowed.append((where, parent.__dict__, name))
         self.edges = edges
         self.values = values
         self._columns()
@@ -161,12 +169,21 @@ class Watch:
         self._hook_counts = [r[7][0] for r in self.edges]
         self._pre_hook_counts = [r[7][1] for r in self.edges]
         self._overrides = [r[7][2] for r in self.edges]
+        self._forwards = [_forward(r[4]) for r in self.edges]
+        self.root_forward = _forward(self.root_class)
+        self._owners = [r[1] for r in self._shadowed]
+        self._owned = [r[2] for r in self._shadowed]
+        self._shadows = list(map(operator.contains, self._owners, self._owned))
         plain = [r for r in self.values if _plain(r[3])]
         other = [r for r in self.values if not _plain(r[3])]
         self._plain_dicts, self._plain_names = [r[1] for r in plain], [r[2] for r in plain]
         self._plain_values = [r[3] for r in plain]
         self._object_dicts, self._object_names = [r[1] for r in other], [r[2] for r in other]
         self._objects = [r[3] for r in other]
+
+    def bound_tensors(self) -> list[torch.Tensor]:
+        """The tensors the package reads, as bound."""
+        return self._tensors
 
     def unchanged(self) -> bool:
         """True when nothing the snapshot holds moved: one C-level pass per column."""
@@ -183,12 +200,15 @@ class Watch:
             and list(map(len, self._hooks)) == self._hook_counts
             and list(map(len, self._pre_hooks)) == self._pre_hook_counts
             and list(map(operator.contains, self._dicts, repeat("forward"))) == self._overrides
+            and all(map(operator.is_, map(_forward, self._classes), self._forwards))
+            and list(map(operator.contains, self._owners, self._owned)) == self._shadows
             and list(map(dict.get, self._plain_dicts, self._plain_names, repeat(_GONE))) == self._plain_values
             and all(map(operator.is_, map(dict.get, self._object_dicts, self._object_names), self._objects))
             and len(root._modules) == self.root_kids
             and type(root) is self.root_class
+            and _forward(self.root_class) is self.root_forward
             and root.training is self.root_training
-            and _global_hooks() is self.global_hooks
+            and global_hooks() is self.global_hooks
         )
 
     def moved(self) -> Moved | None:
@@ -205,6 +225,9 @@ class Watch:
                 return Moved(
                     fqn, f"is now {list(t.shape)} with stride {list(t.stride())} over the bound storage"
                 )
+        for (where, owner, name), was in zip(self._shadowed, self._shadows, strict=True):
+            if name in owner and not was:
+                return Moved(where, f"is shadowed by an instance attribute: {SHADOW_FIX}")
         for where, kids, name, child, cls, training, n, hooks in self.edges:
             if (now := kids.get(name)) is not child:
                 how = "was removed" if now is None else f"was replaced by a {qualified(type(now))}"
@@ -217,6 +240,9 @@ class Watch:
                 return Moved(where, f"has {len(child._modules)} submodules, {n} when bound")
             if (now_hooks := _hook_counts(child)) != hooks:
                 return Moved(where, f"has {_hooks_text(now_hooks)}, {_hooks_text(hooks)} when bound")
+        for (where, *_), cls, forward in zip(self.edges, self._classes, self._forwards, strict=True):
+            if _forward(cls) is not forward:
+                return Moved(where, f"runs another forward: {qualified(cls)}.forward was replaced")
         for where, attrs, name, value in self.values:
             now = attrs.get(name, _GONE)
             if now is not value and not (_plain(value) and now == value):
@@ -226,60 +252,24 @@ class Watch:
             return Moved("", f"has {len(root._modules)} submodules, {self.root_kids} when bound")
         if type(root) is not self.root_class:
             return Moved("", f"changed class to {qualified(type(root))}")
+        if _forward(self.root_class) is not self.root_forward:
+            return Moved("", f"runs another forward: {qualified(self.root_class)}.forward was replaced")
         if root.training is not self.root_training:
             return Moved("", f"was switched to {'train' if root.training else 'eval'} mode")
-        if _global_hooks() is not self.global_hooks:
+        if global_hooks() is not self.global_hooks:
             return Moved("", "sees torch's global forward hooks changed")
         return Moved("", "changed since it was bound")  # `unchanged` saw what the walk above did not
 
 
-@dataclass(frozen=True)
-class Structure:
-    """The module tree by FQN, without object references: per submodule (class, training, hook
-    counts; the root's own hooks excluded: they run around both paths alike), and whether torch's
-    global forward hooks were set."""
-
-    modules: dict[str, tuple[type, bool, tuple[int, int, bool]]]
-    global_hooks: bool
-
-
-def structure(module: nn.Module) -> Structure:
-    modules = {
-        fqn: (type(m), m.training, _hook_counts(m) if fqn else (0, 0, False))
-        for fqn, m in module.named_modules(remove_duplicate=False)
-    }
-    return Structure(modules, _global_hooks())
-
-
-def structure_moved(baseline: Structure, module: nn.Module) -> Moved | None:
-    """The first submodule whose class, mode or hooks differ from `baseline`, or that one side
-    lacks; None when the live tree is the bound one again."""
-    live = structure(module)
-    if live.global_hooks is not baseline.global_hooks:
-        return Moved("", "sees torch's global forward hooks changed since it was adopted")
-    for fqn in sorted(set(baseline.modules) | set(live.modules)):
-        was, now = baseline.modules.get(fqn), live.modules.get(fqn)
-        if now is None:
-            return Moved(fqn, "is gone")
-        if was is None:
-            return Moved(fqn, f"is new (a {qualified(now[0])}{_adapter_hint(fqn)})")
-        if was[0] is not now[0]:
-            return Moved(fqn, f"is a {qualified(now[0])}, a {qualified(was[0])} when adopted")
-        if was[1] != now[1]:
-            return Moved(fqn, "is in train mode" if now[1] else "is in eval mode")
-        if was[2] != now[2]:
-            return Moved(fqn, f"has {_hooks_text(now[2])}, {_hooks_text(was[2])} when adopted")
-    return None
-
+SHADOW_FIX = (
+    "eager reads the attribute, the program the module's own; delete it "
+    "(del owner.__dict__[name]) or assign the tensor through the module"
+)
 
 ADAPTER_HINT = (
     "an adapter layer (PEFT LoRA) wraps it, unfused: fuse it into the weights and remove the "
     "adapter layers (diffusers: fuse_lora() then unload_lora(); peft: merge_and_unload()), then rebind()"
 )
-
-
-def _adapter_hint(fqn: str) -> str:
-    return f": {ADAPTER_HINT}" if fqn.rsplit(".", 1)[-1] in ("base_layer", "lora_A", "lora_B") else ""
 
 
 def adapter_wrapped(names: Collection[str]) -> str | None:

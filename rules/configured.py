@@ -25,7 +25,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from cgbuild_rules.bound import qualified, settings
+from cgbuild_rules import traced
+from cgbuild_rules.bound import global_hooks, qualified, settings
 from torch import nn
 
 # Config keys that describe where a model came from, not what it computes.
@@ -90,26 +91,48 @@ def _config(module: nn.Module) -> dict[str, Any] | None:
 
 
 def record(module: nn.Module) -> dict[str, Any]:
-    """What the mint writes into the sealed metadata's `module` block."""
+    """What the mint writes into the sealed metadata's `module` block: the configuration, and
+    per submodule the structure it was traced with (`cgbuild_rules.traced`)."""
     return {
         "config": _config(module),
         "tree": {
-            fqn: {"class": qualified(type(m)), "hyper": _hyper(m)}
-            for fqn, m in module.named_modules(remove_duplicate=False)
+            fqn: {"class": qualified(type(m)), "hyper": _hyper(m), **traced.to_json(traced.row(m))}
+            for fqn, m in traced.walk(module)
         },
+        "global_hooks": global_hooks(),
     }
 
 
-def drift(recorded: Mapping[str, Any], module: nn.Module, traced_as: str | None = None) -> str | None:
+def _same(old: Any, new: Any, substitutes: Mapping[str, str]) -> bool:
+    """Equal, or the entry's class `old` where the live module holds the stock class it stands for."""
+    if old == new:
+        return True
+    if isinstance(old, Mapping) and isinstance(new, Mapping) and len(old) == len(new) == 1:
+        ((tag, was),), ((now_tag, now),) = old.items(), new.items()
+        return tag == now_tag == "object" and isinstance(was, str) and substitutes.get(was) == now
+    return False
+
+
+def drift(
+    recorded: Mapping[str, Any],
+    module: nn.Module,
+    traced_as: str | None = None,
+    substitutes: Mapping[str, str] | None = None,
+) -> str | None:
     """The first configuration value the live module holds otherwise than at mint, as a
     sentence (`norm_eps 1e-06 → 0.1`), or None.
 
     Compared: the model config key by key; per submodule present in both, its class (the root's
     too: a wrapper the entry returned is the module to adopt) and every attribute both hold.
-    A submodule only one side has is the tensor checks' and the per-call watch's to judge.
+    A submodule only one side has is the structure check's (`cgbuild_rules.traced`).
     `traced_as`: a root class (a call adapter's `traced_class`) that differs from the live root's
     only in its call, so the root's class alone is not compared when the record names it.
+    `substitutes`: entry class → the stock class it stands for (a call adapter's): the stock
+    class is accepted where the record names the entry's, as a submodule or as an attribute's
+    object (an attention processor); any other class is not. cgbuild's lane switches are no
+    configuration and are left out.
     """
+    stands = dict(substitutes or {})
     config = recorded.get("config")
     if isinstance(config, Mapping):
         live = _config(module) or {}
@@ -120,19 +143,19 @@ def drift(recorded: Mapping[str, Any], module: nn.Module, traced_as: str | None 
     tree = recorded.get("tree")
     if not isinstance(tree, Mapping):
         return None
-    for fqn, m in module.named_modules(remove_duplicate=False):
+    for fqn, m in traced.walk(module):
         row = tree.get(fqn)
         if not isinstance(row, Mapping):
             continue
         where = fqn or "the module"
         skip = fqn == "" and traced_as is not None and row.get("class") == traced_as
-        if not skip and row.get("class") != qualified(type(m)):
+        if not skip and not _same({"object": row.get("class")}, {"object": qualified(type(m))}, stands):
             return f"{where} is a {qualified(type(m))}, the program was traced with a {row.get('class')}"
         hyper = row.get("hyper")
         if not isinstance(hyper, Mapping):
             continue
         live = _hyper(m)
         for name in sorted(set(hyper) & set(live)):
-            if hyper[name] != live[name]:
+            if not _same(hyper[name], live[name], stands):
                 return f"{where}.{name} {show(hyper[name])} → {show(live[name])}"
     return None

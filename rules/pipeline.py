@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from cgbuild_rules.adopt.artifact import Artifact
+from cgbuild_rules.adopt.artifact import PLAIN, Artifact, ConfigCheck
 from cgbuild_rules.adopt.host import module_device
 from cgbuild_rules.adopt.manifest import manifest_artifacts
 from cgbuild_rules.adopt.refusal import AdoptRefused, CompiledRequired
@@ -155,15 +155,16 @@ def adopt_pipeline(
         for name, module_doc in modules.items():
             owner, attr, target = _attachment(pipe, module_doc.serves, family)
             live = target if attr is None else owner
-            traced_as = module_doc.call.traced_class if module_doc.call else None
+            call = module_doc.call
+            config = ConfigCheck(traced_as=call.traced_class, substitutes=call.substitutes) if call else PLAIN
             load = functools.partial(
                 manifest_artifacts, name, module_doc.entries, live, store, memory_bytes, layouts.get(name)
             )
-            arts, chosen = load(traced_as)
+            arts, chosen = load(config)
             undo = report_compute_dtype(live, arts) if attr is None else None
             if undo is not None:  # the hook is part of the module the artifacts bind to and watch
                 try:
-                    arts, chosen = load(traced_as)
+                    arts, chosen = load(config)
                 except BaseException:
                     undo()
                     raise
@@ -212,6 +213,8 @@ def report_compute_dtype(module: nn.Module, arts: list[Artifact]) -> Callable[[]
     from diffusers.hooks.hooks import HookRegistry, ModelHook  # a diffusers model: diffusers is here
 
     class ComputesIn(ModelHook):  # type: ignore[misc]
+        cgbuild_inert = True  # cgbuild_rules.traced.INERT: wraps the forward, changes no call
+
         def __init__(self, dtype: torch.dtype) -> None:
             super().__init__()
             self.compute_dtype = dtype

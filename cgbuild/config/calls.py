@@ -15,7 +15,11 @@ it before the contract is checked and after the program returns:
   output itself;
 - `traced_class`: the entry's subclass of the pipeline's module that differs from it only in its
   call (the class the program's configuration record names at its root); the live module's own
-  class is then not held against it. Every submodule's class and setting still is.
+  class is then not held against it. Every submodule's class and setting still is;
+- `substitutes`: entry class → the stock class it stands for, where the entry replaced something
+  of the stock module to trace it (FLUX.2's attention processors, routed through a lane switch):
+  adopt accepts the stock class where the configuration record names the entry's, as a
+  submodule or as an attribute's object, and refuses any other (`config-drift`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from cgbuild.core.literal import read_entry_table
 
 TABLE_NAME = "CALLS"
 RETURNS = ("tuple",)
-_KEYS = ("passes", "first_row", "returns", "traced_class")
+_KEYS = ("passes", "first_row", "returns", "traced_class", "substitutes")
+_MAX_SUBSTITUTES = 64
 _SCALARS = (str, int, float, bool, type(None))
 
 
@@ -44,6 +49,7 @@ class CallAdapter:
     first_row: tuple[str, ...] = ()
     returns: str | None = None
     traced_class: str | None = None
+    substitutes: Mapping[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -55,6 +61,8 @@ class CallAdapter:
             out["returns"] = self.returns
         if self.traced_class is not None:
             out["traced_class"] = self.traced_class
+        if self.substitutes:
+            out["substitutes"] = dict(self.substitutes)
         return out
 
 
@@ -83,7 +91,17 @@ def adapter_from_json(raw: Any, where: str) -> CallAdapter:
         raise ValueError(
             f"{where}.traced_class: a qualified class name, e.g. 'flux2_entry.Flux2KleinTransformer'"
         )
-    return CallAdapter(dict(passes), tuple(rows), returns, traced)
+    subs = raw.get("substitutes", {})
+    qualified = "a qualified class name, e.g. 'flux2_entry.JointAttnProcessor'"
+    if not isinstance(subs, Mapping) or len(subs) > _MAX_SUBSTITUTES:
+        raise ValueError(f"{where}.substitutes: entry class → the stock class it stands for ({qualified})")
+    for entry_class, stock_class in subs.items():
+        for name in (entry_class, stock_class):
+            if not (isinstance(name, str) and ATTRIBUTE_PATH.fullmatch(name) and "." in name):
+                raise ValueError(f"{where}.substitutes: {name!r} is not {qualified}")
+        if entry_class == stock_class:
+            raise ValueError(f"{where}.substitutes: {entry_class!r} stands for itself")
+    return CallAdapter(dict(passes), tuple(rows), returns, traced, dict(subs))
 
 
 def read_calls(root: Path, entry: str) -> dict[str, CallAdapter]:

@@ -108,6 +108,8 @@ class Code(StrEnum):
     LITERAL_MISMATCH = "literal-mismatch"
     CONFIG_DRIFT = "config-drift"
     MODULE_CHANGED = "module-changed"
+    AUTOCAST = "autocast"
+    GRAD = "grad"
     CALL_STRUCTURE = "call-structure"
     CONSTANT_ARG = "constant-arg"
     NOT_A_TENSOR = "not-a-tensor"

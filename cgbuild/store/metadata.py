@@ -170,17 +170,34 @@ def _facet(value: Any, where: str) -> None:
     _list(row.get("guidance"), f"{where}.guidance", _str)
 
 
-def _module_row(value: Any, where: str) -> None:
+def _bool(value: Any, where: str) -> None:
+    _need(isinstance(value, bool), where, "not a boolean")
+
+
+def _module_row(value: Any, where: str, traced: bool) -> None:
+    """A submodule's configuration and, in a record that has it, the structure it was traced with."""
     row = _obj(value, where)
     _str(row.get("class"), f"{where}.class")
     _obj(row.get("hyper"), f"{where}.hyper", optional=True)
+    if not traced:
+        return
+    _str(row.get("forward"), f"{where}.forward")
+    hooks = row.get("hooks")
+    _need(isinstance(hooks, list) and len(hooks) == 2, f"{where}.hooks", "not [forward hooks, pre-hooks]")
+    _ints(hooks, f"{where}.hooks")
+    _bool(row.get("override"), f"{where}.override")
+    _bool(row.get("training"), f"{where}.training")
+    _list(row.get("shadows"), f"{where}.shadows", _str, optional=False)
 
 
 def _module(value: Any, where: str) -> None:
     block = _obj(value, where, optional=True)
     _obj(block.get("config"), f"{where}.config", optional=True)
+    traced = "global_hooks" in block  # records sealed before the traced structure have neither
+    if traced:
+        _bool(block["global_hooks"], f"{where}.global_hooks")
     for fqn, row in _obj(block.get("tree"), f"{where}.tree", optional=True).items():
-        _module_row(row, f"{where}.tree.{fqn or '(root)'}")
+        _module_row(row, f"{where}.tree.{fqn or '(root)'}", traced)
 
 
 def metadata_problem(meta: Mapping[str, Any]) -> str | None:

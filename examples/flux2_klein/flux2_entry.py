@@ -62,6 +62,16 @@ CALLS = {
         "first_row": ["img_ids", "txt_ids"],  # the model reads row 0 of (B, N, 4) ids itself
         "returns": "tuple",
         "traced_class": "flux2_entry.Flux2KleinTransformer",  # the same model, another call
+        # the processors below route attention through the lane switch; each computes what the
+        # stock processor it stands for does, so a stock pipeline's module serves their program
+        "substitutes": {
+            "flux2_entry.JointAttnProcessor": (
+                "diffusers.models.transformers.transformer_flux2.Flux2AttnProcessor"
+            ),
+            "flux2_entry.ParallelAttnProcessor": (
+                "diffusers.models.transformers.transformer_flux2.Flux2ParallelSelfAttnProcessor"
+            ),
+        },
     },
 }
 

@@ -15,15 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cgbuild_rules import traced
 from cgbuild_rules.adopt.bind import adapter_hint, config_refusal, layout_refusal, literals_of, weights_of
 from cgbuild_rules.adopt.contract import supplied_positions, supplied_refusal
 from cgbuild_rules.adopt.host import host_refusal, module_device
 from cgbuild_rules.adopt.refusal import REARMABLE, Refusal, log
-from cgbuild_rules.bound import (
-    Structure,
-    Watch,
-    structure,
-)
+from cgbuild_rules.bound import Watch
 from cgbuild_rules.lanes import device_memory_bytes, switch_inputs
 from cgbuild_rules.loader import Package
 from torch import nn
@@ -49,6 +46,9 @@ class ConfigCheck:
     traced_as: str | None = None
     """The root class a call adapter says the program was traced as (`cgbuild.config.calls`): not
     held against the live module's own class."""
+    substitutes: Mapping[str, str] = field(default_factory=dict)
+    """Entry class → the stock class it stands for (a call adapter's `substitutes`): the stock
+    class is accepted where the record names the entry's."""
 
 
 @dataclass
@@ -70,10 +70,12 @@ class Artifact:
     watch: Watch | None = None
     """What the package is bound to; while refused for a binding reason, the module as refused
     (nothing is retried until something in it moves)."""
-    baseline: Structure | None = None
-    """The module tree as first bound: a re-arm requires the live tree to be it again."""
+    baseline: traced.Traced | None = None
+    """The module as traced (`cgbuild_rules.traced`): adopt and every re-arm hold the live
+    module to it. For an artifact sealed before the record carried it: the module as first bound."""
     unverified: tuple[str, ...] = ()
-    """Checks this artifact cannot support (`config`: sealed before the configuration record)."""
+    """Checks this artifact cannot support (`config`: sealed before the configuration record;
+    `structure`: sealed before the record carried the traced structure)."""
     config: ConfigCheck = field(default_factory=ConfigCheck)
     reload: Callable[[nn.Module], Artifact] | None = None
     """Load it again (an artifact refused before its package was loaded is re-armed so)."""
@@ -91,6 +93,10 @@ class Artifact:
     @property
     def dynamic(self) -> bool:
         return bool(self.contract.get("symbols"))
+
+
+PLAIN = ConfigCheck()
+"""The configuration check of a module served as the entry built it (no adapter)."""
 
 
 def choose_lane(
@@ -164,11 +170,22 @@ def _arm(
             Code.CONSTANT_TABLE_MISMATCH, f"package binds {extra[:3]} that the sealed table does not describe"
         )
         return
+    if art.baseline is None:  # sealed without the traced structure: the module as first bound
+        art.baseline = traced.snapshot(module)
     if refusal := bind_live(art, package, module, device):
         art.refusal = refusal
         return
     art.package = package
-    art.baseline = structure(module)
+
+
+def structure_refusal(art: Artifact, module: nn.Module) -> Refusal | None:
+    """`module-changed` naming the first way the live module differs from the module as traced
+    (a hook, an override, a shadowing attribute, a patched class, train mode, a submodule added
+    or gone), with its fix; None when it is structured as traced."""
+    if art.baseline is None:
+        return None
+    moved = traced.changed(art.baseline, module, art.config.traced_as)
+    return None if moved is None else Refusal(Code.MODULE_CHANGED, f"{moved}{adapter_hint(module)}")
 
 
 def load_artifact(
@@ -179,7 +196,7 @@ def load_artifact(
     label: str | None = None,
     memory_bytes: int | None = None,
     lane: str | None = None,
-    config: ConfigCheck = ConfigCheck(),
+    config: ConfigCheck = PLAIN,
 ) -> Artifact:
     """Resolve, check and arm one artifact for `module`; a refusal is recorded, never raised.
 
@@ -216,9 +233,15 @@ def load_artifact(
         if art.refusal is not None and art.refusal.code in REARMABLE:
             art.refusal = Refusal(art.refusal.code, f"{art.refusal.detail}{adapter_hint(module)}")
     art.config = config
-    if config.enabled and not isinstance(meta.get("module"), Mapping):
-        art.unverified = ("config",)
+    record = meta.get("module")
+    if config.enabled and not isinstance(record, Mapping):
+        art.unverified = ("config", "structure")
         log.info("%s: sealed without a configuration record: its configuration is unverified", art.label)
+    elif config.enabled and isinstance(record, Mapping):
+        art.baseline = traced.from_record(record)
+        if art.baseline is None:
+            art.unverified = ("structure",)
+            log.info("%s: sealed without the traced structure: held to the module as adopted", art.label)
     art.reload = functools.partial(
         load_artifact,
         source,
@@ -255,11 +278,14 @@ def _bindings(
 
 
 def bind_live(art: Artifact, package: Package, module: nn.Module, device: torch.device) -> Refusal | None:
-    """Bind `package` to the live module's tensors and watch them, when they and the module's
-    configuration match the artifact; else the first reason they do not (an unfused adapter named)."""
+    """Bind `package` to the live module's tensors and watch them, when they, the module's
+    configuration and its structure match the artifact; else the first reason they do not (an
+    unfused adapter named)."""
     bound, refusal = _bindings(art, package, module, device)
     if refusal is None and art.config.enabled:
-        refusal = config_refusal(art.metadata, module, art.config.traced_as)
+        refusal = config_refusal(art.metadata, module, art.config.traced_as, art.config.substitutes)
+    if refusal is None and (refusal := structure_refusal(art, module)):
+        return refusal  # names its own fix
     if refusal is not None:
         return Refusal(refusal.code, f"{refusal.detail}{adapter_hint(module)}")
     package.bind(bound)

@@ -116,15 +116,18 @@ def literals_of(
 
 
 def config_refusal(
-    meta: Mapping[str, Any], module: nn.Module, traced_as: str | None = None
+    meta: Mapping[str, Any],
+    module: nn.Module,
+    traced_as: str | None = None,
+    substitutes: Mapping[str, str] | None = None,
 ) -> Refusal | None:
     """The first configuration value the live module holds otherwise than the module the
-    artifact was minted from (`config-drift`; `cgbuild_rules.configured`; `traced_as`: a call
-    adapter's root class), or None."""
+    artifact was minted from (`config-drift`; `cgbuild_rules.configured`; `traced_as` and
+    `substitutes`: a call adapter's root class and stand-ins), or None."""
     recorded = meta.get("module")
     if not isinstance(recorded, Mapping):
         return None
-    why = configured.drift(recorded, module, traced_as)
+    why = configured.drift(recorded, module, traced_as, substitutes)
     return Refusal(Code.CONFIG_DRIFT, why) if why else None
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from cgbuild_rules.adopt.artifact import Artifact, ConfigCheck, load_artifact
+from cgbuild_rules.adopt.artifact import PLAIN, Artifact, ConfigCheck, load_artifact
 from cgbuild_rules.adopt.bind import layout_refusal
 from cgbuild_rules.adopt.host import device_sm, module_device
 from cgbuild_rules.adopt.refusal import Refusal
@@ -61,10 +61,10 @@ def manifest_artifacts(
     store: Store | SharedStore | None,
     memory_bytes: int | None,
     layout: str | None,
-    traced_as: str | None = None,
+    config: ConfigCheck = PLAIN,
 ) -> tuple[list[Artifact], str | None]:
     """The artifacts one module serves from its manifest entries (its sm, one layout), and that
-    layout when one was chosen; `traced_as`: the root class the module's call adapter names."""
+    layout when one was chosen; `config`: what the module's call adapter says of its classes."""
     here = device_sm(module_device(module))
     sms = sorted({r.sm for r in rows if r.sm})
     rows = [r for r in rows if r.sm in (None, here)]
@@ -80,7 +80,7 @@ def manifest_artifacts(
             raise ValueError(f"{name}: the manifest has no layout {layout!r} on {here} (it has {have})")
         by_layout = {layout: by_layout[layout]}
     loaded = {
-        lay: _load_entries(group, module, store, memory_bytes, traced_as) for lay, group in by_layout.items()
+        lay: _load_entries(group, module, store, memory_bytes, config) for lay, group in by_layout.items()
     }
     if len(loaded) == 1:
         ((only, arts),) = loaded.items()
@@ -105,7 +105,7 @@ def _load_entries(
     module: nn.Module,
     store: Store | SharedStore | None,
     memory_bytes: int | None,
-    traced_as: str | None,
+    config: ConfigCheck,
 ) -> list[Artifact]:
     """One artifact per key (graph classes sharing a key share it, labelled by all of them)."""
     classes: dict[str, list[str]] = {}
@@ -118,7 +118,7 @@ def _load_entries(
             store=store,
             label="+".join(names),
             memory_bytes=memory_bytes,
-            config=ConfigCheck(traced_as=traced_as),
+            config=config,
         )
         for key, names in classes.items()
     ]

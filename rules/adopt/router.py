@@ -14,18 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from cgbuild_rules.adopt.artifact import Artifact, ConfigCheck, bind_live, load_artifact
+from cgbuild_rules.adopt.artifact import Artifact, ConfigCheck, bind_live, load_artifact, structure_refusal
 from cgbuild_rules.adopt.bind import CheckpointTensors, adapter_hint, layout_refusal, tie_aliases
 from cgbuild_rules.adopt.calls import adapted, passed, wrapped
 from cgbuild_rules.adopt.contract import conform, distance, fit
 from cgbuild_rules.adopt.host import module_device
 from cgbuild_rules.adopt.refusal import REARMABLE, AdoptRefused, CompiledRequired, Refusal, log
-from cgbuild_rules.bound import (
-    Attached,
-    Moved,
-    Watch,
-    structure_moved,
-)
+from cgbuild_rules.bound import Attached, Moved, Watch
 from torch import nn
 
 from cgbuild.config.calls import CallAdapter
@@ -77,6 +72,9 @@ class Adopted(Attached):
         self.counters: collections.Counter[str] = collections.Counter()
         self.last_reason: Refusal | None = None
         self._warned: set[str] = set()
+        self._before: Any = None
+        self.replaced: Refusal | None = None
+        """Set by `install` over an instance `forward` of the caller's own: every call runs it, named."""
 
     @property
     def armed(self) -> list[Artifact]:
@@ -142,10 +140,37 @@ class Adopted(Attached):
             )
         return None, [], closest
 
+    def _mode_refusal(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Refusal | None:
+        """Why this call's mode is not the program's: under autocast for the module's device the
+        eager module computes in another dtype; with grad enabled while an input or a bound
+        tensor requires grad, eager's output carries autograd and the program's is detached."""
+        kind = module_device(self.module).type
+        if torch.is_autocast_enabled(kind):
+            return Refusal(
+                Code.AUTOCAST,
+                f"torch.autocast is on for {kind}: the program computes in the dtypes it was traced with",
+            )
+        if torch.is_grad_enabled():
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            bound = (t for a in self.armed if a.watch is not None for t in a.watch.bound_tensors())
+            if any(t.requires_grad for t in tensors) or any(t.requires_grad for t in bound):
+                return Refusal(
+                    Code.GRAD,
+                    "grad is enabled and a tensor requires grad: the program's output carries no autograd; "
+                    "call under torch.no_grad() or torch.inference_mode() to serve it compiled",
+                )
+        return None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._retry_refused()
         restrided: list[str] = []
-        art, leaves, why = self.route(args, kwargs, restrided)
+        leaves: list[Any]
+        if (mode := self._mode_refusal(args, kwargs)) is not None:
+            art, leaves, why = None, [], mode
+        elif self.replaced is not None:
+            art, leaves, why = None, [], self.replaced
+        else:
+            art, leaves, why = self.route(args, kwargs, restrided)
         if art is not None and art.watch is not None and (moved := art.watch.moved()) is not None:
             refusal = self._rearm(art)
             if refusal is None:
@@ -181,8 +206,8 @@ class Adopted(Attached):
         layout, every bound tensor); else the first reason it does not."""
         assert art.package is not None
         module = self.module
-        if art.baseline is not None and (moved := structure_moved(art.baseline, module)) is not None:
-            return Refusal(Code.MODULE_CHANGED, f"{moved}{adapter_hint(module)}")
+        if refusal := structure_refusal(art, module):
+            return refusal
         refusal = layout_refusal(art.metadata, module)
         if refusal is not None:
             return Refusal(refusal.code, f"{refusal.detail}{adapter_hint(module)}")
@@ -208,7 +233,12 @@ class Adopted(Attached):
     def _hold(self, art: Artifact, moved: Moved | None, refusal: Refusal) -> Refusal:
         """Refuse `art` for what the module holds now, and watch the module as it is refused (it
         is not retried until something in it moves). Returns the refusal it sets."""
-        detail = f"{moved}; not re-bound: {refusal.code}: {refusal.detail}" if moved else refusal.detail
+        said = refusal.code == Code.MODULE_CHANGED  # the structure check named what moved, and the fix
+        detail = (
+            f"{moved}; not re-bound: {refusal.code}: {refusal.detail}"
+            if moved and not said
+            else refusal.detail
+        )
         art.refusal = held = Refusal(Code.MODULE_CHANGED, detail) if moved else refusal
         art.watch = Watch(self.module, art.watch.names if art.watch else ())
         return held
@@ -230,12 +260,28 @@ class Adopted(Attached):
                 self._hold(art, None, refusal)
 
     def install(self) -> Adopted:
-        """Serve `module(...)` through this object (an instance attribute; hooks stay intact)."""
+        """Serve `module(...)` through this object (an instance attribute; hooks stay intact).
+
+        An instance `forward` already set (an override, a library's wrapper) is what eager runs,
+        and the program does not: it stays the eager path and every call is served by it, named
+        (`module-changed`) — adopt before wrapping the module's forward."""
+        before = self.module.__dict__.get("forward")
+        if before is not None and not isinstance(before, Attached):
+            self._before, self._eager = before, before
+            self._signature = _signature(before)
+            self.replaced = Refusal(
+                Code.MODULE_CHANGED,
+                f"the module's forward is an instance attribute set before adopt ({_name(before)}), which "
+                "the program never runs: adopt first, then wrap it",
+            )
         self.module.forward = self  # type: ignore[method-assign]
         return self
 
     def release(self) -> None:
-        self.module.__dict__.pop("forward", None)
+        if self.module.__dict__.get("forward") is self:
+            self.module.__dict__.pop("forward")
+            if self._before is not None:
+                self.module.__dict__["forward"] = self._before
 
 
 def adopt(
@@ -288,6 +334,10 @@ def serve_checkpoint(
     if art.refusal is not None:
         raise AdoptRefused(art.refusal)
     return Adopted(holder, [art], strict=True)
+
+
+def _name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
 def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:

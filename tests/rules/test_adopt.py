@@ -122,7 +122,7 @@ def test_a_table_naming_more_than_the_package_binds_adopts(
     ghost = {"fqn": "encoder.weight", "dtype": "float32", "shape": [3], "stride": [1]}
     older = edited(art_a, tmp_path / "older.tar.gz", lambda meta: meta["constants"]["state"].append(ghost))
     m = tiny(tmp_path_factory)  # holds no encoder.weight
-    m.extra = torch.nn.Linear(3, 3)  # and tensors no artifact names
+    m.register_buffer("extra", torch.zeros(3))  # and tensors no artifact names
     served = adopt(older, m, strict=True)
     with torch.no_grad():
         x = torch.randn(1, 8, 64)

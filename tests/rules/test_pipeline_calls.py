@@ -30,12 +30,17 @@ pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flux2_klein"
 LABEL = "//flux2-klein-tiny/transformer/64x64-t8-b1@fp32:cpu"
 TOLERANCE = 1e-4  # fp32 compiled against eager, as the mint verifies it
+FLUX2 = "diffusers.models.transformers.transformer_flux2"
 
 
 @pytest.fixture(scope="module")
 def served_ws(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     ws = tmp_path_factory.mktemp("klein-calls") / "ws"
     shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+    # as the klein lanes on sm_90: the entry's processors, routed through a lane switch, traced
+    # in the stock processors' place, with the configuration record on
+    with (ws / "Cgfile").open("a") as f:
+        f.write('\n[family.flux2-klein-tiny.lanes]\nattention = ["flash", "math"]\n')
     proc = cli(ws, "mint", LABEL, "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     proc = cli(ws, "manifest", LABEL, "-o", str(ws / "manifest.json"))
@@ -65,6 +70,10 @@ def test_the_manifest_carries_the_entrys_adapter(served_ws: tuple[Path, dict[str
         "first_row": ["img_ids", "txt_ids"],
         "returns": "tuple",
         "traced_class": "flux2_entry.Flux2KleinTransformer",
+        "substitutes": {
+            "flux2_entry.JointAttnProcessor": f"{FLUX2}.Flux2AttnProcessor",
+            "flux2_entry.ParallelAttnProcessor": f"{FLUX2}.Flux2ParallelSelfAttnProcessor",
+        },
     }
 
 
@@ -92,14 +101,42 @@ def test_without_the_adapter_the_same_calls_run_eager_named(served_ws: tuple[Pat
     served.release()
 
 
+def _drifted_without(served_ws: tuple[Path, dict[str, Any]], field: str) -> Any:
+    """A stock pipeline served by the manifest less one field of its adapter: every call eager,
+    `config-drift`; the reason it last gave."""
+    ws, doc = served_ws
+    bare = json.loads(json.dumps(doc))
+    del bare["modules"]["transformer"]["call"][field]
+    served = adopt_pipeline(flux2_klein_pipeline(seed=5), bare, store=Store(ws / ".cgbuild" / "store"))
+    _image(served)
+    assert served.counters["transformer"] == {"eager:config-drift": 2}
+    served.release()
+    return served.components["transformer"].adopted.last_reason
+
+
 def test_the_traced_class_is_what_lets_the_pipelines_own_class_serve(
     served_ws: tuple[Path, dict[str, Any]],
 ) -> None:
     """The program's root is the entry's subclass: only the adapter's word lets the stock class in."""
-    ws, doc = served_ws
-    bare = json.loads(json.dumps(doc))
-    del bare["modules"]["transformer"]["call"]["traced_class"]
-    served = adopt_pipeline(flux2_klein_pipeline(seed=5), bare, store=Store(ws / ".cgbuild" / "store"))
+    _drifted_without(served_ws, "traced_class")
+
+
+def test_the_declared_substitutes_are_what_let_the_stock_processors_serve(
+    served_ws: tuple[Path, dict[str, Any]],
+) -> None:
+    """The program was traced with the entry's processors: the stock one serves in their slot only
+    because the adapter says they stand for it, and a processor of any other class is refused."""
+    ws, _ = served_ws
+    why = _drifted_without(served_ws, "substitutes")
+    assert (
+        why is not None
+        and f"processor flux2_entry.JointAttnProcessor → {FLUX2}.Flux2AttnProcessor" in why.detail
+    )
+    pipe = flux2_klein_pipeline(seed=5)
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    pipe.transformer.transformer_blocks[0].attn.processor = AttnProcessor2_0()
+    served = adopt_pipeline(pipe, ws / "manifest.json", store=Store(ws / ".cgbuild" / "store"))
     _image(served)
     assert served.counters["transformer"] == {"eager:config-drift": 2}
     served.release()

@@ -246,7 +246,7 @@ def test_an_artifact_sealed_without_the_records_adopts_marked_unverified(
     m = tiny(tmp_path_factory)
     m.fc1.out_features = 31  # not seen: nothing recorded to compare it with
     served = adopt(old, m)
-    assert served.refusals == {} and list(served.unverified.values()) == [("config",)]
+    assert served.refusals == {} and list(served.unverified.values()) == [("config", "structure")]
     x = torch.randn(1, 64, 8).transpose(1, 2)
     with torch.no_grad():
         close(served(x), m(x))  # no recorded strides: held to contiguous, so copied

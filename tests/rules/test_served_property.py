@@ -21,6 +21,7 @@ test refuses to start rather than die of a MemoryError minutes in.
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import math
 import os
@@ -93,6 +94,22 @@ class Case:
     handles: list[RemovableHandle] = field(default_factory=list)
     layout: tuple[str, int] = ("contiguous", 0)
     """How the next call's input is laid out (then back to contiguous)."""
+    mode: str = "plain"
+    """The next call's mode (`MODES`; then back to plain)."""
+
+
+MODES = ("plain", "autocast", "grad", "grad-input")
+
+
+def mode(name: str) -> Any:
+    """The context a call runs in: autocast on the CPU, or grad on (the case runs under no_grad)."""
+    if name == "autocast":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return torch.enable_grad() if name.startswith("grad") else contextlib.nullcontext()
+
+
+def move_mode(case: Case, data: st.DataObject) -> None:
+    case.mode = data.draw(st.sampled_from(MODES), label="call mode")
 
 
 # ---- inputs ------------------------------------------------------------------------------------
@@ -246,12 +263,27 @@ TREE_MOVES = (
     "remove-override",
     "train",
     "eval",
+    "shadow-weight",
+    "unshadow",
+    "patch-class",
+    "unpatch-class",
 )
 
+LINEAR_FORWARD = nn.Linear.forward
+"""What a case's `patch-class` replaces (a library patching a class) and every case ends with."""
 
-def move_tree(case: Case, data: st.DataObject) -> None:
+
+def _patched_forward(self: nn.Linear, t: torch.Tensor) -> torch.Tensor:
+    return nn.functional.linear(t, self.weight, self.bias) + 1
+
+
+BEFORE_ADOPT = ("forward-hook", "pre-hook", "override-forward", "shadow-weight", "patch-class", "train")
+"""Tree moves drawn before adopt: the baseline is the module as traced, so each must be seen."""
+
+
+def move_tree(case: Case, data: st.DataObject, how: str | None = None) -> None:
     m = case.m
-    how = data.draw(st.sampled_from(TREE_MOVES), label="tree move")
+    how = how or data.draw(st.sampled_from(TREE_MOVES), label="tree move")
     if how in ("train", "eval"):
         getattr(m, how)()
         return
@@ -281,6 +313,14 @@ def move_tree(case: Case, data: st.DataObject) -> None:
         case.handles.append(sub.register_forward_pre_hook(lambda _m, args: (args[0] + 1,)))
     elif how == "override-forward":
         sub.forward = lambda t, sub=sub: type(sub).forward(sub, t) * 3  # type: ignore[method-assign]
+    elif how == "shadow-weight":
+        if isinstance(sub, nn.Linear):
+            sub.__dict__["weight"] = nn.Parameter(torch.randn_like(sub.weight))
+    elif how == "unshadow":
+        sub.__dict__.pop("weight", None)
+    elif how in ("patch-class", "unpatch-class"):
+        patch = _patched_forward if how == "patch-class" else LINEAR_FORWARD
+        nn.Linear.forward = patch  # type: ignore[method-assign]
     else:
         sub.__dict__.pop("forward", None)
 
@@ -327,6 +367,7 @@ MOVES: dict[str, Callable[[Case, st.DataObject], None]] = {
     "tensor": move_tensor,
     "tree": move_tree,
     "config": move_config,
+    "mode": move_mode,
 }
 
 
@@ -348,11 +389,15 @@ def call(case: Case) -> None:
     """
     m, served = case.m, case.served
     x = make_input(*case.layout)
-    note(f"call on {case.layout[0]} {list(x.shape)} stride {x.stride()} @ {x.data_ptr() % 64}")
+    if case.mode == "grad-input" and x.is_floating_point():
+        x.requires_grad_()
+    note(f"call on {case.layout[0]} {list(x.shape)} stride {x.stride()} @ {x.data_ptr() % 64}, {case.mode}")
     case.layout = ("contiguous", 0)
     before = collections.Counter(served.counters)
-    want, eager_error = _outcome(lambda: type(m).forward(m, x))
-    got, served_error = _outcome(lambda: served(x))
+    with mode(case.mode):
+        want, eager_error = _outcome(lambda: type(m).forward(m, x))
+        got, served_error = _outcome(lambda: served(x))
+    case.mode = "plain"
     delta = served.counters - before
     eager = [k for k in delta if k.startswith("eager:")]
     TALLY["calls"] += 1
@@ -362,6 +407,7 @@ def call(case: Case) -> None:
         assert served_error is None and not eager, (served_error, delta)
         assert eager_error is None, f"compiled where eager raises {eager_error!r}"
         assert isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
+        assert got.requires_grad == want.requires_grad, "compiled and detached"
         assert bool(torch.isfinite(got).all()), "compiled and not finite"
         err = float((got - want).norm() / want.norm().clamp_min(1e-12))
         assert err <= TOLERANCE, f"compiled and wrong: relative error {err:.3g}"
@@ -385,7 +431,7 @@ def call(case: Case) -> None:
             assert str(served_error) == str(eager_error)
         else:
             assert served_error is None, served_error
-            assert torch.equal(got, want), "served eager differs from eager"
+            assert torch.equal(got, want) and got.requires_grad == want.requires_grad, "served eager differs"
     if eager_error is not None:
         TALLY["refused:eager-raises"] += 1
     if refusal.code == "config-drift" or "config-drift:" in refusal.detail:
@@ -428,14 +474,28 @@ def serve_cases(
 ) -> None:
     torch.manual_seed(seed)
     m = tiny_class(64).eval()
-    case = Case(m, adopt(art_a, m, strict=strict), strict, {"fc1": m.fc1, "fc2": m.fc2})
-    TALLY["cases"] += 1
-    with torch.no_grad():
-        for family in [*steps, "call"]:  # closing call: every move is judged by one
-            if family == "call":
-                call(case)
-            else:
-                MOVES[family](case, data)
+    before = data.draw(st.lists(st.sampled_from(BEFORE_ADOPT), max_size=2), label="before adopt")
+    probe = Case(m, None, strict, {"fc1": m.fc1, "fc2": m.fc2})  # type: ignore[arg-type]
+    try:
+        for how in before:  # what the user did to the module before adopting it
+            move_tree(probe, data, how)
+        TALLY["cases"] += 1
+        TALLY.update(f"before:{how}" for how in before)
+        try:
+            served = adopt(art_a, m, strict=strict)
+        except AdoptRefused as e:  # strict: refused at adopt, by name, for what was done before
+            assert before and e.refusal.code == "module-changed", (before, e.refusal)
+            TALLY["strict:module-changed"] += 1
+            return
+        case = Case(m, served, strict, probe.originals, probe.handles)
+        with torch.no_grad():
+            for family in [*steps, "call"]:  # closing call: every move is judged by one
+                if family == "call":
+                    call(case)
+                else:
+                    MOVES[family](case, data)
+    finally:
+        nn.Linear.forward = LINEAR_FORWARD  # type: ignore[method-assign]
 
 
 def test_every_call_is_compiled_and_right_or_refused_by_name(
@@ -456,7 +516,8 @@ def test_every_call_is_compiled_and_right_or_refused_by_name(
         torch.set_num_threads(threads)
     print(f"\n{EXAMPLES} examples: {dict(sorted(TALLY.items()))}")
     assert TALLY["cases"] >= EXAMPLES
-    for category in ("compiled", "restrided", "rebound", "eager:module-changed", "refused:config"):
+    categories = ("compiled", "restrided", "rebound", "eager:module-changed", "refused:config")
+    for category in (*categories, "eager:autocast", "eager:grad", *(f"before:{b}" for b in BEFORE_ADOPT)):
         assert TALLY[category] > 0, f"{category} never exercised: {dict(TALLY)}"
     assert any(k.startswith("strict:") for k in TALLY), dict(TALLY)
 
