@@ -66,7 +66,7 @@ def test_a_manifest_of_a_module_without_an_attachment_asks_for_serves(tmp_path: 
     line = HYPHENATED.splitlines().index("[family.klein.module.vae-decode]") + 1
     assert f"Cgfile:{line}: field 'family.klein.module.vae-decode.serves'" in proc.stderr
     assert 'write serves = "..."' in proc.stderr
-    assert not (tmp_path / ".cgbuild").exists()  # refused before any trace
+    assert not (tmp_path / ".cgbuild" / "traces.sqlite").exists()  # refused before any trace
 
 
 def test_a_written_serves_is_checked_whatever_the_module_is_named(tmp_path: Path) -> None:
