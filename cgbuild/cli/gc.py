@@ -59,10 +59,14 @@ def run(args: argparse.Namespace) -> int:
     if args.root:
         raise UserError("--root pins plans for the shared store's gc: it needs --remote", field="--root")
     from cgbuild.exec.mint import sweep_build
+    from cgbuild.store.errors import StoreError
     from cgbuild.store.local import Store
 
     ws = workspace(args)
-    report = Store(ws.cg.store_dir).gc(dry_run=args.dry_run)
+    try:
+        report = Store(ws.cg.store_dir).gc(dry_run=args.dry_run)
+    except StoreError as e:  # a store gc cannot lock or lay out: named, with what to do
+        raise UserError(f"{e.code}: {e.detail}") from None
     build = sweep_build(ws.state, LOCAL_GRACE_S if args.grace is None else args.grace, dry_run=args.dry_run)
     doc = {
         "dry_run": report.dry_run,

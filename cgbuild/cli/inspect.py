@@ -7,7 +7,6 @@ outcome)."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
             "state": "fresh (re-hashed now)",
             "ref": resolved.ref.to_json(),
         }
-        rec = ws.state.record(key)
-        record = json.loads(rec.read_text()) if rec.exists() else None
+        record = ws.state.read_record(key)
         # with a shared store: every card's runs published beside the artifact, not this host's only
         evidence = (ws.shared(store) or store).read_evidence(key)
     try:

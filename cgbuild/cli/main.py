@@ -80,14 +80,24 @@ def add_workspace_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def workspace(args: argparse.Namespace) -> Workspace:
+def workspace(args: argparse.Namespace, *, writes_state: bool = True) -> Workspace:
+    """The workspace the command runs in; one that `writes_state` (every command but `query`)
+    is refused (exit 2) when its state folder cannot be written, naming the folder and the fix."""
     from cgbuild.config import cgfile
     from cgbuild.plan.workspace import Workspace
 
     if args.directory is not None and not _is_dir(args.directory):
         raise UserError(f"not a folder: {args.directory!r}", field="-C")
     path = args.cgfile or find_cgfile(Path(args.directory or ".").resolve())
-    return Workspace(cgfile.load(path), toolchain_lock=getattr(args, "toolchain", None))
+    ws = Workspace(cgfile.load(path), toolchain_lock=getattr(args, "toolchain", None))
+    if writes_state and (why := ws.state.unwritable()) is not None:
+        raise ws.cg.error(
+            f"the state folder {ws.state.root} cannot be written ({why}): make it writable for this "
+            "user, or point [workspace] state at a folder that is",
+            "workspace",
+            "state",
+        )
+    return ws
 
 
 def _is_dir(path: str) -> bool:

@@ -3,7 +3,9 @@
 Every selected target must be fresh (a verified artifact for its key is in the store): a
 manifest that named a key nothing was built for would only serve eager in production, so a
 selection with any other target is refused (exit 2) naming each one and its status. A manifest
-serves one family's modules, so the selection must stay inside one family. The manifest
+serves one family's modules, so the selection must stay inside one family, and records where
+each module attaches, so a selected module without `serves` (its name is no attribute path) is
+refused at its Cgfile line; both before any trace. The manifest
 (`cgbuild.serving-manifest/3`, `cgbuild.protocol.manifest`) lists, per module, where it attaches
 in a pipeline and every graph class × layout × sm selected with its key, layout stamp, envelope
 and whether its layout is compiled-only; `adopt_manifest` keeps the entries
@@ -35,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     ws = workspace(args)
     selector = parse_selector(args.label)
     where: Where = {"field": "label"}
-    families = sorted({t.id.family for t in select(ws.cg, expand(ws.cg), selector)})
+    selected = select(ws.cg, expand(ws.cg), selector)
+    families = sorted({t.id.family for t in selected})
     if not families:
         raise UserError(f"'{args.label}' selects no target: there is nothing to serve", **where)
     if len(families) > 1:  # checked before any trace: the selector is what must change
@@ -44,6 +47,18 @@ def run(args: argparse.Namespace) -> int:
             f"(select one, e.g. //{families[0]})",
             **where,
         )
+    fam = ws.cg.families[families[0]]
+    for name in sorted({t.id.module for t in selected}):
+        if fam.modules[name].serves is None:  # before any trace, as above
+            raise ws.cg.error(
+                f"module '{name}' names no pipeline attribute, which a serving manifest records: "
+                'write serves = "..." with the attribute it serves (e.g. serves = "vae.decode")',
+                "family",
+                fam.name,
+                "module",
+                name,
+                "serves",
+            )
     update, close = progress_bar("tracing")
     try:
         plan = make_plan(ws, selector, progress=update)
@@ -61,8 +76,7 @@ def run(args: argparse.Namespace) -> int:
         )
     from cgbuild.identity.layout import QUANT_RULES
 
-    fam = ws.cg.families[families[0]]
-    serves = {name: m.serves for name, m in fam.modules.items()}
+    serves = {name: m.serves for name, m in fam.modules.items() if m.serves is not None}
     compiled_only = {name: QUANT_RULES[lay.quant].compiled_only for name, lay in ws.cg.layouts.items()}
     doc = manifest.build(families[0], targets, serves, compiled_only, fam.calls)
     if not args.output:
@@ -74,9 +88,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             f"cannot write the manifest: {getattr(exc, 'strerror', None) or exc}", file=args.output
         ) from None
-    entries = sum(len(rows) for rows in doc["modules"].values())
+    entries = sum(len(module["entries"]) for module in doc["modules"].values())
     console().print(
-        f"wrote {args.output}: {entries} artifacts of {len(doc['modules'])} modules of {families[0]}",
+        f"wrote {args.output}: {entries} entries of {len(doc['modules'])} modules of {families[0]}",
         markup=False,
         highlight=False,
     )

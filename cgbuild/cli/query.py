@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from cgbuild.plan.query import rule_graph, to_dot, to_json
 
-    ws = workspace(args)
+    ws = workspace(args, writes_state=False)  # reads the Cgfile only
     targets = select(ws.cg, expand(ws.cg), parse_selector(args.label))
     g = rule_graph(ws.cg, targets)
     if args.output == "json":

@@ -94,9 +94,11 @@ class Module:
     name: str
     component: str
     envelope: Envelope
-    serves: str = ""
+    serves: str | None = None
     """The pipeline attribute this module's artifacts serve (`transformer`, `vae.decode`): where
-    `adopt_pipeline` attaches them. Defaults to the module's name."""
+    `adopt_pipeline` attaches them. Defaults to the module's name where that is an attribute
+    path; None where it is not (`vae-decode`) and none is written: the module then has no
+    pipeline attachment, and what needs one (a serving manifest) asks for `serves`."""
     layouts: tuple[str, ...] = ()
     """The family's layouts this module is minted in; the family's own when not declared (a VAE
     decoder kept bf16 beside an fp8 transformer)."""
@@ -547,11 +549,15 @@ def _from_pixel(
 
 def _serving(
     r: Reader, where: tuple[str, ...], t: dict[str, Any], name: str, family_layouts: tuple[str, ...]
-) -> tuple[str, tuple[str, ...]]:
-    """(the pipeline attribute the module serves, the layouts it is minted in), checked: an
-    attribute path of identifiers; a non-empty subset of the family's layouts without repeats."""
-    serves = r.get(t, where, "serves", is_str, "a pipeline attribute path, e.g. 'vae.decode'", default=name)
-    if not ATTRIBUTE_PATH.fullmatch(serves):
+) -> tuple[str | None, tuple[str, ...]]:
+    """(the pipeline attribute the module serves, the layouts it is minted in), checked: a
+    written `serves` is an attribute path of identifiers; unwritten, it is the module's name where
+    that is one, else None (any label name plans; only a manifest needs the attachment); the
+    layouts are a non-empty subset of the family's without repeats."""
+    serves = r.get(t, where, "serves", is_str, "a pipeline attribute path, e.g. 'vae.decode'")
+    if serves is None:
+        serves = name if ATTRIBUTE_PATH.fullmatch(name) else None
+    elif not ATTRIBUTE_PATH.fullmatch(serves):
         raise r.fail(
             f"bad serves '{serves}': a pipeline attribute path of identifiers, e.g. 'transformer' or "
             "'vae.decode'",

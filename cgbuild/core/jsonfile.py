@@ -1,9 +1,11 @@
-"""Reading a JSON file that someone else wrote (a plan, a lock): hostile until parsed.
+"""Reading JSON that someone else wrote (a plan, a lock, a safetensors header, a state file):
+hostile until parsed.
 
-Every way such a file can be unusable becomes a `UserError` naming the file and, where the
+Every way such a document can be unusable becomes a `UserError` naming the file and, where the
 parser knows it, the line: unreadable, not UTF-8, not JSON, `NaN`/`Infinity` (JSON has neither),
-or nested deeper than any document cgbuild writes (Python's parser would raise `RecursionError`
-on deep nesting, and every walk over the document would too).
+or nested deeper than the reader allows (Python's parser would raise `RecursionError` on deep
+nesting, and every walk over the document would too). One parser for all of them, so a bound
+added here holds for every reader.
 """
 
 from __future__ import annotations
@@ -36,19 +38,35 @@ def depth(value: Any) -> int:
     return deepest
 
 
-def parse(text: str, file: str) -> Any:
-    """Parse JSON text; raises UserError naming `file` (and the line of a syntax error)."""
+def parse(text: str, file: str, *, max_depth: int = MAX_DEPTH, what: str = "") -> Any:
+    """Parse JSON text nested at most `max_depth` deep; raises UserError naming `file` (and the
+    line of a syntax error), its message led by `what` when given ("safetensors header")."""
+    lead = f"{what} is " if what else ""
+    too_deep = f"{lead}not usable: nested deeper than {max_depth} levels"
     try:
         value = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
-        raise UserError(f"not JSON: {exc.msg}", file=file, line=exc.lineno) from None
+        raise UserError(f"{lead}not JSON: {exc.msg}", file=file, line=exc.lineno) from None
     except ValueError as exc:
-        raise UserError(f"not JSON: {exc}", file=file) from None
+        raise UserError(f"{lead}not JSON: {exc}", file=file) from None
     except RecursionError:
-        raise UserError(f"not usable: nested deeper than {MAX_DEPTH} levels", file=file) from None
-    if depth(value) > MAX_DEPTH:
-        raise UserError(f"not usable: nested deeper than {MAX_DEPTH} levels", file=file)
+        raise UserError(too_deep, file=file) from None
+    if depth(value) > max_depth:
+        raise UserError(too_deep, file=file)
     return value
+
+
+def decode(raw: bytes, file: str, what: str, *, max_depth: int = MAX_DEPTH) -> Any:
+    """Parse JSON bytes (UTF-8) read from `file`; `what` names the document in errors."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(
+            f"{what} is not UTF-8: byte 0x{raw[exc.start]:02x}",
+            file=file,
+            line=raw.count(b"\n", 0, exc.start) + 1,
+        ) from None
+    return parse(text, file, max_depth=max_depth, what=what)
 
 
 MAX_BYTES = 512 * userfile.MIB
@@ -57,13 +75,4 @@ MAX_BYTES = 512 * userfile.MIB
 
 def load(path: str, what: str) -> Any:
     """Read and parse the JSON file at `path`; `what` names it in errors ("plan file", "lock")."""
-    raw = userfile.read(path, what, MAX_BYTES)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(
-            f"{what} is not UTF-8: byte 0x{raw[exc.start]:02x}",
-            file=path,
-            line=raw.count(b"\n", 0, exc.start) + 1,
-        ) from None
-    return parse(text, path)
+    return decode(userfile.read(path, what, MAX_BYTES), path, what)

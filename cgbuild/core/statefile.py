@@ -41,29 +41,38 @@ def set_aside(path: Path, why: str, *, companions: tuple[str, ...] = ()) -> Path
     return aside
 
 
-def read_json(path: Path, valid: Callable[[Any], bool], what: str) -> Any | None:
+def read_json(path: Path, valid: Callable[[Any], bool], what: str, *, fix: str | None = None) -> Any | None:
     """The JSON document at `path` if `valid(doc)`; None if there is none. A document that is
-    unreadable, not JSON or not `valid` is set aside (one warning) and None is returned."""
+    unreadable, not JSON or not `valid` is set aside (one warning) and None is returned: the
+    caller rebuilds it. A file nothing rebuilds (a mint record) passes `fix`, what a person does
+    about it: such a file is refused instead (a UserError naming it, what is wrong and `fix`)
+    and left where it is."""
+
+    def unusable(why: str) -> None:
+        if fix is not None:
+            raise UserError(f"{why}: {fix}", file=str(path))
+        set_aside(path, why)
+
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         return None
     except OSError as exc:  # e.g. a folder where the file should be
         if path.is_dir() and not path.is_symlink():
-            set_aside(path, f"{what} is a folder")
+            unusable(f"{what} is a folder")
             return None
         raise UserError(f"cannot read the {what}: {exc.strerror}", file=str(path)) from None
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
-        set_aside(path, f"{what} is not JSON (torn?)")
+        unusable(f"{what} is not JSON (torn?)")
         return None
     try:
         ok = valid(doc)
     except (AttributeError, TypeError, KeyError, IndexError, ValueError):
         ok = False
     if not ok:
-        set_aside(path, f"{what} has an unexpected shape (another version, or edited?)")
+        unusable(f"{what} has an unexpected shape (another version, or edited?)")
         return None
     return doc
 

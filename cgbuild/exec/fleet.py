@@ -23,7 +23,6 @@ same durable record as a local mint.
 
 from __future__ import annotations
 
-import json
 import queue
 import re
 import socket
@@ -353,6 +352,6 @@ def mint_on_node(order: Order) -> Iterator[dict[str, Any]]:
     worker.join()
     if raised:
         raise raised[0]
-    record = json.loads(ws.state.record(mk.key).read_text())
+    record = ws.state.read_record(mk.key) or {}
     assert mk.result is not None  # mint_one always ends with one
     yield {"result": mk.result.to_json(), "record": record, "node": {"id": node, "host": host}}

@@ -12,7 +12,6 @@ written over.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import tempfile
@@ -297,11 +296,10 @@ def _live_mint(state: StateDir, entry: Path) -> bool:
     for a sealed `<key>.tar.gz` awaiting admission, the key's record is `running` under a live
     cgbuild. A reused pid only keeps an entry longer, never removes a live one."""
     if entry.name.endswith(".tar.gz"):
-        try:
-            record = json.loads(state.record(entry.name.removesuffix(".tar.gz")).read_bytes())
-        except (OSError, ValueError):
+        record = state.read_record(entry.name.removesuffix(".tar.gz"))
+        if record is None:
             return False
-        pid = record.get("pid") if isinstance(record, dict) else None
+        pid = record.get("pid")
         return record.get("state") == "running" and (type(pid) is not int or _alive(pid))
     pid = _pid_of(entry.name)
     return pid is not None and _alive(pid)

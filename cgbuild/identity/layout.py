@@ -21,7 +21,6 @@ produces the emitted tensors) lives in `cgbuild_rules.quant`, keyed by the same 
 from __future__ import annotations
 
 import functools
-import json
 import re
 import struct
 from collections.abc import Mapping
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cgbuild.core import fs
+from cgbuild.core import fs, jsonfile
 from cgbuild.core.canon import digest
 from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
@@ -311,27 +310,33 @@ def from_trace(rows: list[list[Any]]) -> list[list[Any]]:
     return [[n, safetensors_dtype(d), list(s)] for n, d, s in rows]
 
 
+HEADER_MAX_BYTES = 100 * 1024 * 1024
+"""safetensors' own limit on a header's length."""
+HEADER_MAX_DEPTH = 3
+"""A safetensors header is {name: {dtype, shape: [...], data_offsets: [...]}} beside a
+`__metadata__` map of strings: three deep. Deeper is no header, and would reach the parser's
+recursion limit long before the size limit."""
+
+
 def read_header(path: Path) -> dict[str, Any]:
     """The JSON header of one safetensors file, read directly: 8 bytes of little-endian length,
-    then that many bytes of JSON. A short or missing data region is fine (safetensors' own
-    `safe_open` refuses one), so a reference can be a header-only stub of a huge checkpoint."""
+    then that many bytes of JSON, bounded in size and depth. A short or missing data region is
+    fine (safetensors' own `safe_open` refuses one), so a reference can be a header-only stub of
+    a huge checkpoint. Every header cgbuild and its rules read comes through here."""
     try:
         with path.open("rb") as f:
             head = f.read(8)
             if len(head) != 8:
                 raise UserError("not a safetensors file (shorter than 8 bytes)", file=str(path))
             (length,) = struct.unpack("<Q", head)
-            if length > 100 * 1024 * 1024:
+            if length > HEADER_MAX_BYTES:
                 raise UserError(f"safetensors header of {length} bytes is implausible", file=str(path))
             raw = f.read(length)
     except OSError as exc:
         raise UserError(f"cannot read checkpoint: {exc.strerror}", file=str(path)) from None
     if len(raw) != length:
         raise UserError("safetensors header is truncated", file=str(path))
-    try:
-        header = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"safetensors header is not JSON: {exc.msg}", file=str(path)) from None
+    header = jsonfile.decode(raw, str(path), "safetensors header", max_depth=HEADER_MAX_DEPTH)
     if not isinstance(header, dict):
         raise UserError("safetensors header is not a JSON object", file=str(path))
     return header
@@ -339,14 +344,12 @@ def read_header(path: Path) -> dict[str, Any]:
 
 def _index_files(index: Path) -> tuple[list[Path], dict[str, str]]:
     """The shard files a `*.safetensors.index.json` names (relative to its folder), and its map."""
+    data = jsonfile.load(str(index), "checkpoint index")
     try:
-        data = json.loads(index.read_text())
         weight_map = data["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise TypeError("weight_map must map tensor names to file names")
-    except OSError as exc:
-        raise UserError(f"cannot read checkpoint index: {exc.strerror}", file=str(index)) from None
-    except (ValueError, KeyError, TypeError) as exc:
+    except (KeyError, TypeError) as exc:
         raise UserError(f"not a safetensors index: {exc}", file=str(index)) from None
     files = []
     for name in sorted(set(weight_map.values())):

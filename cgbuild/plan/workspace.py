@@ -7,11 +7,13 @@ the commands that read the store) does not import the planner's machinery.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from cgbuild.config.cgfile import Cgfile
+from cgbuild.core import statefile
 
 if TYPE_CHECKING:
     from cgbuild.store.backend import Backend
@@ -33,6 +35,12 @@ class StateDir:
 
     def record(self, key: str) -> Path:
         return self.mints / f"{key}.json"
+
+    def read_record(self, key: str) -> dict[str, Any] | None:
+        """A key's mint record, None when none was written here. Nothing rebuilds a record, so
+        one that cannot be read is refused by name rather than set aside."""
+        doc = statefile.read_json(self.record(key), _is_record, "mint record", fix=RECORD_FIX)
+        return cast(dict[str, Any] | None, doc)
 
     def log(self, key: str, what: str = "") -> Path:
         """A key's worker log (`what`: `check` for a `mint --check` re-mint)."""
@@ -66,9 +74,43 @@ class StateDir:
     def traces(self) -> Path:
         return self.root / "traces.sqlite"
 
+    def unwritable(self) -> str | None:
+        """Why this user cannot write the state folder (created here when absent), or None.
+        Every command but `query` writes it (a cache, the last plan, a record): probed once, by
+        creating and removing a file, so a folder that refuses writes is named at the start
+        instead of failing a plan or a mint half-way."""
+        probe = self.root / f".write-probe-{os.getpid()}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+            os.unlink(probe)
+        except OSError as exc:
+            return f"{exc.filename or self.root}: {exc.strerror}"
+        return None
+
     def planned_from(self) -> list[Path]:
         """The state files a plan reads (its memo's inputs): the last plan and the trace cache."""
         return [self.last_plan, self.traces, self.traces.with_name(self.traces.name + "-wal")]
+
+
+RECORD_FIX = (
+    "remove it (it is this machine's account of the key's mint: the artifact in the store does not "
+    "depend on it, and the key's next mint writes it again)"
+)
+
+
+def _is_record(doc: Any) -> bool:
+    """The fields of a mint record its readers use (`inspect`, `gc`, the fleet) have their types."""
+    if not isinstance(doc, dict):
+        return False
+    labels, result = doc.get("labels") or [], doc.get("result") or {}
+    return (
+        isinstance(labels, list)
+        and all(isinstance(label, str) for label in labels)
+        and isinstance(doc.get("state") or "", str)
+        and isinstance(result, dict)
+        and isinstance(result.get("phases") or {}, dict)
+    )
 
 
 @dataclass

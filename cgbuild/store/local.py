@@ -104,8 +104,16 @@ class Store:
 
     @contextlib.contextmanager
     def _locked(self, exclusive: bool) -> Iterator[None]:
-        self.ensure_layout()
-        fd = os.open(self._lock_path, os.O_RDWR)
+        try:
+            self.ensure_layout()
+            fd = os.open(self._lock_path, os.O_RDWR)
+        except OSError as exc:  # `lock` a folder, a store this user cannot write
+            raise StoreError(
+                None,
+                f"cannot lock the store: {exc.filename or self._lock_path}: {exc.strerror}; its lock "
+                "must be a regular file in a folder this user can write: move aside what is there "
+                "(the store lays itself out again on its next write)",
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             yield

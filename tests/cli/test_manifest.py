@@ -9,6 +9,7 @@ layout fits, and a device no entry is for. v1 manifests are still read.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,9 @@ import pytest
 import torch
 from hostile import _mutated
 from hypothesis import given, settings
-from support.cli import cli
-from support.toy import copy_toy
+from support.artifacts import sealed_for
+from support.cli import cli, last_json
+from support.toy import EXAMPLES, copy_toy
 
 from cgbuild.config import cgfile
 from cgbuild.protocol.manifest import SCHEMA, SCHEMA_V1, SCHEMA_V2, BadManifest, read
@@ -40,7 +42,7 @@ def doc(ws: Path) -> dict[str, Any]:
     out = ws / "serving.json"
     proc = cli(ws, "manifest", MLP, "-o", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert "2 artifacts of 1 modules of toy" in proc.stdout
+    assert "2 entries of 1 modules of toy" in proc.stdout
     return dict(json.loads(out.read_text()))
 
 
@@ -156,6 +158,26 @@ def test_targets_that_are_not_fresh_are_refused_by_name(ws: Path, tmp_path: Path
     assert "//toy/mlp/16x64-b1@fp32:cpu (mint)" in proc.stderr
     assert "//toy/mlp/16x64-b1@int8:cpu (mint)" in proc.stderr and "8x64" not in proc.stderr
     assert not out.exists()
+
+
+def test_the_printed_count_is_the_written_documents_entries(tmp_path: Path) -> None:
+    """Two modules of one class each, fresh from stand-in artifacts (two traces, no compile): the
+    line names the entries the file holds, not the fields of its module objects."""
+    ws = tmp_path / "toy"
+    shutil.copytree(EXAMPLES / "toy", ws, ignore=shutil.ignore_patterns(".cgbuild", "reference"))
+    cg = ws / "Cgfile"
+    cg.write_text(cg.read_text().replace('shapes = ["8x64", "16x64"]', 'shapes = ["8x64"]'))
+    plan = last_json(cli(ws, "plan", "//toy@fp32", "--json"))
+    store = Store(ws / ".cgbuild" / "store")
+    for target in plan["targets"]:
+        store.admit(target["key"], sealed_for(tmp_path, target["key"]))
+    out = tmp_path / "serving.json"
+    proc = cli(ws, "manifest", "//toy@fp32", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    modules = json.loads(out.read_text())["modules"]
+    entries = sum(len(m["entries"]) for m in modules.values())
+    assert (entries, len(modules)) == (2, 2)
+    assert proc.stdout.strip() == f"wrote {out}: {entries} entries of {len(modules)} modules of toy"
 
 
 def test_one_family_per_manifest(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from support.cgfiles import error_of, write
+from support.cli import cli
 
 from cgbuild.config import cgfile
 from cgbuild.config.targets import expand
@@ -41,6 +42,38 @@ def test_a_module_serves_its_name_unless_it_says_where(tmp_path: Path) -> None:
 def test_a_dotted_module_name_serves_that_attribute(tmp_path: Path) -> None:
     text = PIPELINE.format(decoder="").replace("module.decoder]", 'module."vae.decode"]')
     assert cgfile.load(write(tmp_path, text)).families["klein"].modules["vae.decode"].serves == "vae.decode"
+
+
+HYPHENATED = PIPELINE.format(decoder="").replace("module.decoder]", "module.vae-decode]")
+
+
+def test_a_module_named_with_a_hyphen_plans_without_a_pipeline_attachment(tmp_path: Path) -> None:
+    """Any name a label takes is a module's name; `serves` defaults to it only where it is an
+    attribute path, and is otherwise absent rather than refused."""
+    cg = cgfile.load(write(tmp_path, HYPHENATED))
+    assert cg.families["klein"].modules["vae-decode"].serves is None
+    assert "//klein/vae-decode/64x64-b1@bf16:cpu" in {t.label for t in expand(cg)}
+    written = cgfile.load(write(tmp_path, HYPHENATED + 'serves = "vae.decode"\n'))
+    assert written.families["klein"].modules["vae-decode"].serves == "vae.decode"
+
+
+def test_a_manifest_of_a_module_without_an_attachment_asks_for_serves(tmp_path: Path) -> None:
+    """Refused before anything is traced, at the module's line: the manifest records where each
+    module attaches, and this one's name is no attribute path."""
+    write(tmp_path, HYPHENATED)
+    proc = cli(tmp_path, "manifest", "//klein/vae-decode")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    line = HYPHENATED.splitlines().index("[family.klein.module.vae-decode]") + 1
+    assert f"Cgfile:{line}: field 'family.klein.module.vae-decode.serves'" in proc.stderr
+    assert 'write serves = "..."' in proc.stderr
+    assert not (tmp_path / ".cgbuild" / "traces.sqlite").exists()  # refused before any trace
+
+
+def test_a_written_serves_is_checked_whatever_the_module_is_named(tmp_path: Path) -> None:
+    text = HYPHENATED + 'serves = "vae-decode"\n'
+    err = error_of(tmp_path, text)
+    assert "bad serves 'vae-decode'" in str(err) and err.field == "family.klein.module.vae-decode.serves"
+    assert err.line == len(text.splitlines()) and err.file == str(tmp_path / "Cgfile")
 
 
 @pytest.mark.parametrize(
