@@ -81,7 +81,8 @@ def _inputs(job: dict[str, Any]) -> tuple[Any, ...]:
     txt[:, 3] = torch.arange(text)
     dt = torch.bfloat16
     return (
-        torch.randn(1, rows * cols, model["in_channels"], generator=g).to("cuda", dt),
+        # transposed, as the pipeline packs latents and the entry traces them (`.to` keeps strides)
+        torch.randn(1, model["in_channels"], rows * cols, generator=g).transpose(1, 2).to("cuda", dt),
         torch.randn(1, text, model["joint_attention_dim"], generator=g).to("cuda", dt),
         torch.rand(1, generator=g).to("cuda", dt),
         img.cuda(),

@@ -11,14 +11,16 @@ What is rendered, one line per node in graph order:
 - op targets by qualified name (`aten.linear.default`, `_operator.getitem`);
 - every value typed: floats as `float.hex` (exact, locale-free), strings quoted, kwargs sorted;
 - tensors as `T(dtype|shape|device-type)`: `str(graph)` and `graph_module.code` omit shapes and
-  dtypes, so batch 8 and 16 would collide; strides and device indices are left out (layout
-  choices of the tracer, not of the program);
+  dtypes, so batch 8 and 16 would collide; strides and device indices are left out of the lines
+  (the tracer's choices inside the program);
 - symbolic sizes renamed `S0, S1, …` in first-appearance order, so the tracer's internal symbol
   names (hash-derived) never matter, with their range constraints as sorted lines.
 Beside the lines: the input/output signature (kinds, positions, target FQNs), the call contract
 (parameter names, pytree nesting, dtypes, shapes, symbol bounds) and the VALUES of trace-baked
 literals (constants that are not state-dict weights): a literal is part of the computation, a
-weight is not. Stack traces, module stacks and file paths in node meta are never read.
+weight is not. Last, the traced strides of the inputs not laid out contiguously (`strides`,
+absent when all are): a package reads its inputs with them, so they are the program's.
+Stack traces, module stacks and file paths in node meta are never read.
 """
 
 from __future__ import annotations
@@ -427,11 +429,60 @@ def _strides(r: _Renderer, ep: ExportedProgram, nodes: Mapping[str, torch.fx.Nod
     return out
 
 
-def _with_strides(contract: Mapping[str, Any], strides: list[Any]) -> dict[str, Any]:
-    """The contract as sealed: each tensor leaf also names its traced strides.
+def _laid_out(
+    r: _Renderer, ep: ExportedProgram, nodes: Mapping[str, torch.fx.Node], contract: Mapping[str, Any]
+) -> dict[str, list[Any]]:
+    """Leaf name → traced strides of each tensor input NOT laid out contiguously ({} when all
+    are): the layout part of the program's identity.
 
-    Strides are not part of the digest (the same computation traced from another layout keeps
-    its key), but the compiled package reads its inputs with them, so adopt must know them."""
+    A compiled package reads its inputs with the strides it was traced with, so two traces of one
+    computation from other layouts are two programs, and an entry changed to trace another
+    layout must re-mint. Contiguity is judged as the router judges a call (a dimension of size
+    one or less, whose stride addresses nothing, never counts) and such a dimension's stride is
+    rendered as its contiguous value, so two layouts that read the same memory name one program.
+    A contiguous trace adds nothing: its identity, digest and key are what they were before
+    strides entered them. Leaf names are the router's (`name`, or `name[j]` in a nested input).
+    """
+    values = iter(
+        [_arg_value(s.arg, nodes) for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    )
+    out: dict[str, list[Any]] = {}
+    for spec in contract["inputs"]:
+        leaves = spec["leaves"]
+        for j in range(len(leaves)):
+            v = next(values, None)
+            if not isinstance(v, torch.Tensor):
+                continue
+            where = spec["name"] + (f"[{j}]" if len(leaves) > 1 else "")
+            sizes = [sympy.sympify(d.node.expr if isinstance(d, torch.SymInt) else d) for d in v.shape]
+            if any(s.is_number and s == 0 for s in sizes):
+                continue  # no element: nothing is read
+            step: sympy.Basic = sympy.Integer(1)
+            wanted: list[sympy.Basic] = []
+            for size in reversed(sizes):
+                wanted.append(step)
+                step = step * size
+            wanted.reverse()
+            rendered: list[Any] = []
+            moved = False
+            for size, d, want in zip(sizes, v.stride(), wanted, strict=True):
+                got = sympy.sympify(d.node.expr if isinstance(d, torch.SymInt) else d)
+                if size.is_number and size <= 1:
+                    got = want
+                elif sympy.expand(got - want) != 0:
+                    moved = True
+                rendered.append(int(got) if got.is_number else r.sym.expr(got))
+            if moved:
+                out[where] = rendered
+    return out
+
+
+def _with_strides(
+    contract: Mapping[str, Any], strides: list[Any], laid_out: dict[str, Any]
+) -> dict[str, Any]:
+    """The contract as sealed: each tensor leaf also names its traced strides (the package reads
+    its inputs with them, so adopt must know them), and `strides` the non-contiguous ones the
+    digest holds (absent when every input is contiguous), for `plan` and `why` to name."""
     out = json.loads(json.dumps(contract))
     flat = iter(strides)
     for spec in out["inputs"]:
@@ -439,6 +490,8 @@ def _with_strides(contract: Mapping[str, Any], strides: list[Any]) -> dict[str, 
             stride = next(flat, None)
             if isinstance(leaf, dict) and stride is not None:
                 leaf["stride"] = stride
+    if laid_out:
+        out["strides"] = laid_out
     return out
 
 
@@ -461,7 +514,11 @@ def _identify(
         "contract": contract,
         "literals": _literals(r, ep, literals or {}),
     }
-    return ident, _strides(r, ep, by_name)  # rendered last: the digested text cannot depend on it
+    # Rendered last, so no symbol is named by a stride before the program names it.
+    laid_out = _laid_out(r, ep, by_name, contract)
+    if laid_out:  # absent for a contiguous trace: its digest is what it was before strides counted
+        ident["strides"] = laid_out
+    return ident, _strides(r, ep, by_name)
 
 
 def graph_facts(ep: ExportedProgram, literals: Mapping[str, torch.Tensor] | None = None) -> GraphFacts:
@@ -474,7 +531,7 @@ def graph_facts(ep: ExportedProgram, literals: Mapping[str, torch.Tensor] | None
     ident, strides = _identify(ep, literals)
     return GraphFacts(
         digest=digest(ident),
-        contract=_with_strides(ident["contract"], strides),
+        contract=_with_strides(ident["contract"], strides, ident.get("strides") or {}),
         topology=topology(ep),
         nodes=len(ep.graph.nodes),
         identity=ident,

@@ -55,7 +55,7 @@ from cgbuild_rules.loader import state_tensors
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import MappingKey, keystr, tree_flatten_with_path, tree_map
 
 from cgbuild.core.codes import Code
 from cgbuild.identity.layout import QUANT_RULES
@@ -312,6 +312,28 @@ def _retie(module: nn.Module, ties: list[list[str]]) -> None:
             table[name] = tensors[first]
 
 
+def check_not_broadcast(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """Refuse an input with a stride-0 (expanded) dimension longer than one.
+
+    Its trace would compile a program that reads one element along that dimension, and a
+    caller's values are constant there only when the caller passes the same broadcast: the
+    router could serve nothing else (a copy cannot be written into a stride-0 layout). Traced
+    contiguous, the program serves every caller, an expanded one on a copy (`restrided`)."""
+    for path, leaf in tree_flatten_with_path((args, kwargs))[0]:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        for dim, (size, stride) in enumerate(zip(leaf.shape, leaf.stride(), strict=True)):
+            if stride == 0 and size > 1:
+                head = path[1]
+                name = head.key if isinstance(head, MappingKey) else f"args{keystr(path[1:2])}"
+                raise EntryError(
+                    f"entry input {name}{keystr(path[2:])} {list(leaf.shape)} has stride 0 on "
+                    f"dimension {dim} (an expanded, broadcast view): trace it contiguous "
+                    "(`.contiguous()` or `.clone()`); a caller that passes the expanded view is "
+                    "served on a copy"
+                )
+
+
 def call_entry(fn: Callable[[dict[str, Any]], Any], spec: dict[str, Any], quant: str) -> Built:
     reads = declared_dims.SpecReads(spec)
     try:
@@ -322,6 +344,7 @@ def call_entry(fn: Callable[[dict[str, Any]], Any], spec: dict[str, Any], quant:
     except Exception as e:
         raise EntryError(f"build() raised {type(e).__name__}: {e}") from None
     declared_dims.check_read(spec, reads)
+    check_not_broadcast(built.args, built.kwargs)
     built.module = apply_quant(built.module, quant, spec.get("dtype"), spec.get("lanes"))
     return built
 

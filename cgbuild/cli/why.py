@@ -14,7 +14,7 @@ from cgbuild.cli.render import STATUS_STYLE, component_summary, console, print_j
 from cgbuild.config.labels import parse_label, parse_selector
 from cgbuild.core.errors import UserError
 from cgbuild.core.platform import device_of
-from cgbuild.identity.keys import AXES, KEY_SCHEME
+from cgbuild.identity.keys import AXES, KEY_SCHEME, strides_text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,7 +71,8 @@ def _describe(name: str, block: dict[str, Any] | None, tc: dict[str, Any]) -> st
     if name == "graph":
         return (
             f"digest {block['digest']}  (traced with torch {block.get('traced_with')}, "
-            f"{block.get('nodes')} nodes; canonical pre-decomposition program + call contract)"
+            f"{block.get('nodes')} nodes; canonical pre-decomposition program + call contract; "
+            f"inputs {strides_text(block.get('strides'))})"
         )
     if name == "sm":
         return str(block["sm"])

@@ -51,9 +51,19 @@ class AxisKind:
 
         def side(block: dict[str, Any], values: list[Any]) -> str:
             moved = ", ".join(f"{f} {str(v)[:12]}" for (f, *_), v in zip(fields, values, strict=True))
+            if self is GRAPH and old.get("strides") != new.get("strides"):
+                return f"{moved}, traced strides {strides_text(block.get('strides'))}"
             return f"{block.get('stamp')} ({moved})" if self is LAYOUT else moved
 
         return side(old, [o for _, o, _ in fields]), side(new, [n for _, _, n in fields])
+
+
+def strides_text(strides: dict[str, Any] | None) -> str:
+    """A graph's non-contiguous traced inputs as a person reads them: `hidden_states [128, 1,
+    8]`, or `contiguous` when it has none."""
+    if not strides:
+        return "contiguous"
+    return "; ".join(f"{name} [{', '.join(map(str, stride))}]" for name, stride in strides.items())
 
 
 GRAPH = AxisKind("graph", ("digest",))
@@ -75,8 +85,17 @@ class Axis:
         return canonical_json(self.identity)
 
 
-def graph_axis(graph_digest: str, *, torch: str, nodes: int | None) -> Axis:
-    return GRAPH.axis({"digest": graph_digest, "traced_with": torch, "nodes": nodes})
+def graph_axis(
+    graph_digest: str, *, torch: str, nodes: int | None, strides: dict[str, Any] | None = None
+) -> Axis:
+    """`strides`: the traced strides of the inputs not laid out contiguously, as the trace's
+    contract names them. The digest already holds them (the trace rule folds them in); the
+    readable block carries them so a move names them. Absent for a contiguous trace, whose
+    block stays what it was before strides counted."""
+    readable: dict[str, Any] = {"digest": graph_digest, "traced_with": torch, "nodes": nodes}
+    if strides:
+        readable["strides"] = strides
+    return GRAPH.axis(readable)
 
 
 def sm_axis(sm: str) -> Axis:

@@ -416,7 +416,10 @@ def _axes_of(
     if fact is not None:
         graph = ctx.graph_axes.get(inputs)
         if graph is None:
-            graph = graph_axis(fact["graph_digest"], torch=fact["torch"], nodes=fact.get("nodes"))
+            strides = (fact.get("contract") or {}).get("strides")
+            graph = graph_axis(
+                fact["graph_digest"], torch=fact["torch"], nodes=fact.get("nodes"), strides=strides
+            )
             ctx.graph_axes[inputs] = graph
     lay, mismatch = _layout_of(ctx, t, inputs, fact)
     return {"graph": graph, "sm": sm, "toolchain": tc, "layout": lay}, mismatch

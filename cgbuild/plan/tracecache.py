@@ -20,7 +20,9 @@ from cgbuild.core import statefile
 from cgbuild.core.canon import digest_unguarded
 from cgbuild.identity.layout import QUANT_RULES
 
-TRACE_RULE_VERSION = 1
+TRACE_RULE_VERSION = 2
+"""Bumped when the rule computes other facts from the same inputs (2: the traced strides of
+non-contiguous inputs entered the graph digest), so no cached trace answers for the new rule."""
 
 
 def trace_inputs(

@@ -264,7 +264,9 @@ def build(spec: dict[str, Any]) -> tuple[Any, ...]:
     cfg = model.config
     img_ids, txt_ids = _position_ids(height, width, text_len)
     args = (
-        torch.randn(batch, tokens, cfg.in_channels),
+        # As the pipeline packs latents, (B, C, N) permuted to (B, N, C): a transposed view. A
+        # contiguous trace would serve every pipeline call on a copy (`restrided`).
+        torch.randn(batch, cfg.in_channels, tokens).transpose(1, 2),
         torch.randn(batch, text_len, cfg.joint_attention_dim),
         torch.rand(batch),
         img_ids,

@@ -42,15 +42,31 @@ def _contiguous(shape: list[int]) -> list[int]:
     return out[::-1]
 
 
+def _overlapping(shape: list[int], stride: list[int]) -> bool:
+    """Whether a layout may address one element from two indices (a stride-0 broadcast, an
+    `as_strided` window): no copy can be written into it. Dimensions by ascending stride, each
+    must step past everything the smaller ones span."""
+    span = 0
+    for step, size in sorted((w, n) for n, w in zip(shape, stride, strict=True) if n > 1):
+        if step <= span:
+            return True
+        span += step * (size - 1)
+    return False
+
+
 def _as_traced(g: torch.Tensor, want: list[int]) -> torch.Tensor | None:
     """`g` itself when the package may read it as traced (the strides it was traced with on
     every dimension longer than one, an aligned start), else a copy laid out that way; None
-    for an input that cannot be laid out so (overlapping traced strides)."""
+    for an input that cannot be laid out so (overlapping traced strides, such as a stride-0
+    dimension an artifact sealed before the trace refused it was traced with: only a call
+    passing that same broadcast, aligned, is read as traced)."""
     if g.numel() == 0:
         return g
     same = all(n <= 1 or s == w for n, s, w in zip(g.shape, g.stride(), want, strict=True))
     if same and g.data_ptr() % ALIGN == 0:
         return g
+    if _overlapping(list(g.shape), want):
+        return None
     try:
         out = torch.empty_strided(g.shape, want, dtype=g.dtype, device=g.device)
     except RuntimeError:
@@ -201,7 +217,11 @@ def _laid_out(
             return Refusal(Code.STRIDE, f"{where}: traced strides {recorded} are not checkable here")
         laid = _as_traced(g, want)  # type: ignore[arg-type]
         if laid is None:
-            return Refusal(Code.STRIDE, f"{where}: cannot lay out {shape} with traced strides {want}")
+            return Refusal(
+                Code.STRIDE,
+                f"{where}: cannot lay out {shape} with traced strides {want} (overlapping: a copy "
+                "cannot be written into them); only a call passing that layout, aligned, is served",
+            )
         if laid is not g:
             leaves[positions[i]] = laid
             if restrided is not None:

@@ -12,6 +12,11 @@ Re-banked: the toy's six keys moved (graph axis only) when a lane switch stopped
 literal and became a size comparison on the lane selector input: every program with a switched
 axis is another program. flux2-klein-tiny declares no lanes here and kept its keys; the H200 keys
 are the banked plan's, whose artifacts switch by one-hot and still adopt.
+
+Re-banked: flux2-klein-tiny's six keys moved (graph axis only) when the FLUX.2 example began
+tracing `hidden_states` as the stock pipeline passes it (a transposed view) and the traced strides
+of non-contiguous inputs entered the graph digest. The toy traces contiguous inputs: its keys are
+byte-identical. The H200 keys are the banked plan's (traced contiguous, served on a copy).
 """
 
 from __future__ import annotations

@@ -270,6 +270,23 @@ def test_entry_source_change_moves_only_that_graph(toy: Path) -> None:
     ]
 
 
+def test_an_entry_traced_on_other_strides_re_mints_naming_them(toy: Path) -> None:
+    """A package reads its inputs with their traced strides: a layout is part of the program. An
+    entry changed to trace a transposed view moves its graph's key and says so (contiguous
+    traces keep the keys they had: tests/golden/keys.json)."""
+    before = by_label(plan(toy, MLP8))
+    contiguous = "return model, (torch.randn(batch, height, width),), {}"
+    transposed = "return model, (torch.randn(batch, width, height).transpose(1, 2),), {}"
+    edit(toy / "toy_models.py", contiguous, transposed)
+    after = by_label(plan(toy, MLP8))
+    assert after[MLP8]["key"] != before[MLP8]["key"] and after[MLP8]["status"] == "mint"
+    (moved,) = [r for r in after[MLP8]["reasons"] if r.get("axis") == "graph" and r["code"] == "axis-moved"]
+    assert moved["old"].endswith("traced strides contiguous"), moved
+    assert moved["new"].endswith("traced strides x [512, 1, 8]"), moved
+    assert after[MLP8]["axes"]["graph"]["strides"] == {"x": [512, 1, 8]}
+    assert "strides" not in before[MLP8]["axes"]["graph"]
+
+
 def test_installed_library_bump_retraces_and_moves_no_key(toy: Path, tmp_path: Path) -> None:
     first = cli(toy, "plan", "--json")
     assert first.returncode == 0, first.stderr

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from cgbuild_rules.digest import SCHEME, LiteralHidden, _Renderer, _Symbols, identity
+from cgbuild_rules.digest import SCHEME, GraphFacts, LiteralHidden, _Renderer, _Symbols, graph_facts, identity
 from cgbuild_rules.trace import export_job
 from support.jobs import BANKED, TOY, flux_job, make_job
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 
@@ -86,6 +87,50 @@ def test_dynamic_symbols_renamed_and_bounded() -> None:
     assert facts["graph_digest"] != digest_of(make_job(batch=4))
 
 
+class MatMul(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x @ y
+
+
+def _matmul(x: torch.Tensor, dims: Any = None) -> GraphFacts:
+    y = torch.randn(x.shape[0], x.shape[2], 3)
+    return graph_facts(torch.export.export(MatMul(), (x, y), dynamic_shapes=dims))
+
+
+def test_traced_strides_of_a_non_contiguous_input_move_the_digest() -> None:
+    """A package reads its inputs with their traced strides: a layout is part of the program.
+    Contiguous traces name none (their digests are what they were before strides counted)."""
+    contiguous = _matmul(torch.randn(2, 4, 8))
+    assert "strides" not in contiguous.identity and "strides" not in contiguous.contract
+    transposed = _matmul(torch.randn(2, 8, 4).transpose(1, 2))
+    assert transposed.identity["strides"] == transposed.contract["strides"] == {"x": [32, 1, 4]}
+    sliced = _matmul(torch.randn(2, 4, 16)[..., :8])
+    assert sliced.identity["strides"] == {"x": [64, 16, 1]}
+    digests = {contiguous.digest, transposed.digest, sliced.digest}
+    assert len(digests) == 3
+    # A layout is judged by the memory it reads: one transposed view, however it was made.
+    assert (
+        _matmul(torch.randn(2, 4, 8).transpose(1, 2).contiguous().transpose(1, 2)).digest == transposed.digest
+    )
+
+
+def test_a_stride_that_addresses_nothing_moves_no_digest() -> None:
+    """The stride of a dimension of size one is never multiplied by an index: an input with any
+    stride there reads what a fresh one does, contiguous or transposed."""
+    odd = _matmul(torch.empty_strided((1, 4, 8), (7, 8, 1)).normal_())
+    assert "strides" not in odd.identity and odd.digest == _matmul(torch.randn(1, 4, 8)).digest
+    cut = torch.empty_strided((1, 8, 4), (7, 4, 1)).normal_().transpose(1, 2)
+    fresh = _matmul(torch.randn(1, 8, 4).transpose(1, 2))
+    assert _matmul(cut).digest == fresh.digest and fresh.identity["strides"] == {"x": [32, 1, 4]}
+
+
+def test_a_symbolic_stride_is_named_by_its_symbols() -> None:
+    batch, rows = torch.export.Dim("batch", min=2, max=8), torch.export.Dim("rows", min=2, max=8)
+    facts = _matmul(torch.randn(3, 8, 4).transpose(1, 2), ({0: batch, 1: rows}, {0: batch}))
+    assert facts.identity["strides"] == {"x": ["8*S1", 1, "S1"]}
+    assert "strides" not in _matmul(torch.randn(3, 4, 8), ({0: batch, 1: rows}, {0: batch})).identity
+
+
 # -- invariance ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("which", ["mlp", "conv", "flux2"])
 def test_fake_empty_and_real_weights_agree(which: str) -> None:
@@ -131,10 +176,13 @@ def test_contract_and_topology(flux: tuple[Any, dict[str, Any]], mlp: tuple[Any,
     names = [i["name"] for i in contract["inputs"]]
     assert names == ["hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids"]
     leaves = [i["leaves"][0] for i in contract["inputs"]]
-    assert leaves[0] == {"dtype": "float32", "shape": [1, 12, 8], "device": "cpu", "stride": [96, 8, 1]}
+    # hidden_states traced as the pipeline packs it: (B, C, N) transposed to (B, N, C)
+    assert leaves[0] == {"dtype": "float32", "shape": [1, 12, 8], "device": "cpu", "stride": [96, 1, 12]}
     assert leaves[3] == {"dtype": "int64", "shape": [12, 4], "device": "cpu", "stride": [4, 1]}
-    # Strides are the package's reading of its inputs, not identity: the digested contract has none.
-    assert "stride" not in json.dumps(identity(flux[0])["contract"])
+    # The digested contract names no strides; the identity names the non-contiguous ones apart.
+    ident = identity(flux[0])
+    assert "stride" not in json.dumps(ident["contract"])
+    assert ident["strides"] == contract["strides"] == {"hidden_states": [96, 1, 12]}
     assert contract["outputs"]["leaves"] == [{"dtype": "float32", "shape": [1, 12, 8], "device": "cpu"}]
     # FQNs are the diffusers names (what checkpoints and the live module at adopt carry).
     fqns = [row[0] for row in flux[1]["topology"]]

@@ -83,8 +83,9 @@ def test_the_adapter_serves_every_denoiser_call_compiled(served_ws: tuple[Path, 
     want = _image(pipe)
     served = adopt_pipeline(pipe, ws / "manifest.json", store=Store(ws / ".cgbuild" / "store"))
     got = _image(served)
-    counters = served.counters["transformer"]
-    assert counters["compiled"] == 2 and not [k for k in counters if k.startswith("eager")], counters
+    # The entry traces `hidden_states` as the pipeline packs it (a transposed view): no call is
+    # copied into another layout (`restrided`), none is served eager.
+    assert served.counters["transformer"] == {"compiled": 2}, served.counters
     assert rel_rms(got, want) < TOLERANCE
     served.release()
 

@@ -13,6 +13,7 @@ Mints `//zoo-dit:cpu` (a tiny `SD3Transformer2DModel` and `WanTransformer3DModel
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from cgbuild_rules.adopt import adopt
+from cgbuild_rules.adopt.contract import fit
 from diffusers import SD3Transformer2DModel, WanTransformer3DModel
 from support.zoo import artifact, minted, rel_rms, served_module
 
@@ -119,6 +121,27 @@ def test_a_batch_of_one_expanded_timestep_is_copied_only_for_alignment(ws: Path)
         call = {**kwargs, "timestep": timesteps[step].expand(1)}
         assert rel_rms(output(served, call), output(m, call)) < tolerance(path)
         assert served.counters == counters
+
+
+def test_an_artifact_traced_on_a_broadcast_timestep_refuses_what_it_cannot_read(ws: Path) -> None:
+    """An artifact sealed before the trace refused broadcast inputs may have traced SD3's
+    `t.expand(B)` as the pipeline passes it (stride 0): its package reads one timestep for the
+    whole batch. Only a call passing that broadcast, aligned, is read as traced; any other call
+    cannot be copied into a stride-0 layout (the copy raised from the router once, at the
+    pipeline's second step) and is refused `stride`, so it is served eager."""
+    contract = json.loads(json.dumps(read_metadata(artifact(ws, SD3))["graph"]["contract"]))
+    _, _, kwargs = served_module(ws, SD3)
+    (spec,) = [i for i in contract["inputs"] if i["name"] == "timestep"]
+    spec["leaves"][0]["stride"] = [0]  # as the stock pipeline's expanded timestep traces
+    timesteps = torch.tensor([1000.0, 750.0, 500.0])
+    assert timesteps.data_ptr() % 16 == 0
+    first = timesteps[0].expand(kwargs["timestep"].shape[0])
+    why, leaves = fit(contract, (), {**kwargs, "timestep": first})
+    assert why is None and any(leaf is first for leaf in leaves)  # read as traced: no copy
+    for call in (sd3_timestep(kwargs), kwargs["timestep"]):  # the second step; distinct values
+        why, _ = fit(contract, (), {**kwargs, "timestep": call})
+        assert why is not None and why.code == "stride", why
+        assert why.detail.startswith("timestep: cannot lay out [2] with traced strides [0] (overlapping")
 
 
 def rebuilt(module: torch.nn.Module, cls: type[torch.nn.Module], **changes: Any) -> torch.nn.Module:

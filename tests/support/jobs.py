@@ -32,7 +32,7 @@ TINY_FLUX2 = {
 BANKED = {
     "toy/mlp/8x64-b1": "769699c9d70258ade193136e61d36fe5145000e6c719bb9a52a4f40208d164a3",
     "flux2-klein-tiny/transformer/64x48-t8-b1": (
-        "752c6fd588858108c4451b34f6560d6588ad489bc0e0fb56abb56c65e1008482"
+        "f39cbc0f9b77f1110a1527be3fd0724afc7804089b623d5ee71e2f5ed2ec10dc"
     ),
 }
 
