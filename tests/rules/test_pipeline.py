@@ -195,8 +195,10 @@ def test_copies_of_a_served_pipeline_run_eager_and_the_original_stays_served(
     torch.save(pipe, saved)
     saved.seek(0)
     copies = [copy.deepcopy(pipe), pickle.loads(pickle.dumps(pipe)), torch.load(saved, weights_only=False)]
-    alone = pickle.loads(pickle.dumps(pipe.transformer))  # a served module on its own
-    copies[0].transformer = copy.deepcopy(alone)
+    alone = io.BytesIO()  # a served module on its own
+    torch.save(pipe.transformer, alone)
+    alone.seek(0)
+    copies[0].transformer = copy.deepcopy(pickle.loads(pickle.dumps(torch.load(alone, weights_only=False))))
     for clone in copies:
         assert isinstance(clone.transformer.__dict__["forward"], Unserved)
         assert isinstance(clone.vae.__dict__["decode"], Unserved)
