@@ -21,22 +21,28 @@ mistake (`AttachError`: an attribute the pipeline lacks, a manifest of another f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+import sys
 import time
+import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, SupportsIndex
 
 import torch
 from cgbuild_rules.adopt.artifact import PLAIN, Artifact, ConfigCheck
+from cgbuild_rules.adopt.copies import Unserved
 from cgbuild_rules.adopt.host import module_device
 from cgbuild_rules.adopt.manifest import manifest_artifacts
-from cgbuild_rules.adopt.refusal import AdoptRefused, CompiledRequired
+from cgbuild_rules.adopt.refusal import AdoptRefused, CompiledRequired, Refusal, log
 from cgbuild_rules.adopt.router import Adopted
 from torch import nn
 
+from cgbuild.config.calls import CallAdapter
 from cgbuild.core import jsonfile
+from cgbuild.core.codes import Code
 from cgbuild.protocol.manifest import read_modules
 from cgbuild.store.local import Store
 from cgbuild.store.shared import SharedStore
@@ -48,8 +54,35 @@ __all__ = ["AttachError", "CompiledRequired", "ServedPipeline", "adopt_pipeline"
 
 
 class AttachError(ValueError):
-    """The caller asked for what cannot be: the pipeline has no such attribute, or the manifest
-    is another family's."""
+    """The caller asked for what cannot be: the pipeline has no such attribute, the manifest is
+    another family's, or the module is already served by another adoption."""
+
+
+class CopyRefused(TypeError):
+    """A `ServedPipeline` is not copied: its state is packages bound to this pipeline's tensors."""
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """Where a manifest module's calls are served on a pipeline, resolved before anything loads."""
+
+    owner: Any
+    """the object the attribute is on (the module itself for a module attach)"""
+    attr: str | None
+    """the method's name for a method attach (`decode`), None for a module's own calls"""
+    target: Any
+    """the module, or the owner's method (the eager path)"""
+    unwraps: tuple[tuple[Any, str, nn.Module], ...] = ()
+    """(holder, attribute, `torch.compile` wrapper) along the path: set to the wrapped module"""
+
+    @property
+    def live(self) -> nn.Module:
+        """The module the artifacts bind to."""
+        return self.target if self.attr is None else self.owner  # type: ignore[no-any-return]
+
+    def unwrap(self) -> None:
+        for holder, name, wrapper in self.unwraps:
+            setattr(holder, name, wrapper._orig_mod)
 
 
 @dataclass
@@ -65,24 +98,62 @@ class Component:
     """the method's name for a method attach (`decode`), None for a module's own calls"""
     undo: Callable[[], None] | None = None
     """takes back the compute dtype the module was made to report (`report_compute_dtype`)"""
+    label: str = ""
+    """`family/module@layout`, as a compiled-only refusal names it"""
+    unwrapped: list[tuple[Any, str, nn.Module]] = field(default_factory=list)
+    """the `torch.compile` wrappers taken off the path, put back on release"""
+    adopted_as: type | None = None
+    """the class of the module first adopted: a replacement of that class is re-armed"""
+
+    @property
+    def live(self) -> nn.Module:
+        return self.adopted.module
+
+    def detach(self) -> None:
+        """Take this component's router off its module (only if it is still the one there) and
+        the compute dtype it was made to report."""
+        holder = self.live.__dict__
+        key = "forward" if self.attr is None else self.attr
+        if holder.get(key) is self.adopted:
+            del holder[key]
+        if self.undo is not None:
+            self.undo()
+            self.undo = None
+
+
+_SERVED: weakref.WeakKeyDictionary[Adopted, str] = weakref.WeakKeyDictionary()
+"""The label of every router `adopt_pipeline` attached: a second adoption names the first."""
 
 
 class ServedPipeline:
-    """A pipeline whose manifest modules are served compiled; `served(...)` is `pipe(...)`."""
+    """A pipeline whose manifest modules are served compiled; `served(...)` is `pipe(...)`.
+
+    Each call first checks (by identity, a few attribute reads) that the pipeline still holds
+    the modules it served: one replaced since (`pipe.transformer = other`) is re-armed when it
+    is of the adopted class and matches the artifacts, else served eager as `module-replaced`
+    (compiled-only: `CompiledRequired`), named either way."""
 
     def __init__(self, pipe: Any, family: str, components: dict[str, Component]) -> None:
         self.pipe = pipe
         self.family = family
         self.components = components
+        self._unattached: set[str] = set()  # paths warned of: replaced by what cannot be attached
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.follow()
         return self.pipe(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         """Everything else is the pipeline's (`served.transformer`, `served.scheduler`, ...)."""
-        if name in ("pipe", "family", "components"):  # not set yet: no recursion through pipe
+        if name in ("pipe", "family", "components", "_unattached"):  # not set yet: no recursion through pipe
             raise AttributeError(name)
         return getattr(self.pipe, name)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise CopyRefused(
+            "a ServedPipeline is not copied (its packages are bound to this pipeline's tensors): "
+            "copy served.pipe instead (the copy runs eager, docs/adopt.md#copies) and adopt_pipeline the copy"
+        )
 
     @property
     def counters(self) -> dict[str, dict[str, int]]:
@@ -91,23 +162,86 @@ class ServedPipeline:
 
     def rebind(self) -> None:
         """After a weight or LoRA swap: re-arm what the module now matches (`Adopted.rebind`)."""
+        self.follow()
         for c in self.components.values():
             c.adopted.rebind()
 
     def release(self) -> None:
-        """Detach every component: the pipeline calls its own modules again, as before."""
+        """Detach every component: the pipeline calls its own modules again, as before (a
+        `torch.compile` wrapper taken off at adopt is put back where its module still is)."""
         for c in self.components.values():
-            if c.attr is None:
-                c.adopted.release()
-            else:
-                c.owner.__dict__.pop(c.attr, None)
-            if c.undo is not None:
-                c.undo()
+            c.detach()
+            for holder, name, wrapper in c.unwrapped:
+                if getattr(holder, name, None) is wrapper._orig_mod:
+                    setattr(holder, name, wrapper)
         self.components = {}
+
+    def follow(self) -> None:
+        """Serve what the pipeline holds now: a component whose module (or method's owner) the
+        pipeline no longer holds is moved to the one it holds instead (`_replaced`)."""
+        for name, c in self.components.items():
+            if _held(self.pipe, c.serves, c.attr) is not c.live:
+                self.components[name] = self._replaced(c)
+
+    def _replaced(self, c: Component) -> Component:
+        """`c` moved to the module the pipeline now holds at its path: re-armed there when it is
+        of the adopted class and matches the artifacts (counted `replaced`), else every call is
+        `module-replaced`. The module replaced is detached: it runs as a plain module again."""
+        try:
+            at = _attachment(self.pipe, c.serves, self.family, mine=c.adopted)
+        except AttachError as e:  # no module there now, or one another adoption serves
+            if c.serves not in self._unattached:
+                self._unattached.add(c.serves)
+                log.warning("pipe.%s was replaced and is not served by this adoption: %s", c.serves, e)
+            return c
+        at.unwrap()
+        c.unwrapped.extend(at.unwraps)
+        if at.live is c.live:  # the same module, re-wrapped by torch.compile: unwrapped again
+            log.warning("pipe.%s: the torch.compile wrapper set after adopt is taken off", c.serves)
+            return c
+        old = c.adopted
+        arts = [dataclasses.replace(a) for a in old.artifacts]  # the packages move to the new module
+        for a in old.artifacts:  # the replaced module's router keeps none: it never computes with them
+            a.package, a.refusal = None, Refusal(Code.MODULE_REPLACED, f"pipe.{c.serves} was replaced")
+        c.detach()
+        adopted_cls = c.adopted_as or type(old.module)
+        new = at.live
+        if type(new) is adopted_cls:
+            for a in arts:
+                if a.refusal is not None and a.refusal.code == Code.MODULE_REPLACED:
+                    a.refusal = None  # held back only because another class was there
+            undo = report_compute_dtype(new, arts) if at.attr is None else None
+        else:
+            why = f"pipe.{c.serves} is now a {type(new).__name__}, adopted as a {adopted_cls.__name__}"
+            for a in arts:
+                a.refusal = Refusal(Code.MODULE_REPLACED, why)
+            undo = None
+        adopted = _serve(at, arts, c.label, old.compiled_only is not None, old.call)
+        adopted.counters.update(old.counters)
+        adopted.counters["replaced"] += 1
+        if type(new) is adopted_cls:
+            adopted.rebind()
+            for a in adopted.artifacts:
+                if a.refusal is not None and a.refusal.code != Code.MODULE_REPLACED:
+                    detail = f"pipe.{c.serves} was replaced after adopt_pipeline: {a.refusal.detail}"
+                    a.refusal = Refusal(a.refusal.code, detail)
+        if adopted.armed:
+            log.info("pipe.%s was replaced after adopt_pipeline: re-armed on the new module", c.serves)
+        else:
+            reason = next(iter(adopted.refusals.values()), None)
+            log.warning(
+                "pipe.%s was replaced after adopt_pipeline and is not served compiled: %s",
+                c.serves,
+                f"{reason.code}: {reason.detail}" if reason else "no artifact",
+            )
+        return Component(
+            c.name, c.serves, adopted, at.owner, at.attr, undo, c.label, c.unwrapped, adopted_cls
+        )
 
     def warmup(self) -> dict[str, Any]:
         """Run every armed graph class once on its declared shapes (zeros, on the module's device),
         so no request pays a first call: `{"seconds": {label: s}, "not_compiled": {label: why}}`."""
+        self.follow()
         seconds: dict[str, float] = {}
         failed: dict[str, str] = {}
         for c in self.components.values():
@@ -151,17 +285,20 @@ def adopt_pipeline(
     if unknown := sorted(set(layouts) - set(modules)):
         raise AttachError(f"layouts names {unknown[0]!r}, a module the manifest does not have")
     components: dict[str, Component] = {}
+    # Every path resolved first: a caller's mistake (a missing attribute, a module another
+    # adoption serves) is refused before anything loads or attaches.
+    attachments = {name: _attachment(pipe, m.serves, family) for name, m in modules.items()}
     try:
         for name, module_doc in modules.items():
-            owner, attr, target = _attachment(pipe, module_doc.serves, family)
-            live = target if attr is None else owner
+            at = attachments[name]
+            live = at.live
             call = module_doc.call
             config = ConfigCheck(traced_as=call.traced_class, substitutes=call.substitutes) if call else PLAIN
             load = functools.partial(
                 manifest_artifacts, name, module_doc.entries, live, store, memory_bytes, layouts.get(name)
             )
             arts, chosen = load(config)
-            undo = report_compute_dtype(live, arts) if attr is None else None
+            undo = report_compute_dtype(live, arts) if at.attr is None else None
             if undo is not None:  # the hook is part of the module the artifacts bind to and watch
                 try:
                     arts, chosen = load(config)
@@ -173,19 +310,30 @@ def adopt_pipeline(
             rows = [e for e in module_doc.entries if layout is None or e.layout == layout]
             compiled_only = bool(rows) and all(e.compiled_only for e in rows)
             label = f"{family}/{name}@{layout or '?'}"
-            eager = None if attr is None else target
-            adopted = Adopted(
-                live, arts, eager=eager, compiled_only=label if compiled_only else None, call=module_doc.call
+            adopted = _serve(at, arts, label, compiled_only, module_doc.call)
+            components[name] = Component(
+                name, module_doc.serves, adopted, at.owner, at.attr, undo, label, list(at.unwraps), type(live)
             )
-            if attr is None:
-                adopted.install()
-            else:
-                owner.__dict__[attr] = adopted
-            components[name] = Component(name, module_doc.serves, adopted, owner, attr, undo)
     except BaseException:
         ServedPipeline(pipe, family, components).release()
         raise
+    for at in attachments.values():  # the pipeline calls the module itself, not its compiled wrapper
+        at.unwrap()
     return ServedPipeline(pipe, family, components)
+
+
+def _serve(
+    at: Attachment, arts: list[Artifact], label: str, compiled_only: bool, call: CallAdapter | None
+) -> Adopted:
+    """Route the calls `at` names through `arts`, attached where the pipeline calls them."""
+    eager = None if at.attr is None else at.target
+    adopted = Adopted(at.live, arts, eager=eager, compiled_only=label if compiled_only else None, call=call)
+    if at.attr is None:
+        adopted.install()
+    else:
+        at.owner.__dict__[at.attr] = adopted
+    _SERVED[adopted] = label
+    return adopted
 
 
 def report_compute_dtype(module: nn.Module, arts: list[Artifact]) -> Callable[[], None] | None:
@@ -260,10 +408,17 @@ def _manifest(manifest: str | os.PathLike[str] | Mapping[str, Any]) -> Any:
     )
 
 
-def _attachment(pipe: Any, path: str, family: str) -> tuple[Any, str | None, Any]:
-    """(owner, method name or None, the callable) the manifest's `serves` path names on `pipe`."""
+def _attachment(pipe: Any, path: str, family: str, *, mine: Adopted | None = None) -> Attachment:
+    """Where the manifest's `serves` path attaches on `pipe`: a module, or a module's method.
+
+    A `torch.compile` wrapper on the path is seen through (its module is served, and the
+    pipeline's attribute is set back to it once every module is attached); a module another
+    adoption serves (than `mine`) is refused, naming it, and a copy's stand-in (`Unserved`) is a
+    plain module's.
+    """
     obj = pipe
     parts = path.split(".")
+    unwraps: list[tuple[Any, str, nn.Module]] = []
     for i, part in enumerate(parts):
         owner = obj
         try:
@@ -274,11 +429,48 @@ def _attachment(pipe: Any, path: str, family: str) -> tuple[Any, str | None, Any
                 f"the manifest of {family or 'its family'} serves {path!r}, and the pipeline's "
                 f"{'.'.join(['pipe', *parts[:i]])} (a {have}) has no {part!r}: is it another family's?"
             ) from None
+        if (inner := _compiled(obj)) is not None:
+            unwraps.append((owner, part, obj))
+            obj = inner
     if isinstance(obj, nn.Module):
-        return obj, None, obj
+        _refuse_served(path, obj.__dict__.get("forward"), mine)
+        return Attachment(obj, None, obj, tuple(unwraps))
+    _refuse_served(path, obj, mine)
+    if mine is not None and obj is mine and isinstance(owner, nn.Module):
+        return Attachment(owner, parts[-1], obj, tuple(unwraps))  # this adoption's own router
+    if isinstance(obj, Unserved) and obj.module is owner:
+        obj = obj.eager
     if isinstance(owner, nn.Module) and callable(obj) and getattr(obj, "__self__", None) is owner:
-        return owner, parts[-1], obj
+        return Attachment(owner, parts[-1], obj, tuple(unwraps))
     raise AttachError(f"pipe.{path} is a {type(obj).__name__}: a module or a module's method is served")
+
+
+def _refuse_served(path: str, router: Any, mine: Adopted | None) -> None:
+    if isinstance(router, Adopted) and router is not mine:
+        by = _SERVED.get(router)
+        first = f"by {by}, an earlier adopt_pipeline" if by else "by an Adopted installed on it"
+        raise AttachError(
+            f"pipe.{path} is already served ({first}): release() that adoption first, "
+            "or keep serving through it"
+        )
+
+
+def _compiled(obj: Any) -> nn.Module | None:
+    """The module a `torch.compile` wrapper (`OptimizedModule`) holds, else None. Only a process
+    that imported dynamo can hold one, so this never imports it."""
+    frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(frame, "OptimizedModule", None)
+    if wrapper is not None and isinstance(obj, wrapper) and isinstance(obj._orig_mod, nn.Module):
+        return obj._orig_mod  # type: ignore[no-any-return]
+    return None
+
+
+def _held(pipe: Any, path: str, attr: str | None) -> Any:
+    """What the pipeline holds at `path` now: the module, or the owner of the method `attr`."""
+    obj = pipe
+    for part in path.split(".")[: -1 if attr is not None else None]:
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def warm_inputs(contract: Mapping[str, Any], device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -128,6 +128,8 @@ class Code(StrEnum):
     COMPILED_ERROR = "compiled-error"
     OUT_OF_ENVELOPE = "out-of-envelope"
     COMPILED_REQUIRED = "compiled-required"
+    COPY_NOT_ADOPTED = "copy-not-adopted"
+    MODULE_REPLACED = "module-replaced"
 
 
 # A mint that failed with one of these may succeed on another attempt (another node, later);

@@ -18,7 +18,8 @@ The rooms: `host` (this host's facts against the artifact's), `contract` (a call
 traced contract: `fit`), `bind` (weights, literals, configuration and layout bound and watched),
 `artifact` (one artifact loaded and armed, its lane chosen), `router` (`Adopted`: each call routed
 to the artifact that fits, or served eager and named), `manifest` (a serving manifest adopted),
-`refusal` (the typed reason a call or an artifact is served eager).
+`refusal` (the typed reason a call or an artifact is served eager), `copies` (what a copy of a
+served module holds where its router was).
 """
 
 from cgbuild_rules.adopt.artifact import Artifact, load_artifact

@@ -11,13 +11,14 @@ import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from cgbuild_rules.adopt.artifact import Artifact, ConfigCheck, bind_live, load_artifact, structure_refusal
 from cgbuild_rules.adopt.bind import CheckpointTensors, adapter_hint, layout_refusal, tie_aliases
 from cgbuild_rules.adopt.calls import adapted, passed, wrapped
 from cgbuild_rules.adopt.contract import conform, distance, fit
+from cgbuild_rules.adopt.copies import Unserved, served_name
 from cgbuild_rules.adopt.host import module_device
 from cgbuild_rules.adopt.refusal import REARMABLE, AdoptRefused, CompiledRequired, Refusal, log
 from cgbuild_rules.bound import Attached, Moved, Watch
@@ -282,6 +283,12 @@ class Adopted(Attached):
             self.module.__dict__.pop("forward")
             if self._before is not None:
                 self.module.__dict__["forward"] = self._before
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        """A copy of the served module (deepcopy, pickle, torch.save) holds an `Unserved` stand-in
+        here: its package cannot be copied and is bound to this module's tensors
+        (`cgbuild_rules.adopt.copies`). This router, and the module it serves, are left as they are."""
+        return Unserved, (self.module, served_name(self.module, self._eager), self.compiled_only, self.strict)
 
 
 def adopt(

@@ -7,16 +7,27 @@ stock `Flux2KleinPipeline` with random weights, nothing downloaded."""
 
 from __future__ import annotations
 
+import copy
+import io
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from cgbuild_rules.adopt.copies import Unserved
 from cgbuild_rules.adopt.refusal import CompiledRequired
-from cgbuild_rules.pipeline import AttachError, adopt_pipeline
+from cgbuild_rules.pipeline import AttachError, CopyRefused, adopt_pipeline, warm_inputs
+from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
 from support.cli import cli
-from support.pipelines import flux2_klein_inputs, flux2_klein_pipeline, sdxl_inputs, sdxl_pipeline
+from support.pipelines import (
+    flux2_klein_inputs,
+    flux2_klein_pipeline,
+    sdxl_inputs,
+    sdxl_pipeline,
+    zoo_pipe_config,
+)
 from support.zoo import minted, rel_rms
 
 from cgbuild.protocol.manifest import SCHEMA, read_modules
@@ -149,6 +160,134 @@ def test_a_compiled_only_module_raises_instead_of_running_eager(
     assert err.retryable and err.refusal.code == "wrong-sm" and err.label == "zoo-pipe/transformer@fp8"
     assert ran == []  # not even its first layer ran
     assert served.counters["transformer"] == {"refused:wrong-sm": 1}
+
+    # A copy has no eager path that computes right either: it refuses, naming the fix
+    clone = copy.deepcopy(pipe)
+    with pytest.raises(CompiledRequired, match="adopt the copy") as info:
+        _run(clone, "latent")
+    assert info.value.refusal.code == "copy-not-adopted" and info.value.label == "zoo-pipe/transformer@fp8"
+    assert ran == []  # the copied pre-hook appends here too: nothing of the copy ran
+
+    # A transformer of another class put in its place is refused by name, never run eager
+    pipe.transformer = _Other(**zoo_pipe_config()["transformer"]).eval()
+    pipe.transformer.x_embedder.register_forward_pre_hook(lambda *_: ran.append(1))
+    with pytest.raises(CompiledRequired) as info:
+        _run(served, "latent")
+    assert info.value.refusal.code == "module-replaced" and "is now a _Other" in info.value.refusal.detail
+    assert ran == []
+
+
+class _Other(Flux2Transformer2DModel):  # type: ignore[misc]
+    """Another class than the one adopted, computing the same."""
+
+
+def test_copies_of_a_served_pipeline_run_eager_and_the_original_stays_served(
+    served_ws: tuple[Path, dict[str, Any]],
+) -> None:
+    """deepcopy, a pickle round trip and torch.save of a served pipeline or module: the router and
+    its package are not copied; the copy is the plain pipeline (eager, exactly eager's output) and
+    the original still serves every call compiled."""
+    ws, _ = served_ws
+    pipe = flux2_klein_pipeline(seed=5)
+    want = _run(pipe, "np")
+    served = adopt_pipeline(pipe, ws / "manifest.json", store=Store(ws / ".cgbuild" / "store"))
+    saved = io.BytesIO()
+    torch.save(pipe, saved)
+    saved.seek(0)
+    copies = [copy.deepcopy(pipe), pickle.loads(pickle.dumps(pipe)), torch.load(saved, weights_only=False)]
+    alone = io.BytesIO()  # a served module on its own
+    torch.save(pipe.transformer, alone)
+    alone.seek(0)
+    copies[0].transformer = copy.deepcopy(pickle.loads(pickle.dumps(torch.load(alone, weights_only=False))))
+    for clone in copies:
+        assert isinstance(clone.transformer.__dict__["forward"], Unserved)
+        assert isinstance(clone.vae.__dict__["decode"], Unserved)
+        assert clone.transformer is not pipe.transformer
+        assert (_run(clone, "np") == want).all()  # eager, bit for bit
+    got = _run(served, "np")
+    assert served.counters == {"transformer": {"compiled": 2}, "vae.decode": {"compiled": 1}}
+    assert rel_rms(torch.as_tensor(got), torch.as_tensor(want)) < TOLERANCE
+    with pytest.raises(CopyRefused, match=r"copy served\.pipe"):
+        copy.deepcopy(served)
+
+    # A copy is adopted like any pipeline; released, it is the plain pipeline
+    again = adopt_pipeline(copies[1], ws / "manifest.json", store=Store(ws / ".cgbuild" / "store"))
+    _run(again, "np")
+    assert again.counters == {"transformer": {"compiled": 2}, "vae.decode": {"compiled": 1}}
+    again.release()
+    assert "forward" not in copies[1].transformer.__dict__ and "decode" not in copies[1].vae.__dict__
+
+
+def test_a_torch_compiled_module_is_served_as_the_module_it_wraps(
+    served_ws: tuple[Path, dict[str, Any]],
+) -> None:
+    """`pipe.transformer = torch.compile(pipe.transformer)` before adopt (or after): the module
+    it wraps is served, the pipeline's attribute set back to it; `release()` puts the wrapper back."""
+    ws, _ = served_ws
+    pipe = flux2_klein_pipeline(seed=5)
+    want = _run(pipe, "latent")
+    module = pipe.transformer
+    wrapper = torch.compile(module)
+    pipe.transformer = wrapper
+    served = adopt_pipeline(pipe, ws / "manifest.json", store=Store(ws / ".cgbuild" / "store"))
+    assert pipe.transformer is module and served.components["transformer"].adopted.refusals == {}
+    got = _run(served, "latent")
+    pipe.transformer = torch.compile(pipe.transformer)  # wrapped after adopt: seen through alike
+    _run(served, "latent")
+    assert pipe.transformer is module
+    assert served.counters["transformer"] == {"compiled": 4}
+    assert rel_rms(torch.as_tensor(got), torch.as_tensor(want)) < TOLERANCE
+    served.release()
+    assert isinstance(pipe.transformer, type(wrapper)) and pipe.transformer._orig_mod is module
+
+
+def test_a_second_adoption_is_refused_and_the_first_keeps_serving(
+    served_ws: tuple[Path, dict[str, Any]],
+) -> None:
+    ws, _ = served_ws
+    pipe = flux2_klein_pipeline(seed=5)
+    store = Store(ws / ".cgbuild" / "store")
+    served = adopt_pipeline(pipe, ws / "manifest.json", store=store)
+    _run(served, "np")
+    first = served.components["transformer"].adopted
+    with pytest.raises(AttachError, match=r"already served \(by zoo-pipe/transformer@fp32.*release\(\)"):
+        adopt_pipeline(pipe, ws / "manifest.json", store=store)
+    assert pipe.transformer.__dict__["forward"] is first
+    _run(served, "np")
+    assert served.counters == {"transformer": {"compiled": 4}, "vae.decode": {"compiled": 2}}
+
+
+def test_a_module_replaced_after_adopt_is_re_armed_or_named(served_ws: tuple[Path, dict[str, Any]]) -> None:
+    """`pipe.transformer = other`: the next call sees it. A module of the adopted class that
+    matches the artifacts is served compiled (counted `replaced`), and the module replaced runs
+    as a plain module again; one of another class is served eager, counted `eager:module-replaced`."""
+    ws, _ = served_ws
+    pipe = flux2_klein_pipeline(seed=5)
+    served = adopt_pipeline(pipe, ws / "manifest.json", store=Store(ws / ".cgbuild" / "store"))
+    _run(served, "latent")
+    replaced, replaced_router = pipe.transformer, served.components["transformer"].adopted
+    eager = flux2_klein_pipeline(seed=5)  # the same pipeline, another transformer's weights
+    eager.transformer = flux2_klein_pipeline(seed=6).transformer  # (the old ones' output differs)
+    want = _run(eager, "latent")
+    pipe.transformer = flux2_klein_pipeline(seed=6).transformer
+    got = _run(served, "latent")
+    assert served.counters["transformer"] == {"compiled": 4, "replaced": 1}
+    assert rel_rms(torch.as_tensor(got), torch.as_tensor(want)) < TOLERANCE
+    assert "forward" not in replaced.__dict__  # the package moved: the old module is plain again
+    # and its router, called directly, no longer reaches the package (bound to the new weights)
+    stale = replaced_router.artifacts[0]
+    args, kwargs = warm_inputs(stale.contract, torch.device("cpu"))
+    with torch.inference_mode():
+        out, plain = replaced_router(*args, **kwargs), replaced(*args, **kwargs)
+    assert torch.equal(out[0], plain[0]) and replaced_router.last_reason.code == "module-replaced"
+
+    other = _Other(**zoo_pipe_config()["transformer"]).eval()
+    other.load_state_dict(eager.transformer.state_dict())
+    pipe.transformer = other
+    got = _run(served, "latent")
+    assert served.counters["transformer"] == {"compiled": 4, "replaced": 2, "eager:module-replaced": 2}
+    assert served.components["transformer"].adopted.last_reason.code == "module-replaced"
+    assert rel_rms(torch.as_tensor(got), torch.as_tensor(want)) < TOLERANCE
 
 
 def test_a_manifest_of_another_pipeline_is_the_callers_mistake(
