@@ -119,8 +119,9 @@ def _quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def scaled_mm_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *bias: torch.Tensor
 ) -> torch.Tensor:
-    """`scaled-mm`: quantize x per row (its own kernel), then row-wise `torch._scaled_mm`."""
-    xq, x_scale = _quantize_rows(x.reshape(-1, x.shape[-1]).to(torch.float32))
+    """`scaled-mm`: quantize x per row (its own kernel), then row-wise `torch._scaled_mm`, which
+    takes row-major operands only (a pipeline's transposed hidden states are copied first)."""
+    xq, x_scale = _quantize_rows(x.reshape(-1, x.shape[-1]).contiguous().to(torch.float32))
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
     if bias:
         out = out + bias[0]

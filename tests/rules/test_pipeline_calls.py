@@ -111,8 +111,9 @@ def _drifted_without(served_ws: tuple[Path, dict[str, Any]], field: str) -> Any:
     served = adopt_pipeline(flux2_klein_pipeline(seed=5), bare, store=Store(ws / ".cgbuild" / "store"))
     _image(served)
     assert served.counters["transformer"] == {"eager:config-drift": 2}
+    why = served.components["transformer"].adopted.last_reason
     served.release()
-    return served.components["transformer"].adopted.last_reason
+    return why
 
 
 def test_the_traced_class_is_what_lets_the_pipelines_own_class_serve(

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The klein sm_90 store: on one H200, mint the 1024x1024 transformer in bf16 and fp8 (each with
+# the example's lanes) and the bf16 VAE decoder into a copy of the example, then archive the
+# store and the trace cache (a later call plans warm and serves without minting).
+#
+#   benchmarks/klein_sm90_mint.sh WORK OUT [SECONDS]
+#
+# The copy's Cgfile keeps only those targets (layouts bf16 and fp8, shape 1024x1024): a key names
+# its own target's axes, so the keys are the example's own. A VAE decoder already in
+# gpu_sm90_store_vae.tgz under its key is fresh and not minted again. The mint runs at most
+# SECONDS (default 520); whatever it admitted by then is archived.
+set -uo pipefail
+work=$1
+out=$2
+limit=${3:-520}
+here=$(cd "$(dirname "$0")/.." && pwd)
+ws=$work/ws
+rm -rf "$ws"
+mkdir -p "$work" "$out"
+cp -r "$here/examples/flux2_klein" "$ws"
+rm -rf "$ws/.cgbuild" "$ws/__pycache__"
+mkdir -p "$ws/.cgbuild"
+python3 - "$ws/Cgfile" <<'EOF'
+import sys
+
+path = sys.argv[1]
+text = open(path).read()
+text = text.replace('layouts = ["bf16", "int8", "fp8"]', 'layouts = ["bf16", "fp8"]', 1)
+text = text.replace('shapes = ["768x768", "1024x1024"]', 'shapes = ["1024x1024"]')
+open(path, "w").write(text)
+EOF
+tar -xzf "$here/benchmarks/results/gpu_sm90_store_vae.tgz" -C "$ws/.cgbuild"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.csv"
+start=$(date +%s)
+timeout "$limit" python3 -m cgbuild.cli -C "$ws" mint //flux2-klein:sm_90 -j 3 --json \
+  > "$out/mint.json" 2> "$out/mint.err"
+echo "mint exit $? after $(( $(date +%s) - start )) s"
+tail -c 1500 "$out/mint.err"
+tar -czf "$out/gpu_sm90_store_klein.tgz" -C "$ws/.cgbuild" store $(cd "$ws/.cgbuild" && ls traces.* 2>/dev/null)
+ls -la "$out"
