@@ -203,16 +203,16 @@ def _serve(ws: Path, out: Path, opts: argparse.Namespace, keys: dict[str, str]) 
 
     from cgbuild import lanes
     from cgbuild.config import cgfile
-    from cgbuild.config.targets import expand
-    from cgbuild.protocol.trace import job_for
+    from cgbuild.plan.jobs import resolve_toolchains, trace_job
+    from cgbuild.plan.workspace import Workspace
     from cgbuild.store.local import Store
 
-    cg = cgfile.load(ws / "Cgfile")
+    workspace = Workspace(cgfile.load(ws / "Cgfile"))
+    toolchains = resolve_toolchains(workspace)[0]
     store = Store(ws / ".cgbuild" / "store")
-    targets = {t.label: t for t in expand(cg)}
 
     def build(label: str, stock: bool = False) -> Any:
-        raw = job_for(cg, targets[label], {"triton": {"version": "present"}}).with_id("b").to_json()
+        raw = trace_job(workspace, label, toolchains).with_id("b").to_json()
         if stock:
             raw["spec"].pop("lanes", None)
         return trace.build(trace.parse_job(raw), "real")

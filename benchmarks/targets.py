@@ -11,14 +11,13 @@ from typing import Any
 
 
 def job_of(ws: Path, label: str) -> dict[str, Any]:
-    """The trace job of `label` in the workspace at `ws`, as the plan hands it to a worker."""
+    """The trace job of `label` in the workspace at `ws`, as the mint hands it to a worker (with
+    this platform's toolchain components, which decide the lane values it carries)."""
     from cgbuild.config import cgfile
-    from cgbuild.config.targets import expand
-    from cgbuild.protocol.trace import job_for
+    from cgbuild.plan.jobs import trace_job
+    from cgbuild.plan.workspace import Workspace
 
-    cg = cgfile.load(ws / "Cgfile")
-    target = next(t for t in expand(cg) if t.label == label)
-    return job_for(cg, target).with_id("bench").to_json()
+    return trace_job(Workspace(cgfile.load(ws / "Cgfile")), label).with_id("bench").to_json()
 
 
 def built_of(ws: Path, label: str) -> Any:

@@ -17,10 +17,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cgbuild.identity import toolchain
-    from cgbuild.plan.planner import resolve_toolchains
+    from cgbuild.plan.jobs import resolve_toolchains
 
     ws = workspace(args)
-    toolchains, source = resolve_toolchains(ws, ws.state.cache)
+    toolchains, source = resolve_toolchains(ws)
     if args.action == "lock":
         sys.stdout.write(toolchain.lock_text(toolchain.lock_document(toolchains)))
         return 0

@@ -26,16 +26,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def run_artifact(
-    ws: Any, key: str, path: Path, label: str, components: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """The mint's serve check on a stored artifact (`cgbuild.protocol.mint.serve_check`)."""
-    from cgbuild.config.targets import expand
+def run_artifact(ws: Any, key: str, path: Path, label: str, toolchains: dict[str, Any]) -> dict[str, Any]:
+    """The mint's serve check on a stored artifact (`cgbuild.protocol.mint.serve_check`), on
+    the module the mint built: the label's job with the plan's toolchains (`trace_job`)."""
+    from cgbuild.plan.jobs import trace_job
     from cgbuild.protocol.mint import serve_check
-    from cgbuild.protocol.trace import job_for
 
-    target = next(t for t in expand(ws.cg) if t.label == label)
-    return serve_check(job_for(ws.cg, target, components).with_id(key), path)
+    return serve_check(trace_job(ws, label, toolchains).with_id(key), path)
 
 
 def compared(ran: dict[str, Any]) -> list[str]:
@@ -61,11 +58,9 @@ def run(args: argparse.Namespace) -> int:
     store = Store(ws.cg.store_dir)
     plan = make_plan(ws, parse_selector(args.label), run_traces=False)
     labels: dict[str, list[str]] = {}
-    platform: dict[str, str] = {}
     for t in plan["targets"]:
         if t["key"] and store.ref_path(t["key"]).exists():  # well-formed or not: verify judges
             labels.setdefault(t["key"], []).append(t["label"])
-            platform[t["key"]] = t["axes"]["toolchain"]["platform"]
     reports = []
     for key, names in labels.items():
         verdict = store.verify(key)
@@ -81,8 +76,7 @@ def run(args: argparse.Namespace) -> int:
                 report.update(status=sealed.status, detail=sealed.detail)
             elif args.run:
                 path = store.resolve(key, verify=False).path
-                components = plan["toolchains"][platform[key]]["components"]
-                outcome = run_artifact(ws, key, path, names[0], components)
+                outcome = run_artifact(ws, key, path, names[0], plan["toolchains"])
                 report["run"] = outcome
                 if not outcome.get("ok"):
                     report.update(

@@ -28,9 +28,9 @@ from cgbuild.core.errors import UserError
 from cgbuild.core.fs import write_json
 from cgbuild.core.platform import host_name
 from cgbuild.plan.diff import load_plan
+from cgbuild.plan.jobs import trace_job
 from cgbuild.plan.workspace import StateDir, Workspace
 from cgbuild.protocol.mint import Minted, MintFailed, MintOutcome, MintRequest, Phase, run_worker
-from cgbuild.protocol.trace import job_for
 from cgbuild.store.errors import StoreError
 from cgbuild.store.local import Store
 from cgbuild.store.s3 import RemoteError
@@ -157,7 +157,7 @@ def request_for(ws: Workspace, mk: MintKey, out: Path, **extra: Any) -> dict[str
         id=mk.key,
         key=mk.key,
         labels=mk.labels,
-        job=job_for(ws.cg, mk.target, mk.toolchain.get("components")).with_id(mk.key),
+        job=trace_job(ws, mk.target, {mk.target.device: mk.toolchain}).with_id(mk.key),
         lanes=_lanes_request(ws, mk) or None,
         sm=mk.target.id.sm,
         graph_digest=first["axes"]["graph"]["digest"],

@@ -32,16 +32,16 @@ from cgbuild.config.labels import Selector
 from cgbuild.config.targets import Target, expand, select
 from cgbuild.core.canon import digest
 from cgbuild.core.codes import Code
-from cgbuild.core.errors import UserError
 from cgbuild.identity import layout, toolchain
 from cgbuild.identity.keys import Axis, graph_axis, key_of, sm_axis, toolchain_axis
 from cgbuild.plan import environment, laststate
 from cgbuild.plan.inputs import FamilyInputs, SourceHasher
+from cgbuild.plan.jobs import resolve_toolchains, trace_job
 from cgbuild.plan.moved import Movement, Snapshots
 from cgbuild.plan.reasons import TRUST_CODES, Reason, Status, trace_refused
 from cgbuild.plan.tracecache import TraceCache, trace_inputs
 from cgbuild.plan.workspace import Workspace
-from cgbuild.protocol.trace import FACT_KEYS, TraceJob, job_for, request, target_lanes
+from cgbuild.protocol.trace import FACT_KEYS, TraceJob, request, target_lanes
 from cgbuild.store.local import Store
 from cgbuild.store.refs import RefState
 
@@ -148,19 +148,6 @@ class PlanContext:
         return self.ws.state.cache
 
 
-def resolve_toolchains(ws: Workspace, cache_dir: Path) -> tuple[dict[str, Any], str]:
-    """Toolchains per platform by precedence --toolchain > the Cgfile's lock > probing here."""
-    cg = ws.cg
-    try:
-        return toolchain.resolve(
-            ws.toolchain_lock,
-            str(cg.toolchain_lock) if cg.toolchain_lock else None,
-            lambda: toolchain.probe(cg.cxx, cache_path=str(cache_dir / "toolchain.json")),
-        )
-    except toolchain.ToolchainError as exc:
-        raise UserError(exc.message, file=exc.path, line=exc.line, field=exc.field) from None
-
-
 def _torch_of(block: dict[str, Any]) -> str | None:
     try:
         return toolchain.torch_version(block)
@@ -214,7 +201,7 @@ def _resolve_inputs(ctx: PlanContext) -> None:
     ctx.dists = environment.installed(cache_dir / "dists.json")
     ctx.env_digest = digest(sorted(ctx.dists.items()))
     ctx.local_torch = environment.torch_build()
-    ctx.toolchains, ctx.tc_source = resolve_toolchains(ctx.ws, cache_dir)
+    ctx.toolchains, ctx.tc_source = resolve_toolchains(ctx.ws)
     selected = {t.id.family for t in ctx.targets}
     hasher = SourceHasher(cache_dir / "sources.json")
     ctx.fam_inputs = {
@@ -238,7 +225,7 @@ def _group_units(ctx: PlanContext) -> None:
         shape = _UnitShape(t.id.family, t.id.module, t.id.graph_class, t.id.layout, t.device, tc_torch, lanes)
         inputs = by_shape.get(shape, "")
         if not inputs:
-            job = job_for(ctx.cg, t, tc_block.get("components"))
+            job = trace_job(ctx.ws, t, ctx.toolchains)
             inputs = trace_inputs(
                 family_inputs=ctx.fam_inputs[t.id.family].digest,
                 module=t.id.module,

@@ -330,20 +330,19 @@ def _cuda_facts_from_cpu(toy: Path) -> None:
     from cgbuild.core.canon import digest
     from cgbuild.plan import environment
     from cgbuild.plan.inputs import SourceHasher
-    from cgbuild.plan.planner import resolve_toolchains
+    from cgbuild.plan.jobs import resolve_toolchains, trace_job
     from cgbuild.plan.tracecache import trace_inputs
-    from cgbuild.protocol.trace import job_for
 
     cg = cgfile.load(toy / "Cgfile")
     ws = Workspace(cg)
-    toolchains, _ = resolve_toolchains(ws, ws.state.cache)
+    toolchains, _ = resolve_toolchains(ws)
     env = digest(sorted(environment.installed().items()))
     sources = SourceHasher(toy / ".cgbuild" / "cache" / "sources.json")
     fam = sources.family_inputs(cg, cg.families["toy"]).digest
     torch = environment.torch_build()["version"]  # type: ignore[index]
 
     def inputs(t: Any) -> str:
-        job = job_for(ws.cg, t, toolchains[t.device]["components"]).to_json()
+        job = trace_job(ws, t, toolchains).to_json()
         return trace_inputs(
             family_inputs=fam,
             module=t.id.module,

@@ -40,13 +40,12 @@ def served_module(
     weights of its own (another seed than the mint's)."""
     from cgbuild_rules import trace
 
-    from cgbuild.config.targets import expand
-    from cgbuild.protocol.trace import job_for
+    from cgbuild.plan.jobs import trace_job
+    from cgbuild.plan.workspace import Workspace
 
-    cg = cgfile.load(ws / "Cgfile")
-    target = next(t for t in expand(cg) if t.label == label)
+    job = trace_job(Workspace(cgfile.load(ws / "Cgfile")), label)
     torch.manual_seed(seed)
-    built = trace.build(trace.parse_job(job_for(cg, target).with_id(label).to_json()), "real")
+    built = trace.build(trace.parse_job(job.with_id(label).to_json()), "real")
     return built.module, built.args, built.kwargs
 
 

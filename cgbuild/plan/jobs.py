@@ -1,0 +1,50 @@
+"""A target's trace job as the mint builds it: with its platform's toolchain components.
+
+The components decide which lane values a program carries (`triton` only where the platform's
+toolchain has triton), so a job built without them is another program: a module built from it
+is refused by an artifact the mint compiled (`config-drift`). The plan, the mint, `verify` and
+every benchmark or test that builds a target's module take the job from `trace_job`. Torch-free:
+the planner imports it, and a plan never pays for torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from cgbuild.config.targets import Target, expand
+from cgbuild.core.errors import UserError
+from cgbuild.identity import toolchain
+from cgbuild.plan.workspace import Workspace
+from cgbuild.protocol.trace import TraceJob, job_for
+
+
+def resolve_toolchains(ws: Workspace) -> tuple[dict[str, Any], str]:
+    """Toolchains per platform by precedence --toolchain > the Cgfile's lock > probing here
+    (the probe cached in the workspace's cache)."""
+    cg = ws.cg
+    try:
+        return toolchain.resolve(
+            ws.toolchain_lock,
+            str(cg.toolchain_lock) if cg.toolchain_lock else None,
+            lambda: toolchain.probe(cg.cxx, cache_path=str(ws.state.cache / "toolchain.json")),
+        )
+    except toolchain.ToolchainError as exc:
+        raise UserError(exc.message, file=exc.path, line=exc.line, field=exc.field) from None
+
+
+def trace_job(ws: Workspace, target: Target | str, toolchains: Mapping[str, Any] | None = None) -> TraceJob:
+    """The trace job of a target (or its label), with the components of the target's platform.
+
+    `toolchains` are the per-platform blocks a plan carries (`plan["toolchains"]`); without them
+    they are resolved as the plan resolves them, so the job is the one the mint sends its worker.
+    """
+    if isinstance(target, str):
+        label = target
+        found = next((t for t in expand(ws.cg) if t.label == label), None)
+        if found is None:
+            raise UserError(f"no target {label} in the Cgfile", file=str(ws.cg.path), field="label")
+        target = found
+    if toolchains is None:
+        toolchains = resolve_toolchains(ws)[0]
+    return job_for(ws.cg, target, toolchains[target.device].get("components"))
