@@ -234,3 +234,38 @@ def test_retrace_gives_the_h200_digest(
     layout = LAYOUT.identity(lay)
     assert layout == LAYOUT.identity(there["layout"])
     assert h200_key(graph["digest"], layout, sealed) == h200_plan[label]["key"]
+
+
+# The klein sm_90 store re-minted since the traced strides joined the key (benchmarks/
+# klein_sm90_mint.sh; benchmarks/results/klein_sm90_mint.json): the transformers trace the
+# transposed hidden states the stock pipeline passes; the VAE decoders kept their keys.
+KLEIN_STORE = "gpu_sm90_store_klein.tgz"
+KLEIN_PLAN = "gpu_sm90_plan_klein.json"
+KLEIN = {
+    BF16: "19c96a2fa4ab40766b8e2d01eaf2b0e1e529fe4e0cb0fe1a41a62695d6c5bdc6",
+    FP8: "bbacaf5799d3ea2ce0bf7eb4e9e6749315b3ae227f7de05a68091ae5b08126d2",
+    "//flux2-klein/vae.decode/1024x1024-b1@bf16:sm_90": (
+        "08e6a52341e41eebd34807d2793875f94a53d3b96d697deed37a68d0b44d7da3"
+    ),
+}
+
+
+def test_the_re_minted_klein_store_resolves_under_its_planned_keys(tmp_path: Path) -> None:
+    """Every key the H200 planned for the served klein targets resolves, hash-verified, to an
+    artifact sealed for that label, recomputes from its own axes, and carries the traced
+    structure; the transformers' traced strides are the pipeline's, and in their key."""
+    plan = {t["label"]: t for t in json.loads((RESULTS / KLEIN_PLAN).read_text())["targets"]}
+    assert {label: t["key"] for label, t in plan.items()} == KLEIN
+    with tarfile.open(RESULTS / KLEIN_STORE) as tar:
+        tar.extractall(tmp_path, filter="data")
+    store = Store(tmp_path / "store")
+    for label, target in plan.items():
+        assert target["status"] == "fresh"
+        resolved = store.resolve(target["key"], verify=True)
+        assert label in resolved.ref.metadata["labels"]
+        meta = read_metadata(resolved.path)
+        assert key_of({name: _axis(name, meta["axes"][name]) for name in AXES}) == target["key"]
+        assert meta["axes"]["graph"] == target["axes"]["graph"]
+        if "/transformer/" in label:
+            assert meta["axes"]["graph"]["strides"] == {"hidden_states": [524288, 1, 4096]}
+            assert meta["module"]["global_hooks"] is False and "lanes" in meta

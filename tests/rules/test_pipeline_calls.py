@@ -135,9 +135,12 @@ def test_the_declared_substitutes_are_what_let_the_stock_processors_serve(
         and f"processor flux2_entry.JointAttnProcessor → {FLUX2}.Flux2AttnProcessor" in why.detail
     )
     pipe = flux2_klein_pipeline(seed=5)
-    from diffusers.models.attention_processor import AttnProcessor2_0
+    from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor
 
-    pipe.transformer.transformer_blocks[0].attn.processor = AttnProcessor2_0()
+    class Another(Flux2AttnProcessor):  # neither the entry's class nor the stock one it stands for
+        pass
+
+    pipe.transformer.transformer_blocks[0].attn.processor = Another()
     served = adopt_pipeline(pipe, ws / "manifest.json", store=Store(ws / ".cgbuild" / "store"))
     _image(served)
     assert served.counters["transformer"] == {"eager:config-drift": 2}
