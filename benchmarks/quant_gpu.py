@@ -6,7 +6,7 @@ Run on a machine with a CUDA device, from a checkout (no install needed):
     python benchmarks/quant_gpu.py --out benchmarks/results/quant_gpu.json [--commit SHA]
 
 What it answers:
-- does the plan's pure capability function (`cgbuild.identity.layout.scaled_mm_rowwise`, torch version × sm)
+- does the plan's pure capability function (`quantrule.scaled_mm_rowwise`, torch version × sm)
   agree with the real probe the mint runs (`cgbuild_rules.quant.probe`) on this device;
 - how far each rule's output is from plain bf16 on a klein-shaped MLP block (3072 → 9216 → 3072,
   4608 tokens = 1024x1024 image + 512 text), and from an fp32 reference;
@@ -47,7 +47,7 @@ from torch import nn  # noqa: E402
 
 from cgbuild.core.platform import normalize_arch  # noqa: E402
 from cgbuild.identity import compiler, policy  # noqa: E402
-from cgbuild.identity.layout import QUANT_RULES, floor_refusal, scaled_mm_rowwise  # noqa: E402
+from cgbuild.identity.quantrule import QUANT_RULES, floor_refusal, scaled_mm_rowwise  # noqa: E402
 
 HIDDEN, MLP, TOKENS = 3072, 9216, 4608
 

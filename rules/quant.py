@@ -1,6 +1,6 @@
 """The torch side of the quant rules: module transforms that produce exactly the tensors a rule emits.
 
-The records (facts, floors, identity) live in `cgbuild.identity.layout`; this module implements them and is
+The records (facts, floors, identity) live in `cgbuild.identity.quantrule`; this module implements them and is
 keyed by the same names. `convert(module, rule, dtype)` replaces every eligible `nn.Linear` (2-D
 weight, both dimensions multiples of 16) by a quantized module IN PLACE of it, so the FQNs stay
 the module's own (`<fqn>.weight`, `<fqn>.weight_scale`, `<fqn>.bias`): what a quantized checkpoint
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from cgbuild_rules.lanes import LaneSwitch
 from torch import nn
 
-from cgbuild.identity.layout import QUANT_RULES
+from cgbuild.identity.quantrule import QUANT_RULES
 
 MULTIPLE = 16
 INT8_MAX = 127

@@ -34,7 +34,7 @@ from cgbuild.config.cgfile import Cgfile
 from cgbuild.config.targets import Target, expand
 from cgbuild.core import fs
 from cgbuild.core.errors import UserError
-from cgbuild.identity.layout import INDEX_SUFFIX
+from cgbuild.identity.topology import INDEX_SUFFIX
 from cgbuild.protocol.trace import job_for
 
 

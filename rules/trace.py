@@ -58,7 +58,7 @@ from torch.export import ExportedProgram
 from torch.utils._pytree import MappingKey, keystr, tree_flatten_with_path, tree_map
 
 from cgbuild.core.codes import Code
-from cgbuild.identity.layout import QUANT_RULES
+from cgbuild.identity.quantrule import QUANT_RULES
 from cgbuild.protocol.trace import FACT_KEYS, REQUEST_SCHEMA, SPEC_KEYS, BadJob, TraceJob
 
 DTYPES: dict[str, torch.dtype] = {

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cgbuild.identity.layout import SAFETENSORS_DTYPE, read_header
+from cgbuild.identity.topology import SAFETENSORS_DTYPE, read_header
 
 CheckpointPath = str | os.PathLike[str]
 STAGE_BYTES = 32 << 20

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             f"{names}{more}; mint them first (cgbuild mint '{args.label}') or select fresh targets only",
             **where,
         )
-    from cgbuild.identity.layout import QUANT_RULES
+    from cgbuild.identity.quantrule import QUANT_RULES
 
     serves = {name: m.serves for name, m in fam.modules.items() if m.serves is not None}
     compiled_only = {name: QUANT_RULES[lay.quant].compiled_only for name, lay in ws.cg.layouts.items()}

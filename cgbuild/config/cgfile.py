@@ -35,7 +35,8 @@ from cgbuild.config.tomlpos import KeyLines
 from cgbuild.core import userfile
 from cgbuild.core.errors import UserError
 from cgbuild.core.publickey import public_key_bytes
-from cgbuild.identity.layout import QUANT_RULES, Reading, compute_dtype
+from cgbuild.identity.quantrule import QUANT_RULES, compute_dtype
+from cgbuild.identity.topology import Reading
 from cgbuild.lanes import Needs
 
 SM = re.compile(r"cpu|sm_[0-9]{2,3}[a-z]?")

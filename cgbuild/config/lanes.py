@@ -8,7 +8,7 @@ from typing import Any
 
 from cgbuild.config.reader import Reader, is_str_list, kind
 from cgbuild.core.errors import UserError
-from cgbuild.identity.layout import QUANT_RULES
+from cgbuild.identity.quantrule import QUANT_RULES
 from cgbuild.lanes import Needs, read_lane_table
 
 

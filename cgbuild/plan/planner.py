@@ -32,7 +32,7 @@ from cgbuild.config.labels import Selector
 from cgbuild.config.targets import Target, expand, select
 from cgbuild.core.canon import digest
 from cgbuild.core.codes import Code
-from cgbuild.identity import layout, toolchain
+from cgbuild.identity import layout, quantrule, toolchain, topology
 from cgbuild.identity.keys import Axis, graph_axis, key_of, sm_axis, toolchain_axis
 from cgbuild.plan import environment, laststate
 from cgbuild.plan.inputs import FamilyInputs, SourceHasher
@@ -381,7 +381,7 @@ def _stamp(ctx: PlanContext, t: Target, layout_axis: Axis | None) -> str:
     """`<family>.<component>@N+<quant>@N`, from the layout axis when it is known."""
     if layout_axis is not None:
         return str(layout_axis.readable["stamp"])
-    quant = layout.QUANT_RULES[ctx.cg.layouts[t.id.layout].quant]
+    quant = quantrule.QUANT_RULES[ctx.cg.layouts[t.id.layout].quant]
     return layout.layout_stamp(t.id.family, t.module.component, quant)
 
 
@@ -422,20 +422,20 @@ def _layout_of(
     memo_key = _LayoutOf(lay.name, t.id.family, component, inputs if fact is not None else "")
     if memo_key in ctx.layout_axes:
         return ctx.layout_axes[memo_key]
-    quant = layout.QUANT_RULES[lay.quant]
+    quant = quantrule.QUANT_RULES[lay.quant]
     axis: Axis | None = None
     mismatch: str | None = None
     if lay.reference is not None:
         ref_key = (lay.name, component)
         if ref_key not in ctx.references:
-            topo = layout.topology_from_reference(lay.reference, component, lay.reading(component))
-            ctx.references[ref_key] = (topo, layout.topology_digest(topo))
+            topo = topology.topology_from_reference(lay.reference, component, lay.reading(component))
+            ctx.references[ref_key] = (topo, topology.topology_digest(topo))
         topo, topo_digest = ctx.references[ref_key]
         axis = layout.layout_axis(t.id.family, component, quant, topo_digest, "reference")
         if fact is not None:
-            mismatch = layout.topology_mismatch(topo, layout.from_trace(fact["topology"]))
+            mismatch = topology.topology_mismatch(topo, topology.from_trace(fact["topology"]))
     elif fact is not None:
-        topo_digest = layout.topology_digest(layout.from_trace(fact["topology"]))
+        topo_digest = topology.topology_digest(topology.from_trace(fact["topology"]))
         axis = layout.layout_axis(t.id.family, component, quant, topo_digest, "trace")
     ctx.layout_axes[memo_key] = (axis, mismatch)
     return axis, mismatch
@@ -554,5 +554,5 @@ def _run_traces(
 @functools.cache
 def _floor(quant: str, sm: str, torch: str | None) -> Reason | None:
     """The floor reason of a quant rule on an sm under a toolchain torch (docs/layouts.md), or None."""
-    refusal = layout.floor_refusal(layout.QUANT_RULES[quant], sm, torch)
+    refusal = quantrule.floor_refusal(quantrule.QUANT_RULES[quant], sm, torch)
     return None if refusal is None else Reason(refusal[0], refusal[1], root=True)

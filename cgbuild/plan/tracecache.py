@@ -18,7 +18,7 @@ from typing import Any
 
 from cgbuild.core import statefile
 from cgbuild.core.canon import digest_unguarded
-from cgbuild.identity.layout import QUANT_RULES
+from cgbuild.identity.quantrule import QUANT_RULES
 
 TRACE_RULE_VERSION = 2
 """Bumped when the rule computes other facts from the same inputs (2: the traced strides of

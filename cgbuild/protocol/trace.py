@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from cgbuild import lanes
 from cgbuild.config.dims import LETTER, Range
 from cgbuild.core.platform import CPU, CUDA
-from cgbuild.identity.layout import QUANT_RULES
+from cgbuild.identity.quantrule import QUANT_RULES
 
 if TYPE_CHECKING:
     from cgbuild.config.cgfile import Cgfile

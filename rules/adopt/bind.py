@@ -19,7 +19,7 @@ from cgbuild_rules.loader import same_view, state_tensors
 from torch import nn
 
 from cgbuild.core.codes import Code
-from cgbuild.identity.layout import safetensors_dtype
+from cgbuild.identity.topology import safetensors_dtype
 
 
 def weights_of(

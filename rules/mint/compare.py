@@ -9,7 +9,7 @@ from typing import Any
 from cgbuild_rules.mint.failure import MintFailure
 
 from cgbuild.core.codes import Code
-from cgbuild.identity.layout import QUANT_RULES
+from cgbuild.identity.quantrule import QUANT_RULES
 
 # Relative RMS error allowed against eager, by output dtype (as text: identity blocks hold no
 # floats). fp32 compiles measured ~1e-7; klein-4B bf16 measured 2.3% from rounding alone.

@@ -138,12 +138,12 @@ def _quant_floor(quant: str, device: str, sm: str) -> None:
     import torch
     from cgbuild_rules import quant as quant_rules
 
-    from cgbuild.identity import layout
+    from cgbuild.identity import quantrule
 
-    rule = layout.QUANT_RULES.get(quant)
+    rule = quantrule.QUANT_RULES.get(quant)
     if rule is None:
         raise MintFailure(Code.LAYOUT_DRIFT, f"this worker has no quant rule {quant!r}")
-    floor = layout.floor_refusal(rule, sm, torch.__version__)
+    floor = quantrule.floor_refusal(rule, sm, torch.__version__)
     if floor is not None:
         raise MintFailure(floor[0], floor[1])
     if device == "cuda":
@@ -166,20 +166,21 @@ def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] |
     if not want:
         return None
     from cgbuild.core.errors import UserError
-    from cgbuild.identity import layout
+    from cgbuild.identity import layout, quantrule, topology
 
-    rule = layout.QUANT_RULES.get(want["quant"])
+    rule = quantrule.QUANT_RULES.get(want["quant"])
     if rule is None:
         raise MintFailure(Code.LAYOUT_DRIFT, f"this worker has no quant rule {want['quant']!r}")
-    rows = layout.from_trace(traced)
-    here = layout.layout_identity(layout.topology_digest(rows), rule)
+    rows = topology.from_trace(traced)
+    here = layout.layout_identity(topology.topology_digest(rows), rule)
     asked = {"topology": want.get("topology"), "quant": want.get("quant_digest")}
     if here != asked:
         if want.get("reference") and here["topology"] != asked["topology"]:
             try:
-                reading = layout.Reading.from_json(want.get("reading"))
-                ref_rows = layout.topology_from_reference(Path(want["reference"]), want["component"], reading)
-                mismatch = layout.topology_mismatch(ref_rows, rows)
+                reading = topology.Reading.from_json(want.get("reading"))
+                reference = Path(want["reference"])
+                ref_rows = topology.topology_from_reference(reference, want["component"], reading)
+                mismatch = topology.topology_mismatch(ref_rows, rows)
             except UserError:
                 mismatch = None
             if mismatch:

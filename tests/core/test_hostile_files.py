@@ -15,7 +15,7 @@ from support.artifacts import sealed_for
 from support.cgfiles import ONE_MODULE
 
 from cgbuild.core.errors import UserError
-from cgbuild.identity.layout import HEADER_MAX_DEPTH, read_header, topology_from_reference
+from cgbuild.identity.topology import HEADER_MAX_DEPTH, read_header, topology_from_reference
 from cgbuild.store.local import Store
 
 KEY = "ab" * 32

@@ -20,16 +20,8 @@ from torch import nn
 from cgbuild.config import cgfile
 from cgbuild.core.errors import UserError
 from cgbuild.identity import keys
-from cgbuild.identity.layout import (
-    QUANT_RULES,
-    compute_dtype,
-    floor_refusal,
-    read_header,
-    scaled_mm_rowwise,
-    topology_digest,
-    topology_from_reference,
-    topology_mismatch,
-)
+from cgbuild.identity.quantrule import QUANT_RULES, compute_dtype, floor_refusal, scaled_mm_rowwise
+from cgbuild.identity.topology import read_header, topology_digest, topology_from_reference, topology_mismatch
 
 
 # ---- quant rules: the facts are the identity --------------------------------------------------

@@ -164,7 +164,7 @@ def _topology(p: dict[str, Any], label: str) -> dict[str, tuple[str, list[int]]]
     inputs = by_label(p)[label]["trace_inputs"]
     (facts,) = db.execute("SELECT facts FROM traces WHERE inputs=?", (inputs,)).fetchone()
     db.close()
-    from cgbuild.identity.layout import from_trace
+    from cgbuild.identity.topology import from_trace
 
     return {n: (d, s) for n, d, s in from_trace(json.loads(facts)["topology"])}
 

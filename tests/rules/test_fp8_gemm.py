@@ -117,7 +117,7 @@ def test_kernel_and_lane_switch_compute_what_scaled_mm_computes() -> None:
 def test_the_lane_implementations_are_exactly_the_rules_declared_values() -> None:
     from cgbuild_rules import quant
 
-    from cgbuild.identity.layout import QUANT_RULES
+    from cgbuild.identity.quantrule import QUANT_RULES
 
     declared = QUANT_RULES["fp8-rowwise"].lanes["fp8-gemm"]
     assert set(quant.FP8_GEMM) == set(declared)

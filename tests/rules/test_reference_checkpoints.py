@@ -24,7 +24,7 @@ from safetensors.torch import save_file, save_model
 from support.cli import cli
 
 from cgbuild.core.errors import UserError
-from cgbuild.identity.layout import Reading, safetensors_dtype, topology_from_reference, topology_mismatch
+from cgbuild.identity.topology import Reading, safetensors_dtype, topology_from_reference, topology_mismatch
 
 ZOO = Path(__file__).resolve().parents[1] / "zoo"
 sys.path.insert(0, str(ZOO))
