@@ -18,6 +18,20 @@ from cgbuild.store.seal import read_metadata
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 ARCHIVES = sorted(p.name for p in RESULTS.glob("gpu_sm90_store*.tgz"))
+# What each banked artifact was sealed with decides what adopt cannot verify: the oldest carry no
+# configuration record; the VAE decoder's carries one from before the traced structure; the klein
+# transformers re-minted since carry both. A new archive's keys get a line here.
+UNVERIFIED: dict[str, tuple[str, ...]] = {
+    "233b70e7": ("config", "structure"),
+    "401220d2": ("config", "structure"),
+    "0df3634b": ("config", "structure"),
+    "028ac177": ("config", "structure"),
+    "4915cdae": ("config", "structure"),
+    "08e6a523": ("structure",),
+    "b06c7f2e": ("structure",),
+    "19c96a2f": (),
+    "bbacaf57": (),
+}
 
 
 @pytest.mark.parametrize("archive", ARCHIVES)
@@ -33,5 +47,4 @@ def test_a_banked_archive_reads_resolves_and_is_refused_only_for_its_sm(archive:
         assert meta["key"] == key and metadata_problem(meta) is None, (archive, key, metadata_problem(meta))
         art = load_artifact(key, nn.Linear(1, 1), store=store)
         assert art.refusal is not None and art.refusal.code == "wrong-sm", art.refusal
-        # sealed before the configuration record, or (the VAE decoder's) with it
-        assert art.unverified == (() if "module" in meta else ("config",)), (archive, art.unverified)
+        assert art.unverified == UNVERIFIED[key[:8]], (archive, key[:8], art.unverified)
