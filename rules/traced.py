@@ -131,12 +131,18 @@ def _hooks(r: Row) -> str:
     return f"{text} and an instance forward" if r.override else text
 
 
-def changed(traced: Traced, module: nn.Module, traced_as: str | None = None) -> Moved | None:
+def changed(
+    traced: Traced,
+    module: nn.Module,
+    traced_as: str | None = None,
+    substitutes: Mapping[str, str] | None = None,
+) -> Moved | None:
     """The first way the live module differs from `traced`, with its fix, or None.
 
-    Where a submodule's class differs (an entry's substitute for the stock class, or `traced_as`
-    at the root) its `forward` is not compared: classes are the configuration check's
-    (`config-drift`, which knows the declared substitutes).
+    A submodule of another class is named first (a wrapper is in train mode and holds new
+    submodules too, but what moved is that it replaced the traced one), unless it is the stock
+    class an entry's substitute stands for (`substitutes`: entry class → stock class) or the root
+    a call adapter says was traced as `traced_as`; then its `forward` is not compared.
     """
     if global_hooks() and not traced.global_hooks:
         return Moved("", f"sees torch's global forward hooks (register_module_forward_hook): {NEVER_RUN}")
@@ -148,7 +154,7 @@ def changed(traced: Traced, module: nn.Module, traced_as: str | None = None) -> 
         if was is None:
             hint = f": {ADAPTER_HINT}" if fqn.rsplit(".", 1)[-1] in ("base_layer", "lora_A", "lora_B") else ""
             return Moved(fqn, f"is new (a {now.cls}{hint}); the program was traced without it")
-        if moved := _row_changed(fqn, was, now, traced_as):
+        if moved := _row_changed(fqn, was, now, traced_as, substitutes or {}):
             return moved
     return None
 
@@ -156,7 +162,12 @@ def changed(traced: Traced, module: nn.Module, traced_as: str | None = None) -> 
 NEVER_RUN = "the program never runs them; remove them before adopting, or serve eager"
 
 
-def _row_changed(fqn: str, was: Row, now: Row, traced_as: str | None) -> Moved | None:
+def _row_changed(
+    fqn: str, was: Row, now: Row, traced_as: str | None, substitutes: Mapping[str, str]
+) -> Moved | None:
+    stands_in = (fqn == "" and traced_as is not None) or substitutes.get(was.cls) == now.cls
+    if now.cls != was.cls and not stands_in:
+        return Moved(fqn, f"was replaced by a {now.cls} (traced as a {was.cls})")
     if now.training != was.training:
         fix = "eval" if now.training else "train"
         return Moved(
@@ -166,7 +177,7 @@ def _row_changed(fqn: str, was: Row, now: Row, traced_as: str | None) -> Moved |
         return Moved(
             f"{fqn}.{extra[0]}" if fqn else extra[0], f"is shadowed by an instance attribute: {SHADOW_FIX}"
         )
-    same_class = now.cls == was.cls and not (fqn == "" and traced_as is not None)
+    same_class = now.cls == was.cls and not stands_in
     # the root's own forward is the traced call (an entry may set it); its hooks run on both paths
     compare_forward = same_class and (fqn != "" or not was.override)
     if compare_forward and now.forward != was.forward:

@@ -184,7 +184,7 @@ def structure_refusal(art: Artifact, module: nn.Module) -> Refusal | None:
     or gone), with its fix; None when it is structured as traced."""
     if art.baseline is None:
         return None
-    moved = traced.changed(art.baseline, module, art.config.traced_as)
+    moved = traced.changed(art.baseline, module, art.config.traced_as, art.config.substitutes)
     return None if moved is None else Refusal(Code.MODULE_CHANGED, f"{moved}{adapter_hint(module)}")
 
 

@@ -209,7 +209,7 @@ def test_a_strict_server_refuses_a_changed_module_by_name(
     with (
         pytest.raises(
             AdoptRefused,
-            match=r"module-changed: fc1 has 1 forward hook\(s\), 0 pre-hook\(s\), 0 forward hook\(s\)",
+            match=r"module-changed: fc1 has 1 forward hook\(s\), 0 pre-hook\(s\), traced with 0 forward",
         ),
         torch.no_grad(),
     ):

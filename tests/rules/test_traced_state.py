@@ -224,3 +224,34 @@ def test_the_traced_structure_is_sealed_and_checked_for_its_shape(art_a: Path, t
     served = adopt(edited(art_a, tmp_path / "bad.tar.gz", bad), nn.Linear(1, 1))
     (refusal,) = served.refusals.values()
     assert refusal.code == "bad-metadata" and "module.tree.fc1.hooks[0]" in refusal.detail
+
+
+class _Stock(nn.Linear):
+    """A class an entry's substitute stands for."""
+
+
+class _EntryLinear(nn.Linear):
+    """An entry's substitute: what the trace held in the stock class's place."""
+
+
+def test_another_class_is_named_first_unless_it_is_the_declared_stock_class() -> None:
+    """A replaced submodule is named as replaced, before its train mode or its new children; the
+    stock class a declared substitute stands for is accepted in its slot, and only that class."""
+    from cgbuild_rules import traced
+
+    model = nn.Sequential(_EntryLinear(4, 4)).eval()
+    record = traced.snapshot(model)
+    wrapper = nn.Sequential(nn.Linear(4, 4))  # in train mode, with a child the trace never had
+    model[0] = wrapper
+    moved = traced.changed(record, model)
+    assert moved is not None and str(moved).startswith(
+        "0 was replaced by a torch.nn.modules.container.Sequential"
+    )
+    model[0] = _Stock(4, 4).eval()
+    entry, stock = (traced.qualified(c) for c in (_EntryLinear, _Stock))
+    assert traced.changed(record, model, substitutes={entry: stock}) is None
+    assert "was replaced by" in str(traced.changed(record, model))
+    model[0] = nn.Linear(4, 4).eval()
+    assert "was replaced by a torch.nn.modules.linear.Linear" in str(
+        traced.changed(record, model, substitutes={entry: stock})
+    )
