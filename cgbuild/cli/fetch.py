@@ -14,6 +14,7 @@ from typing import Any
 from cgbuild.cli.main import add_workspace_args, workspace
 from cgbuild.cli.render import console, key_line, print_json, progress_bar
 from cgbuild.config.labels import parse_selector
+from cgbuild.plan.reasons import Status
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,9 +36,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         close()
     labels: dict[str, list[str]] = {}
-    for t in plan["targets"]:
-        if t["status"] == "fresh":
-            labels.setdefault(t["key"], []).append(t["label"])
+    for key, label in ((t.key, t.label) for t in plan.entries if t.status is Status.FRESH):
+        if key:
+            labels.setdefault(key, []).append(label)
     todo = [k for k in sorted(labels) if shared.local.ref_state(k) != "fresh"]
     pulled: list[dict[str, Any]] = []
     refused: list[dict[str, Any]] = []
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         "pulled": pulled,
         "refused": refused,
         "local": len(labels) - len(todo),
-        "unavailable": sorted(t["label"] for t in plan["targets"] if t["status"] != "fresh"),
+        "unavailable": sorted(t.label for t in plan.entries if t.status is not Status.FRESH),
     }
     if args.json:
         print_json(summary)

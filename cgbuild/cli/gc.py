@@ -98,7 +98,7 @@ def pinned_keys(paths: list[str]) -> set[str]:
     """The keys the plan files name (each validated as a plan: exit 2 naming the file)."""
     from cgbuild.plan.diff import load_plan
 
-    return {t["key"] for path in paths for t in load_plan(path)["targets"] if t.get("key")}
+    return {t.key for path in paths for t in load_plan(path).entries if t.key}
 
 
 def run_remote(args: argparse.Namespace) -> int:

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         if args.what.startswith("//"):
             tid = parse_label(args.what)
             plan = make_plan(ws, parse_selector(tid.label), run_traces=False)
-            key = plan["targets"][0]["key"] if plan["targets"] else None
+            key = plan.entries[0].key if plan.entries else None
             if not key:
                 raise UserError(f"{tid.label} has no known key (plan it first)", field="label")
         store = Store(ws.cg.store_dir)

@@ -20,6 +20,7 @@ from cgbuild.cli.main import add_workspace_args, workspace
 from cgbuild.cli.render import console, print_json, progress_bar
 from cgbuild.config.labels import parse_selector
 from cgbuild.core.errors import UserError, Where
+from cgbuild.plan.reasons import Status
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
         plan = make_plan(ws, selector, progress=update)
     finally:
         close()
-    targets = plan["targets"]
-    stale = sorted((t["label"], t["status"]) for t in targets if t["status"] != "fresh")
+    targets = plan.entries
+    stale = sorted((t.label, t.status.value) for t in targets if t.status is not Status.FRESH)
     if stale:
         names = ", ".join(f"{label} ({status})" for label, status in stale[:10])
         more = f" and {len(stale) - 10} more" if len(stale) > 10 else ""
@@ -78,7 +79,17 @@ def run(args: argparse.Namespace) -> int:
 
     serves = {name: m.serves for name, m in fam.modules.items() if m.serves is not None}
     compiled_only = {name: QUANT_RULES[lay.quant].compiled_only for name, lay in ws.cg.layouts.items()}
-    doc = manifest.build(families[0], targets, serves, compiled_only, fam.calls)
+    rows = [
+        (
+            t.module,
+            manifest.Entry(
+                t.graph_class, t.key, t.layout, t.sm, t.stamp, dict(t.envelope), compiled_only[t.layout]
+            ),
+        )
+        for t in targets
+        if t.key is not None  # every one: a target without a key is not fresh, refused above
+    ]
+    doc = manifest.build(families[0], rows, serves, fam.calls)
     if not args.output:
         print_json(doc)
         return 0

@@ -17,12 +17,14 @@ from cgbuild.cli.main import add_workspace_args, positive_int, workspace
 from cgbuild.cli.render import console, key_line, phase_times, print_json, progress_bar
 from cgbuild.config.labels import Selector, parse_selector
 from cgbuild.core.errors import UserError
+from cgbuild.plan.reasons import Status
 from cgbuild.protocol.mint import PHASES, Minted, MintFailed
 
 if TYPE_CHECKING:
     from cgbuild.exec.fleet import Executor
     from cgbuild.exec.held import HeldTraces
     from cgbuild.exec.mint import MintKey
+    from cgbuild.plan.entries import Plan
     from cgbuild.plan.workspace import Workspace
 
 
@@ -97,7 +99,7 @@ def _mint(
     keys = mint.approved(plan, ws)
     if held is not None:
         held.keep([mk.target for mk in keys])
-    fresh = sum(1 for t in plan["targets"] if t["status"] == "fresh")
+    fresh = sum(1 for t in plan.entries if t.status is Status.FRESH)
     mint.prove_shared_store(ws, keys, plan)  # a store without atomic create-only writes: exit 2
     started = time.perf_counter()
     published = mint.publish_unpublished(ws, plan)
@@ -264,10 +266,10 @@ def _show(summary: dict[str, Any], ws: Any) -> None:
             out.print(f"  [green]published[/] {p['key'][:12]} from this machine's cache")
 
 
-def _check(args: argparse.Namespace, ws: Any, plan: dict[str, Any], refused: list[dict[str, Any]]) -> int:
+def _check(args: argparse.Namespace, ws: Any, plan: Plan, refused: list[dict[str, Any]]) -> int:
     from cgbuild.exec import mint
 
-    keys = mint.approved(plan, ws, statuses=("fresh",))
+    keys = mint.approved(plan, ws, statuses=(Status.FRESH,))
     if not keys:
         raise UserError(
             "nothing to check: no selected target has a stored artifact (mint it first)", field="label"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from cgbuild.cli.main import add_workspace_args, positive_int, workspace
 from cgbuild.cli.render import STATUS_STYLE, console, progress_bar
@@ -13,8 +14,10 @@ from cgbuild.config.dims import Range
 from cgbuild.config.labels import parse_selector
 from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
+from cgbuild.plan.reasons import Status
 
 if TYPE_CHECKING:
+    from cgbuild.plan.entries import PlanRow
     from cgbuild.plan.memo import PlanOutput
 
 
@@ -76,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if args.exit_code and gate(out.summary()) else 0
 
 
-def gate(plan: dict[str, Any]) -> list[str]:
+def gate(rows: Sequence[PlanRow]) -> list[str]:
     """Labels a CI gate fails on: each target to mint, and each blocked by its declaration or a
     failed trace. Blocked by this machine (a CPU-only torch, a card's sm floor) does not count: a
     CPU CI box blocks every GPU target so. `trace` targets do not count either: their graph cannot
@@ -84,43 +87,39 @@ def gate(plan: dict[str, Any]) -> list[str]:
     from cgbuild.plan.reasons import ENVIRONMENT_CODES
 
     return [
-        t["label"]
-        for t in plan["targets"]
-        if t["status"] == "mint"
-        or (t["status"] == "blocked" and not any(r["code"] in ENVIRONMENT_CODES for r in _roots(t)))
+        t.label
+        for t in rows
+        if t.status is Status.MINT
+        or (t.status is Status.BLOCKED and not any(r.code in ENVIRONMENT_CODES for r in t.roots))
     ]
 
 
 ROW_LIMIT = 40
-ORDER = {"mint": 0, "trace": 1, "blocked": 2, "fresh": 3}
+ORDER = {Status.MINT: 0, Status.TRACE: 1, Status.BLOCKED: 2, Status.FRESH: 3}
 
 
-def show(plan: dict[str, Any], *, every: bool) -> None:
+def show(targets: Sequence[PlanRow], *, every: bool) -> None:
     """Summary, root causes grouped per family (with early cutoffs), then the rows that need
     action (all rows with `--all`).
 
     Rows are plain text: a rich table of 10,000 rows takes seconds to lay out.
     """
-    targets = plan["targets"]
-    counts = Counter(t["status"] for t in targets)
-    keys = {t["key"] for t in targets if t["key"]}
+    counts = Counter(t.status for t in targets)
+    keys = {t.key for t in targets if t.key}
     out = console()
-    summary = ", ".join(
-        f"[{STATUS_STYLE[s]}]{counts[s]} {s}[/]" for s in ("mint", "trace", "blocked", "fresh") if counts[s]
-    )
+    summary = ", ".join(f"[{STATUS_STYLE[s]}]{counts[s]} {s}[/]" for s in ORDER if counts[s])
     out.print(f"{len(targets)} targets, {len(keys)} distinct keys: {summary or 'nothing selected'}")
-    pending = sorted((t for t in targets if t["status"] != "fresh"), key=lambda t: ORDER[t["status"]])
+    pending = sorted((t for t in targets if t.status is not Status.FRESH), key=lambda t: ORDER[t.status])
     for line in cause_lines(targets):
         out.print(line, highlight=False)
     if not pending and not every:
         if targets:
             out.print("[green]everything is fresh[/]")
         return
-    rows = sorted(targets, key=lambda t: ORDER[t["status"]]) if every else pending[:ROW_LIMIT]
-    width = max((len(t["label"]) for t in rows), default=0)
+    rows = sorted(targets, key=lambda t: ORDER[t.status]) if every else pending[:ROW_LIMIT]
+    width = max((len(t.label) for t in rows), default=0)
     lines = [
-        f"{t['status']:<8} {t['label']:<{width}}  {(t['key'] or '-')[:12]:<12}  {_roots(t)[0]['detail']}"
-        + _pixel_frames(t)
+        f"{t.status:<8} {t.label:<{width}}  {(t.key or '-')[:12]:<12}  {_first_detail(t)}" + _pixel_frames(t)
         for t in rows
     ]
     sys.stdout.write("\n".join(lines) + ("\n" if lines else ""))
@@ -130,40 +129,43 @@ def show(plan: dict[str, Any], *, every: bool) -> None:
         )
 
 
-def _pixel_frames(t: dict[str, Any]) -> str:
+def _first_detail(t: PlanRow) -> str:
+    return t.roots[0].detail if t.roots else ""
+
+
+def _pixel_frames(t: PlanRow) -> str:
     """The pipeline's frame count beside the label's (module) count, where the entry states it."""
-    pixel = (t.get("envelope") or {}).get("pixel_frames")
-    if pixel is None:
+    if t.pixel_frames is None:
         return ""
-    declared = Range.from_json(pixel)
-    return f"  [pixel frames {declared.text if declared is not None else pixel}]"
+    declared = Range.from_json(t.pixel_frames)
+    return f"  [pixel frames {declared.text if declared is not None else t.pixel_frames}]"
 
 
-VERB = {"mint": "re-mint", "trace": "wait for a trace", "blocked": "blocked"}
+VERB = {Status.MINT: "re-mint", Status.TRACE: "wait for a trace", Status.BLOCKED: "blocked"}
 NAMED_CAUSES = 3  # root causes named per group line; the rest are counted
 
 
-def cause_lines(targets: list[dict[str, Any]]) -> list[str]:
+def cause_lines(targets: Sequence[PlanRow]) -> list[str]:
     """Per family: how many targets need what, and why ("3 targets re-mint: toy_models.py
     changed"), and how many re-traced to an unchanged graph (early cutoff)."""
     from rich.markup import escape
 
-    groups: dict[str, Counter[tuple[str, tuple[tuple[str, str], ...]]]] = {}
+    groups: dict[str, Counter[tuple[Status, tuple[tuple[str, str], ...]]]] = {}
     cutoffs: Counter[str] = Counter()
     for t in targets:
-        family = t["family"]
-        if any(r["code"] == Code.EARLY_CUTOFF for r in t["reasons"]):
+        family = t.family
+        if any(r.code == Code.EARLY_CUTOFF for r in t.reasons):
             cutoffs[family] += 1
-        if t["status"] == "fresh":
+        if t.status is Status.FRESH:
             continue
-        roots = tuple((r["code"], r["detail"]) for r in _roots(t))
-        groups.setdefault(family, Counter())[(t["status"], roots)] += 1
+        roots = tuple((r.code.value, r.detail) for r in t.roots)
+        groups.setdefault(family, Counter())[(t.status, roots)] += 1
     lines = []
     for family in sorted(set(groups) | set(cutoffs)):
         lines.append(f"[bold]{escape(family)}[/]")
         causes = groups.get(family, Counter())
         for (status, roots), n in sorted(causes.items(), key=lambda kv: (ORDER[kv[0][0]], -kv[1], kv[0][1])):
-            new = status == "mint" and all(code == Code.NEW_TARGET for code, _ in roots)
+            new = status is Status.MINT and all(code == Code.NEW_TARGET for code, _ in roots)
             verb = "mint" if new else VERB[status]
             named = "; ".join(detail for _, detail in roots[:NAMED_CAUSES]) + (
                 f"; and {len(roots) - NAMED_CAUSES} more" if len(roots) > NAMED_CAUSES else ""
@@ -176,8 +178,3 @@ def cause_lines(targets: list[dict[str, Any]]) -> list[str]:
             plural = "s" if n != 1 else ""
             lines.append(f"  {n} target{plural} re-traced to an unchanged graph (early cutoff): key kept")
     return lines
-
-
-def _roots(t: dict[str, Any]) -> list[dict[str, Any]]:
-    """A target's root causes, or its first reason when none is marked root."""
-    return [r for r in t["reasons"] if r.get("root")] or (t["reasons"] or [{"code": "-", "detail": ""}])[:1]

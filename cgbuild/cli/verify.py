@@ -58,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
     store = Store(ws.cg.store_dir)
     plan = make_plan(ws, parse_selector(args.label), run_traces=False)
     labels: dict[str, list[str]] = {}
-    for t in plan["targets"]:
-        if t["key"] and store.ref_path(t["key"]).exists():  # well-formed or not: verify judges
-            labels.setdefault(t["key"], []).append(t["label"])
+    for t in plan.entries:
+        if t.key and store.ref_path(t.key).exists():  # well-formed or not: verify judges
+            labels.setdefault(t.key, []).append(t.label)
     reports = []
     for key, names in labels.items():
         verdict = store.verify(key)
@@ -76,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
                 report.update(status=sealed.status, detail=sealed.detail)
             elif args.run:
                 path = store.resolve(key, verify=False).path
-                outcome = run_artifact(ws, key, path, names[0], plan["toolchains"])
+                toolchains = {p: t.to_json() for p, t in plan.toolchains.items()}
+                outcome = run_artifact(ws, key, path, names[0], toolchains)
                 report["run"] = outcome
                 if not outcome.get("ok"):
                     report.update(

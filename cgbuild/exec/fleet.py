@@ -40,6 +40,7 @@ from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
 from cgbuild.core.fs import write_json
 from cgbuild.exec.mint import MintKey, mint_one
+from cgbuild.plan.entries import PlanEntry
 from cgbuild.plan.workspace import Workspace
 from cgbuild.protocol.mint import BadResult, MintFailed, Phase, outcome_from_json
 from cgbuild.store.s3 import RemoteError
@@ -137,7 +138,7 @@ class Order:
     cgfile: str
     cgfile_sha256: str
     key: str
-    entries: list[dict[str, Any]]
+    entries: list[PlanEntry]
     toolchain: dict[str, Any]
 
 
@@ -314,7 +315,7 @@ def _workspace_here(order: Order) -> tuple[Workspace, MintKey]:
             f"{order.cgfile_sha256[:12]}): run one checkout of the workspace on every node",
         )
     ws = Workspace(cgfile.load(path))
-    target = {t.label: t for t in expand(ws.cg)}[order.entries[0]["label"]]
+    target = {t.label: t for t in expand(ws.cg)}[order.entries[0].label]
     return ws, MintKey(order.key, order.entries, target, order.toolchain)
 
 

@@ -28,7 +28,9 @@ from cgbuild.core.errors import UserError
 from cgbuild.core.fs import write_json
 from cgbuild.core.platform import host_name
 from cgbuild.plan.diff import load_plan
+from cgbuild.plan.entries import Plan, PlanEntry
 from cgbuild.plan.jobs import trace_job
+from cgbuild.plan.reasons import Status
 from cgbuild.plan.workspace import StateDir, Workspace
 from cgbuild.protocol.mint import Minted, MintFailed, MintOutcome, MintRequest, Phase, run_worker
 from cgbuild.store.errors import StoreError
@@ -48,7 +50,7 @@ class MintKey:
     """One key to mint and every plan target it serves."""
 
     key: str
-    entries: list[dict[str, Any]]
+    entries: list[PlanEntry]
     target: Target
     toolchain: dict[str, Any]
     result: MintOutcome | None = None
@@ -60,7 +62,7 @@ class MintKey:
 
     @property
     def labels(self) -> list[str]:
-        return [e["label"] for e in self.entries]
+        return [e.label for e in self.entries]
 
 
 def default_jobs() -> int:
@@ -73,25 +75,25 @@ def default_jobs() -> int:
     return max(1, min(cores // 2, int(avail // (4 * GIB))))
 
 
-def approved(plan: dict[str, Any], ws: Workspace, statuses: tuple[str, ...] = ("mint",)) -> list[MintKey]:
+def approved(plan: Plan, ws: Workspace, statuses: tuple[Status, ...] = (Status.MINT,)) -> list[MintKey]:
     """Group the plan's targets of these statuses by key (one mint per key)."""
     targets = {t.label: t for t in expand(ws.cg)}
     groups: dict[str, MintKey] = {}
-    for entry in plan["targets"]:
-        if entry["status"] not in statuses or not entry["key"]:
+    for entry in plan.entries:
+        if entry.status not in statuses or not entry.key:
             continue
-        target = targets.get(entry["label"])
+        target = targets.get(entry.label)
         if target is None:
-            raise UserError(f"{entry['label']} is in the plan but not in the Cgfile", field="targets")
+            raise UserError(f"{entry.label} is in the plan but not in the Cgfile", field="targets")
         platform = target.device
-        tc = plan["toolchains"][platform]
+        tc = plan.toolchains[platform]
         mk = groups.setdefault(
-            entry["key"],
+            entry.key,
             MintKey(
-                entry["key"],
+                entry.key,
                 [],
                 target,
-                {"platform": platform, "fold": tc["fold"], "components": tc["components"]},
+                {"platform": platform, "fold": tc.fold, "components": dict(tc.components)},
             ),
         )
         mk.entries.append(entry)
@@ -100,8 +102,7 @@ def approved(plan: dict[str, Any], ws: Workspace, statuses: tuple[str, ...] = ("
 
 def recorded_plan_keys(path: str) -> dict[str, str]:
     """label → key of the targets a recorded plan marked `mint`."""
-    plan = load_plan(path)
-    return {t["label"]: t["key"] for t in plan["targets"] if t.get("status") == "mint" and t.get("key")}
+    return load_plan(path).keys(Status.MINT)
 
 
 def _evidence_run(result: Minted, how: str) -> dict[str, Any]:
@@ -141,7 +142,7 @@ def _lanes_request(ws: Workspace, mk: MintKey) -> dict[str, Any] | None:
     axes = fam.lanes_for(ws.cg.layouts[mk.target.id.layout].quant)
     if not axes:
         return None
-    skus = [ws.cg.skus[name] for name in sorted({s for e in mk.entries for s in e["skus"]})]
+    skus = [ws.cg.skus[name] for name in sorted({s for e in mk.entries for s in e.skus})]
     fit = max(skus, key=lambda s: s.memory_bytes)  # the first by name among equals
     return {
         "axes": [[axis, list(values)] for axis, values in axes],
@@ -153,6 +154,7 @@ def _lanes_request(ws: Workspace, mk: MintKey) -> dict[str, Any] | None:
 def request_for(ws: Workspace, mk: MintKey, out: Path, **extra: Any) -> dict[str, Any]:
     """The worker's request for one key (`extra`: `fresh`, `compare_with`, ... of MintRequest)."""
     first = mk.entries[0]
+    axes = first.to_json()["axes"]
     return MintRequest(
         id=mk.key,
         key=mk.key,
@@ -160,16 +162,13 @@ def request_for(ws: Workspace, mk: MintKey, out: Path, **extra: Any) -> dict[str
         job=trace_job(ws, mk.target, {mk.target.device: mk.toolchain}).with_id(mk.key),
         lanes=_lanes_request(ws, mk) or None,
         sm=mk.target.id.sm,
-        graph_digest=first["axes"]["graph"]["digest"],
+        graph_digest=first.axis("graph")["digest"],
         toolchain=mk.toolchain,
         # the toolchain source may be a lock path: a machine fact, not one for sealed bytes
-        axes={
-            **first["axes"],
-            "toolchain": {k: v for k, v in first["axes"]["toolchain"].items() if k != "source"},
-        },
-        facets=[e["envelope"] for e in mk.entries],
-        stamp=first["stamp"],
-        layout=_layout_request(ws, mk.target, first["axes"]["layout"]),
+        axes={**axes, "toolchain": {k: v for k, v in axes["toolchain"].items() if k != "source"}},
+        facets=[dict(e.envelope) for e in mk.entries],
+        stamp=first.stamp,
+        layout=_layout_request(ws, mk.target, axes["layout"]),
         cxx=ws.cg.cxx,
         out=str(out),
         **extra,
@@ -332,11 +331,11 @@ def sweep_build(state: StateDir, grace_s: float, *, dry_run: bool = False) -> li
     return removed
 
 
-def _fresh(plan: dict[str, Any]) -> set[str]:
-    return {t["key"] for t in plan["targets"] if t["status"] == "fresh" and t["key"]}
+def _fresh(plan: Plan) -> set[str]:
+    return set(plan.keys(Status.FRESH).values())
 
 
-def prove_shared_store(ws: Workspace, keys: list[MintKey], plan: dict[str, Any]) -> None:
+def prove_shared_store(ws: Workspace, keys: list[MintKey], plan: Plan) -> None:
     """Before anything is compiled or published: a shared store that fails the create-only probe
     is the workspace's misconfiguration, one `RemoteError` naming it (exit 2), not a failure of
     every key. A machine without a usable signing key is left to each key's failure, which names
@@ -348,7 +347,7 @@ def prove_shared_store(ws: Workspace, keys: list[MintKey], plan: dict[str, Any])
         shared.check_publishable()
 
 
-def publish_unpublished(ws: Workspace, plan: dict[str, Any]) -> list[dict[str, Any]]:
+def publish_unpublished(ws: Workspace, plan: Plan) -> list[dict[str, Any]]:
     """Publish the plan's fresh keys that only this machine's cache holds (a publish that failed
     after the local admission, or keys minted before the remote was declared)."""
     shared = ws.shared()

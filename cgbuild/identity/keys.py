@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,19 +38,19 @@ class AxisKind:
         """The identity read from a readable block (a recorded plan's)."""
         return {f: readable.get(f) for f in self.fields}
 
-    def moved(self, old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    def moved(self, old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
         """Every identity field that differs between two readable blocks: the one comparison
         `plan`, `why` and `diff` make."""
         return [(f, old.get(f), new.get(f)) for f in self.fields if old.get(f) != new.get(f)]
 
-    def move_text(self, old: dict[str, Any], new: dict[str, Any]) -> tuple[str, str]:
+    def move_text(self, old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[str, str]:
         """(before, after) of a move as a person reads it: the sm itself; a layout's stamp with
         each moved digest; otherwise each moved field's digest, shortened."""
         fields = self.moved(old, new) or [(f, old.get(f), new.get(f)) for f in self.fields]
         if self is SM:
             return str(old.get("sm")), str(new.get("sm"))
 
-        def side(block: dict[str, Any], values: list[Any]) -> str:
+        def side(block: Mapping[str, Any], values: list[Any]) -> str:
             moved = ", ".join(f"{f} {str(v)[:12]}" for (f, *_), v in zip(fields, values, strict=True))
             if self is GRAPH and old.get("strides") != new.get("strides"):
                 return f"{moved}, traced strides {strides_text(block.get('strides'))}"
@@ -58,7 +59,7 @@ class AxisKind:
         return side(old, [o for _, o, _ in fields]), side(new, [n for _, _, n in fields])
 
 
-def strides_text(strides: dict[str, Any] | None) -> str:
+def strides_text(strides: Mapping[str, Any] | None) -> str:
     """A graph's non-contiguous traced inputs as a person reads them: `hidden_states [128, 1,
     8]`, or `contiguous` when it has none."""
     if not strides:

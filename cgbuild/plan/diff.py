@@ -7,83 +7,26 @@ moved is already a certain re-mint. A head key that some base target already had
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from typing import Any
 
-from cgbuild.config.labels import parse_label
 from cgbuild.core import jsonfile
-from cgbuild.core.errors import UserError, printable
+from cgbuild.core.errors import printable
 from cgbuild.core.platform import device_of
-from cgbuild.identity import toolchain, toolchain_changes
+from cgbuild.identity import toolchain_changes
 from cgbuild.identity.keys import AXES, KINDS
+from cgbuild.plan.entries import Plan, PlanEntry
 
 
-def load_plan(path: str) -> dict[str, Any]:
+def load_plan(path: str) -> Plan:
     """Read a plan JSON file (from `plan --json` or `-o`); bad input is a UserError naming the file."""
-    return check_plan(jsonfile.load(path, "plan file"), path)
+    return Plan.from_json(jsonfile.load(path, "plan file"), path)
 
 
-_KEY = re.compile(r"[0-9a-f]{64}")
-
-
-def check_plan(plan: Any, name: str) -> dict[str, Any]:
-    """The fields diff and mint read, checked: a plan from elsewhere is hostile until it passes.
-
-    Fields a reader does not use are left alone, so a newer plan with more fields still diffs.
-    """
-
-    def fail(field: str, message: str) -> UserError:
-        return UserError(message, file=name, field=field)
-
-    if not isinstance(plan, dict) or plan.get("schema") != "cgbuild.plan/1":
-        raise fail("schema", "not a cgbuild plan (expected schema 'cgbuild.plan/1')")
-    if not isinstance(plan.get("targets"), list):
-        raise fail("targets", "plan has no 'targets' array")
-    seen: set[str] = set()
-    for i, t in enumerate(plan["targets"]):
-        where = f"targets[{i}]"
-        if not isinstance(t, dict):
-            raise fail(where, "a target is an object")
-        label = t.get("label")
-        if not isinstance(label, str):
-            raise fail(f"{where}.label", "missing or not a string")
-        try:
-            tid = parse_label(label)
-        except UserError as exc:
-            raise fail(f"{where}.label", exc.message) from None
-        if label in seen:
-            raise fail(f"{where}.label", f"duplicate target '{label}'")
-        seen.add(label)
-        for field, value in (("family", tid.family), ("sm", tid.sm)):
-            if t.get(field) != value:
-                raise fail(f"{where}.{field}", f"expected '{value}' (from the label), got {t.get(field)!r}")
-        key = t.get("key", ...)
-        if key is not None and not (isinstance(key, str) and _KEY.fullmatch(key)):
-            raise fail(f"{where}.key", "expected null or a key (64 hex digits)")
-        if not isinstance(t.get("status", ""), str):
-            raise fail(f"{where}.status", "expected a string")
-        axes = t.get("axes")
-        if axes is not None and not isinstance(axes, dict):
-            raise fail(f"{where}.axes", "expected an object or null")
-        for axis, block in (axes or {}).items():
-            if block is not None and not isinstance(block, dict):
-                raise fail(f"{where}.axes.{axis}", "expected an object or null")
-    toolchains = plan.get("toolchains", {})
-    if not isinstance(toolchains, dict):
-        raise fail("toolchains", "expected an object of platform → toolchain")
-    for platform, block in toolchains.items():
-        if not isinstance(block, dict):
-            raise fail(f"toolchains.{platform}", "expected an object with 'components'")
-        if "components" in block:
-            toolchain.check_components(fail, f"toolchains.{platform}.components", block["components"])
-    return plan
-
-
-def _moved_axes(base: dict[str, Any], head: dict[str, Any]) -> list[str]:
+def _moved_axes(base: PlanEntry, head: PlanEntry) -> list[str]:
     moved = []
     for axis in AXES:
-        a, b = (base.get("axes") or {}).get(axis), (head.get("axes") or {}).get(axis)
+        a, b = base.axes.get(axis), head.axes.get(axis)
         if a is None or b is None:
             continue
         if KINDS[axis].moved(a, b):
@@ -91,17 +34,14 @@ def _moved_axes(base: dict[str, Any], head: dict[str, Any]) -> list[str]:
     return moved
 
 
-def diff_plans(base: dict[str, Any], head: dict[str, Any]) -> dict[str, Any]:
+def diff_plans(base: Plan, head: Plan) -> dict[str, Any]:
     """Each target that was added, removed, moved or became unknown between two plans, with
-    per-family counts and how many need a (re-)mint."""
-    base_t = {t["label"]: t for t in base["targets"]}
-    head_t = {t["label"]: t for t in head["targets"]}
-    base_keys = {t["key"] for t in base["targets"] if t["key"]}
+    per-family counts and how many need a (re-)mint: the `cgbuild.diff/1` document."""
+    base_t = {t.label: t for t in base.entries}
+    head_t = {t.label: t for t in head.entries}
+    base_keys = {t.key for t in base.entries if t.key}
     comp_changes = {
-        p: toolchain_changes.component_changes(
-            base.get("toolchains", {}).get(p, {}).get("components", {}),
-            head.get("toolchains", {}).get(p, {}).get("components", {}),
-        )
+        p: toolchain_changes.component_changes(_components(base, p), _components(head, p))
         for p in ("cpu", "cuda")
     }
     entries: list[dict[str, Any]] = []
@@ -112,9 +52,9 @@ def diff_plans(base: dict[str, Any], head: dict[str, Any]) -> dict[str, Any]:
             entries.append(_added(label, h, base_keys))
         elif h is None:
             entries.append(_removed(label, b))
-        elif h["key"] is None:
+        elif h.key is None:
             entries.append(_unknown(label, b, h, comp_changes))
-        elif b["key"] != h["key"]:
+        elif b.key != h.key:
             entries.append(_moved(label, b, h, base_keys, comp_changes))
     families: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for e in entries:
@@ -129,70 +69,75 @@ def diff_plans(base: dict[str, Any], head: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _components(plan: Plan, platform: str) -> dict[str, Any]:
+    tc = plan.toolchains.get(platform)
+    return dict(tc.components) if tc is not None else {}
+
+
 Changes = dict[str, list[tuple[str, str, str]]]  # platform → toolchain component changes
 
 
-def _added(label: str, h: dict[str, Any], base_keys: set[str]) -> dict[str, Any]:
-    remint = h["key"] is None or h["key"] not in base_keys
+def _added(label: str, h: PlanEntry, base_keys: set[str]) -> dict[str, Any]:
+    remint = h.key is None or h.key not in base_keys
     return {
         "label": label,
-        "family": h["family"],
+        "family": h.family,
         "change": "added",
-        "key": h["key"],
+        "key": h.key,
         "remint": remint,
         "detail": "new target",
     }
 
 
-def _removed(label: str, b: dict[str, Any]) -> dict[str, Any]:
+def _removed(label: str, b: PlanEntry) -> dict[str, Any]:
     return {
         "label": label,
-        "family": b["family"],
+        "family": b.family,
         "change": "removed",
-        "key": b["key"],
+        "key": b.key,
         "remint": False,
         "detail": "target removed",
     }
 
 
-def _unknown(label: str, b: dict[str, Any], h: dict[str, Any], comp_changes: Changes) -> dict[str, Any]:
+def _unknown(label: str, b: PlanEntry, h: PlanEntry, comp_changes: Changes) -> dict[str, Any]:
     """A head graph not known yet: a re-mint is already certain when the toolchain fold moved."""
-    tc_b = (b.get("axes") or {}).get("toolchain") or {}
-    tc_h = (h.get("axes") or {}).get("toolchain") or {}
+    tc_b = b.axes.get("toolchain") or {}
+    tc_h = h.axes.get("toolchain") or {}
     certain = tc_b.get("fold") != tc_h.get("fold")
-    detail = _toolchain_detail(comp_changes[device_of(h["sm"])]) if certain else "graph not yet known"
+    detail = _toolchain_detail(comp_changes[device_of(h.sm)]) if certain else "graph not yet known"
     return {
         "label": label,
-        "family": h["family"],
+        "family": h.family,
         "change": "unknown",
         "key": None,
         "remint": certain,
         "certain": certain,
-        "base_key": b["key"],
+        "base_key": b.key,
         "detail": ("re-mint certain: " + detail) if certain else detail,
     }
 
 
 def _moved(
-    label: str, b: dict[str, Any], h: dict[str, Any], base_keys: set[str], comp_changes: Changes
+    label: str, b: PlanEntry, h: PlanEntry, base_keys: set[str], comp_changes: Changes
 ) -> dict[str, Any]:
     """A key that moved, by axis; a head key some base target already had needs no mint."""
     axes = _moved_axes(b, h)
     details = []
     for axis in axes:
         if axis == "toolchain":
-            details.append(_toolchain_detail(comp_changes[device_of(h["sm"])]))
+            details.append(_toolchain_detail(comp_changes[device_of(h.sm)]))
         else:
-            old, new = KINDS[axis].move_text(b["axes"][axis], h["axes"][axis])
+            old, new = KINDS[axis].move_text(b.axis(axis), h.axis(axis))
             details.append(f"{axis}: {old} → {new}")
     return {
         "label": label,
-        "family": h["family"],
+        "family": h.family,
         "change": "moved",
         "axes": axes,
-        "base_key": b["key"],
-        "key": h["key"],
-        "remint": h["key"] not in base_keys,
+        "base_key": b.key,
+        "key": h.key,
+        "remint": h.key not in base_keys,
         "detail": "; ".join(details) or "key moved",
     }
 

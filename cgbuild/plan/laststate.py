@@ -16,8 +16,10 @@ from cgbuild.core import fs, statefile
 from cgbuild.core.canon import NotCanonical, canonical_json
 from cgbuild.core.statefile import is_str_map
 from cgbuild.identity.keys import KINDS
+from cgbuild.plan.reasons import Status
 
 if TYPE_CHECKING:
+    from cgbuild.plan.entries import Plan
     from cgbuild.plan.moved import Snapshots
 
 SCHEMA = "cgbuild.last-plan/2"
@@ -106,40 +108,40 @@ def load(path: Path) -> dict[str, Any]:
     return doc or {}
 
 
-def record(path: Path, plan: dict[str, Any], last: dict[str, Any], snaps: Snapshots) -> None:
+def record(path: Path, plan: Plan, last: dict[str, Any], snaps: Snapshots) -> None:
     """Advance each planned target's reference: a fresh target's becomes what it is now; one that
     still needs a mint keeps its own (its root causes stand until it is fresh), with what it is
     now kept apart (`pending`) so a mint of that key can advance it (`record_minted`)."""
     refs: dict[str, Any] = dict(last.get("targets", {}))
     pending: dict[str, Any] = dict(last.get("pending", {}))
-    for entry in plan["targets"]:
-        label = entry["label"]
+    for entry in plan.entries:
+        label = entry.label
         now = {
-            "key": entry["key"],
-            "axes": entry["axes"],
-            "trace_inputs": entry["trace_inputs"],
+            "key": entry.key,
+            "axes": entry.to_json()["axes"],
+            "trace_inputs": entry.trace_inputs,
             "env": snaps.env_id,
-            "fam": snaps.fam_ids[entry["family"]],
+            "fam": snaps.fam_ids[entry.family],
         }
         ref = refs.get(label)
         pending.pop(label, None)
-        if entry["status"] == "fresh":
+        if entry.status is Status.FRESH:
             refs[label] = now
             continue
         if ref is None:
             refs[label] = {**now, "new": True}
-        elif entry["key"] is None:
+        elif entry.key is None:
             # An unknown graph says nothing new about the key: keep the last known one, but note
             # the inputs seen, or every later plan would report them as moved again.
             refs[label] = {**ref, **{k: now[k] for k in ("trace_inputs", "env", "fam")}}
-        if entry["key"] is not None:
+        if entry.key is not None:
             pending[label] = now
     snapshots = {
         "environments": {**last.get("environments", {}), snaps.env_id: snaps.env},
         "families": {**last.get("families", {}), **snaps.families},
         "toolchains": {
             **last.get("toolchains", {}),
-            **{b["fold"]: b["components"] for b in plan["toolchains"].values()},
+            **{t.fold: dict(t.components) for t in plan.toolchains.values()},
         },
     }
     _save(path, refs, pending, snapshots)

@@ -44,6 +44,7 @@ from cgbuild.store import refs
 if TYPE_CHECKING:
     from cgbuild.config.cgfile import Cgfile
     from cgbuild.config.labels import Selector
+    from cgbuild.plan.entries import Plan, PlanRow
     from cgbuild.plan.workspace import Workspace
 
 SCHEMA = "cgbuild.plan-memo/2"
@@ -265,16 +266,20 @@ class Memo:
             return None  # none yet, torn or foreign: the plan is computed in full and rewritten
         return cls(request, stamps, store, text, view_stamp=view_stamp)
 
-    def load_view(self, cg: Cgfile) -> list[dict[str, Any]] | None:
+    def load_view(self, cg: Cgfile) -> tuple[PlanRow, ...] | None:
         """The summary view saved with this plan, or None (torn, or from another save)."""
+        from cgbuild.plan.entries import PlanRow
+
         path = (self.folder(cg) / self.request.id).with_suffix(".view")
         try:
             if fs.stat_stamp(path) != self.view_stamp:
                 return None
             view = json.loads(path.read_bytes())
-        except (OSError, ValueError):
+            if not isinstance(view, list):
+                return None
+            return tuple(PlanRow.from_json(row, f"[{i}]", _torn) for i, row in enumerate(view))
+        except (OSError, ValueError, UserError):
             return None
-        return view if isinstance(view, list) else None
 
     def save(self, cg: Cgfile) -> None:
         base = self.folder(cg) / self.request.id
@@ -304,44 +309,30 @@ def _prune(folder: Path) -> None:
             part.unlink(missing_ok=True)
 
 
-def plan_text(plan: dict[str, Any]) -> str:
+def _torn(field: str, message: str) -> UserError:
+    """A saved view that does not parse is torn: the plan text answers instead."""
+    return UserError(message, field=field)
+
+
+def plan_text(plan: Plan) -> str:
     """The plan JSON as `plan --json` prints it: sorted keys, no spaces, one line."""
-    return json.dumps(plan, indent=None, sort_keys=True, separators=(",", ":")) + "\n"
-
-
-VIEW_FIELDS = ("label", "family", "status", "key")  # with each reason's code, detail and root (`_view`)
+    return json.dumps(plan.to_json(), indent=None, sort_keys=True, separators=(",", ":")) + "\n"
 
 
 @dataclass
 class PlanOutput:
-    """A plan as `cgbuild plan` prints it: the JSON text, and the plan (or, from the memo, its
-    summary view: per target the fields `VIEW_FIELDS` and its reasons, what the human summary
-    and `--exit-code` read) parsed only when asked."""
+    """A plan as `cgbuild plan` prints it: the JSON text, and the rows the human summary and
+    `--exit-code` read (from the memo, its saved summary view), parsed only when asked."""
 
     text: str
-    _summary: Callable[[], dict[str, Any]]
+    _rows: Callable[[], tuple[PlanRow, ...]]
 
     @functools.cached_property
-    def _parsed(self) -> dict[str, Any]:
-        return self._summary()
+    def _parsed(self) -> tuple[PlanRow, ...]:
+        return self._rows()
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> tuple[PlanRow, ...]:
         return self._parsed
-
-
-def _view(plan: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per target what the summary prints: `VIEW_FIELDS`, its reasons, and a video module's
-    pipeline frame count where its entry states one (the only part of the envelope shown)."""
-    rows = []
-    for t in plan["targets"]:
-        row = {
-            **{f: t[f] for f in VIEW_FIELDS},
-            "reasons": [{k: r[k] for k in ("code", "detail", "root")} for r in t["reasons"]],
-        }
-        if (pixel := t["envelope"].get("pixel_frames")) is not None:
-            row["envelope"] = {"pixel_frames": pixel}
-        rows.append(row)
-    return rows
 
 
 def plan_output(
@@ -373,12 +364,12 @@ def plan_output(
 
         ctx = PlanContext(ws, run_traces=run_traces, workers=workers, progress=progress, verify=True)
         plan = plan_in_full(ctx, selector, record=True)
-        return PlanOutput(plan_text(plan), lambda: plan)
+        return PlanOutput(plan_text(plan), lambda: plan.rows)
     request = request_of(cg, selector.text, ws.toolchain_lock, run_traces)
     before = input_stamps(cg, ws.toolchain_lock)
     hit = Memo.load(ws, request, before)
     if hit is not None:
-        return PlanOutput(hit.text, lambda: {"targets": hit.load_view(cg) or json.loads(hit.text)["targets"]})
+        return PlanOutput(hit.text, lambda: hit.load_view(cg) or _rows_of(hit.text, cg))
     from cgbuild.plan.planner import (
         PlanContext,
         plan_in_full,
@@ -391,5 +382,12 @@ def plan_output(
         remote = None if ctx.shared is None else ctx.shared.remembered()
         store = StoreCheck.of(cg.store_dir, ctx.ref_states, remote)
         if store is not None:
-            Memo(request, before, store, text, _view(plan)).save(cg)
-    return PlanOutput(text, lambda: plan)
+            Memo(request, before, store, text, [r.to_json() for r in plan.rows]).save(cg)
+    return PlanOutput(text, lambda: plan.rows)
+
+
+def _rows_of(text: str, cg: Cgfile) -> tuple[PlanRow, ...]:
+    """The summary rows of a memoised plan whose view is gone: from the plan text itself."""
+    from cgbuild.plan.entries import Plan
+
+    return Plan.from_json(json.loads(text), str(cg.path)).rows

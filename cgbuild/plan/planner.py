@@ -35,6 +35,7 @@ from cgbuild.core.codes import Code
 from cgbuild.identity import layout, quantrule, toolchain, topology
 from cgbuild.identity.keys import Axis, graph_axis, key_of, sm_axis, toolchain_axis
 from cgbuild.plan import environment, laststate
+from cgbuild.plan.entries import Plan, PlanEntry, PlannedToolchain
 from cgbuild.plan.inputs import FamilyInputs, SourceHasher
 from cgbuild.plan.jobs import resolve_toolchains, trace_job
 from cgbuild.plan.moved import Movement, Snapshots
@@ -47,9 +48,6 @@ from cgbuild.store.refs import RefState
 
 if TYPE_CHECKING:
     from cgbuild.store.shared import SharedStore
-
-
-PLAN_SCHEMA = "cgbuild.plan/1"
 
 
 @dataclass
@@ -164,7 +162,7 @@ def make_plan(
     record: bool = False,
     verify: bool = False,
     hold: Hold | None = None,
-) -> dict[str, Any]:
+) -> Plan:
     """Plan the selected targets; traces what is not cached (unless `run_traces` is False).
 
     `record` advances the workspace's recorded references (`plan` and `mint` only: a read-only
@@ -174,7 +172,7 @@ def make_plan(
     return plan_in_full(ctx, selector, record=record)
 
 
-def plan_in_full(ctx: PlanContext, selector: Selector, *, record: bool) -> dict[str, Any]:
+def plan_in_full(ctx: PlanContext, selector: Selector, *, record: bool) -> Plan:
     """Every stage over `ctx` (left filled in: the memo reads the ref states it found)."""
     ws = ctx.ws
     ctx.targets = select(ws.cg, expand(ws.cg), selector)
@@ -323,16 +321,12 @@ def _trace_cache(ctx: PlanContext) -> contextlib.closing[TraceCache]:
     return contextlib.closing(TraceCache(ctx.ws.state.traces))
 
 
-def _plan_document(ctx: PlanContext, targets: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "schema": PLAN_SCHEMA,
-        "workspace": {"cgfile": str(ctx.cg.path), "store": str(ctx.cg.store_dir)},
-        "toolchains": {
-            p: {"fold": b["fold"], "source": ctx.tc_source, "components": b["components"]}
-            for p, b in ctx.toolchains.items()
-        },
-        "targets": targets,
-    }
+def _plan_document(ctx: PlanContext, entries: list[PlanEntry]) -> Plan:
+    return Plan(
+        {"cgfile": str(ctx.cg.path), "store": str(ctx.cg.store_dir)},
+        {p: PlannedToolchain(b["fold"], ctx.tc_source, b["components"]) for p, b in ctx.toolchains.items()},
+        tuple(entries),
+    )
 
 
 def _references(ctx: PlanContext) -> None:
@@ -343,7 +337,7 @@ def _references(ctx: PlanContext) -> None:
     ctx.store = ctx.shared or ctx.ws.store()
 
 
-def _plan_target(ctx: PlanContext, t: Target) -> dict[str, Any]:
+def _plan_target(ctx: PlanContext, t: Target) -> PlanEntry:
     """One target's plan entry: its axes, then its status and key with the reason that decided
     them, then what moved since its reference."""
     inputs = ctx.unit_of[t.label]
@@ -359,22 +353,22 @@ def _plan_target(ctx: PlanContext, t: Target) -> dict[str, Any]:
         reasons += [r.propagated() for r in moved]
     else:
         reasons += moved
-    return {
-        "label": t.label,
-        "family": t.id.family,
-        "module": t.id.module,
-        "graph_class": t.id.graph_class,
-        "layout": t.id.layout,
-        "stamp": _stamp(ctx, t, axes["layout"]),
-        "sm": t.id.sm,
-        "skus": list(t.skus),
-        "envelope": t.facet,
-        "key": key,
-        "status": status,
-        "axes": {name: (axis.readable if axis else None) for name, axis in axes.items()},
-        "reasons": [r.to_json() for r in reasons],
-        "trace_inputs": inputs,
-    }
+    return PlanEntry(
+        label=t.label,
+        family=t.id.family,
+        module=t.id.module,
+        graph_class=t.id.graph_class,
+        layout=t.id.layout,
+        stamp=_stamp(ctx, t, axes["layout"]),
+        sm=t.id.sm,
+        skus=tuple(t.skus),
+        envelope=t.facet,
+        key=key,
+        status=status,
+        axes={name: (axis.readable if axis else None) for name, axis in axes.items()},
+        reasons=tuple(reasons),
+        trace_inputs=inputs,
+    )
 
 
 def _stamp(ctx: PlanContext, t: Target, layout_axis: Axis | None) -> str:

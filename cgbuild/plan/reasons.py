@@ -9,11 +9,13 @@ version, the axis and toolchain component, so no reader has to guess from a dige
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import Any
 
 from cgbuild.core.codes import Code
+from cgbuild.core.errors import UserError
 
 
 class Status(StrEnum):
@@ -91,6 +93,23 @@ class Reason:
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str, fail: Callable[[str, str], UserError]) -> Reason:
+        """A reason as a plan file holds it: a documented code, a detail, whether it is a root
+        cause, and the optional names of what moved, each a string."""
+        if not isinstance(doc, dict):
+            raise fail(where, "a reason is an object")
+        code = doc.get("code")
+        if code not in REASON_CODES:
+            raise fail(f"{where}.code", f"not a plan reason code: {code!r}")
+        if not isinstance(doc.get("detail"), str) or not isinstance(doc.get("root"), bool):
+            raise fail(where, "a reason has a string 'detail' and a boolean 'root'")
+        named = {k: doc.get(k) for k in ("axis", "component", "old", "new")}
+        for k, v in named.items():
+            if v is not None and not isinstance(v, str):
+                raise fail(f"{where}.{k}", "expected a string")
+        return cls(Code(code), doc["detail"], doc["root"], **named)
 
 
 def _value(v: Any) -> str:

@@ -189,27 +189,15 @@ def _envelope(value: Any, where: str) -> dict[str, Any]:
 
 def build(
     family: str,
-    targets: Iterable[Mapping[str, Any]],
+    entries: Iterable[tuple[str, Entry]],
     serves: Mapping[str, str],
-    compiled_only: Mapping[str, bool],
     calls: Mapping[str, CallAdapter] | None = None,
 ) -> dict[str, Any]:
-    """The v3 manifest of plan targets (each with `module`, `graph_class`, `layout`, `sm`, `key`,
-    `stamp`, `envelope`), with where each module attaches (`serves`, by module) and each layout's
-    serving fact (`compiled_only`, by layout); entries in a fixed order so one selection always
-    writes the same bytes."""
+    """The v3 manifest of (module, entry) pairs, with where each module attaches (`serves`, by
+    module); entries in a fixed order so one selection always writes the same bytes."""
     modules: dict[str, list[Entry]] = {}
-    for t in targets:
-        entry = Entry(
-            t["graph_class"],
-            t["key"],
-            t["layout"],
-            t["sm"],
-            t.get("stamp") or None,
-            dict(t["envelope"]),
-            compiled_only[t["layout"]],
-        )
-        modules.setdefault(t["module"], []).append(entry)
+    for module, entry in entries:
+        modules.setdefault(module, []).append(entry)
     order = lambda e: (e.graph_class, e.layout or "", e.sm or "")  # noqa: E731
     return {
         "schema": SCHEMA,

@@ -10,24 +10,56 @@ from typing import Any
 import pytest
 
 from cgbuild.cli.main import main
+from cgbuild.config.labels import parse_label
 from cgbuild.core.errors import UserError
 from cgbuild.exec.mint import recorded_plan_keys
 from cgbuild.plan.diff import diff_plans, load_plan, render
+from cgbuild.plan.entries import Plan
 
 LABEL = "//toy/mlp/8x64-b1@fp32:cpu"
 KEY = "ab" * 32
 
 
-def a_plan(**target: Any) -> dict[str, Any]:
-    """The fields a plan's readers use, as `plan --json` writes them."""
-    t = {"label": LABEL, "family": "toy", "sm": "cpu", "key": KEY, "status": "mint", "axes": {}}
+def entry(label: str = LABEL, **fields: Any) -> dict[str, Any]:
+    """One target as `plan --json` writes it."""
+    tid = parse_label(label)
+    return {
+        "label": label,
+        "family": tid.family,
+        "module": tid.module,
+        "graph_class": tid.graph_class,
+        "layout": tid.layout,
+        "stamp": f"{tid.family}.{tid.module}@1+plain.fp32@1",
+        "sm": tid.sm,
+        "skus": ["cpu"],
+        "envelope": {},
+        "key": KEY,
+        "status": "mint",
+        "axes": {},
+        "reasons": [],
+        "trace_inputs": "t" * 64,
+        **fields,
+    }
+
+
+def a_plan(*targets: dict[str, Any], **target: Any) -> dict[str, Any]:
+    """A plan as `plan --json` writes it: `targets`, or one target with the fields `target` sets."""
     return {
         "schema": "cgbuild.plan/1",
+        "workspace": {"cgfile": "Cgfile", "store": ".cgbuild/store"},
         "toolchains": {
-            "cpu": {"fold": "f", "components": {"torch": {"dist": "torch", "version": "2", "digest": "d"}}}
+            "cpu": {
+                "fold": "f",
+                "source": "probe",
+                "components": {"torch": {"dist": "torch", "version": "2", "digest": "d"}},
+            }
         },
-        "targets": [{**t, **target}],
+        "targets": list(targets) or [{**entry(), **target}],
     }
+
+
+def typed(doc: dict[str, Any]) -> Plan:
+    return Plan.from_json(doc, "plan.json")
 
 
 def write(tmp_path: Path, doc: Any, name: str = "plan.json") -> Path:
@@ -40,6 +72,7 @@ def test_a_well_formed_plan_diffs_and_feeds_mint(tmp_path: Path) -> None:
     path = write(tmp_path, a_plan())
     plan = load_plan(str(path))
     assert diff_plans(plan, plan)["entries"] == []
+    assert plan == typed(plan.to_json())  # what a plan writes, it reads back
     assert recorded_plan_keys(str(path)) == {LABEL: KEY}
 
 
@@ -55,12 +88,33 @@ def test_a_well_formed_plan_diffs_and_feeds_mint(tmp_path: Path) -> None:
         (a_plan(key="../../etc"), "targets[0].key", "64 hex"),
         (a_plan(key=7), "targets[0].key", "64 hex"),
         (
-            {**a_plan(), "targets": [{"label": LABEL, "family": "toy", "sm": "cpu"}]},
+            {**a_plan(), "targets": [{k: v for k, v in entry().items() if k != "key"}]},
             "targets[0].key",
             "null or",
         ),
         (a_plan(status=[]), "targets[0].status", "string"),
         (a_plan(axes=[]), "targets[0].axes", "object"),
+        (a_plan(status="stale"), "targets[0].status", "not a status"),
+        (a_plan(reasons={}), "targets[0].reasons", "array"),
+        (
+            a_plan(reasons=[{"code": "x", "detail": "", "root": True}]),
+            "targets[0].reasons[0].code",
+            "reason code",
+        ),
+        (
+            a_plan(reasons=[{"code": "new-target", "detail": 3, "root": True}]),
+            "targets[0].reasons[0]",
+            "detail",
+        ),
+        (
+            a_plan(reasons=[{"code": "new-target", "detail": "", "root": 1}]),
+            "targets[0].reasons[0]",
+            "boolean",
+        ),
+        (a_plan(skus="cpu"), "targets[0].skus", "SKU names"),
+        (a_plan(envelope=[]), "targets[0].envelope", "object"),
+        (a_plan(module=None), "targets[0].module", "string"),
+        ({**a_plan(), "workspace": {"cgfile": 3}}, "workspace", "strings"),
         (a_plan(axes={"graph": 3}), "targets[0].axes.graph", "object"),
         ({**a_plan(), "toolchains": []}, "toolchains", "object"),
         (
@@ -115,26 +169,26 @@ def test_render_escapes_what_a_plan_holds(tmp_path: Path) -> None:
     head["toolchains"]["cpu"]["components"]["torch"]["version"] = "3\x1b[2J"
     base["targets"][0]["axes"] = {"toolchain": {"fold": "x"}}
     head["targets"][0]["axes"] = {"toolchain": {"fold": "y"}}
-    text = render(diff_plans(base, head), "text")
+    text = render(diff_plans(typed(base), typed(head)), "text")
     assert "\x1b" not in text and "\\x1b[2J" in text
 
 
 def _keyed(label: str, key: str) -> dict[str, Any]:
     axes = {"graph": {"digest": key}, "sm": {"sm": "cpu"}, "toolchain": {"fold": "f"}, "layout": None}
-    return {"label": label, "family": "toy", "sm": "cpu", "key": key, "axes": axes}
+    return entry(label, key=key, axes=axes)
+
+
+A, B = "//toy/a/8x64-b1@fp32:cpu", "//toy/b/8x64-b1@fp32:cpu"
 
 
 def test_brand_new_targets_are_tagged_mint_and_moved_ones_re_mint() -> None:
-    base = {"schema": "cgbuild.plan/1", "targets": [_keyed("//toy/a", "1" * 64)]}
-    head = {
-        "schema": "cgbuild.plan/1",
-        "targets": [_keyed("//toy/a", "2" * 64), _keyed("//toy/b", "3" * 64)],
-    }
+    base = typed(a_plan(_keyed(A, "1" * 64)))
+    head = typed(a_plan(_keyed(A, "2" * 64), _keyed(B, "3" * 64)))
     text = render(diff_plans(base, head), "text")
-    assert "  moved    //toy/a [re-mint]: graph: " in text
-    assert "  added    //toy/b [mint]: new target" in text
+    assert f"  moved    {A} [re-mint]: graph: " in text
+    assert f"  added    {B} [mint]: new target" in text
     markdown = render(diff_plans(base, head), "markdown")
-    assert "| added (mint) | `//toy/b` |" in markdown and "| moved (re-mint) | `//toy/a` |" in markdown
+    assert f"| added (mint) | `{B}` |" in markdown and f"| moved (re-mint) | `{A}` |" in markdown
 
 
 def test_a_quant_only_layout_move_names_the_stamp_and_the_digest_that_moved() -> None:
@@ -145,8 +199,8 @@ def test_a_quant_only_layout_move_names_the_stamp_and_the_digest_that_moved() ->
     head = a_plan(
         key="cd" * 32, axes={"layout": {"stamp": "toy.mlp@1+int8-rowwise@1", "topology": topo, "quant": q2}}
     )
-    (entry,) = diff_plans(base, head)["entries"]
-    assert entry["axes"] == ["layout"]
-    assert entry["detail"] == (
+    (moved,) = diff_plans(typed(base), typed(head))["entries"]
+    assert moved["axes"] == ["layout"]
+    assert moved["detail"] == (
         "layout: toy.mlp@1+plain.fp32@1 (quant 111111111111) → toy.mlp@1+int8-rowwise@1 (quant 222222222222)"
     )

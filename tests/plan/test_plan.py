@@ -23,6 +23,7 @@ from support.toy import copy_toy
 from cgbuild.config import cgfile
 from cgbuild.config.labels import parse_selector
 from cgbuild.plan.diff import diff_plans, render
+from cgbuild.plan.entries import Plan
 from cgbuild.plan.planner import Workspace, make_plan
 from cgbuild.store.local import Store
 
@@ -52,10 +53,10 @@ def toy(tmp_path: Path, shared_traces: Path, toy_reference: Path) -> Path:
 
 
 def plan(ws: Path, label: str = "//...", lock: str | None = None) -> dict[str, Any]:
-    """What `cgbuild plan` computes and records."""
+    """What `cgbuild plan` computes and records, as `plan --json` writes it."""
     return make_plan(
         Workspace(cgfile.load(ws / "Cgfile"), toolchain_lock=lock), parse_selector(label), record=True
-    )
+    ).to_json()
 
 
 def by_label(p: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -394,7 +395,7 @@ def test_triton_bump_moves_only_cuda_targets(toy: Path, tmp_path: Path) -> None:
     cuda = [label for label in bk if label.endswith(":sm_90")]
     assert cuda and all(bk[label] and hk[label] != bk[label] for label in cuda)
     assert all(hk[label] == bk[label] for label in bk if label.endswith(":cpu"))
-    d = diff_plans(base, head)
+    d = diff_plans(Plan.from_json(base, "base"), Plan.from_json(head, "head"))
     moved = {e["label"]: e for e in d["entries"]}
     assert set(moved) == set(cuda)
     assert all(e["axes"] == ["toolchain"] for e in moved.values())
@@ -428,7 +429,7 @@ def test_lock_with_other_torch_leaves_graph_unknown_and_diff_is_certain(toy: Pat
     t = by_label(head)[MLP8]
     assert t["status"] == "trace" and t["key"] is None
     assert t["reasons"][0]["code"] == "graph-unknown"
-    d = diff_plans(base, head)
+    d = diff_plans(Plan.from_json(base, "base"), Plan.from_json(head, "head"))
     entry = next(e for e in d["entries"] if e["label"] == MLP8)
     assert entry["certain"] and entry["remint"]
     assert "re-mint certain" in entry["detail"] and "torch" in entry["detail"] and "2.99.0" in entry["detail"]

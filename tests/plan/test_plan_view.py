@@ -2,32 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from cgbuild.cli.plan import ROW_LIMIT, show
+from cgbuild.core.codes import Code
+from cgbuild.plan.entries import PlanRow
+from cgbuild.plan.reasons import Reason, Status
 
 
-def _plan(pending: int, fresh: int) -> dict[str, Any]:
-    def target(i: int, status: str) -> dict[str, Any]:
-        reasons = (
-            []
-            if status == "fresh"
-            else [{"code": "missing-from-store", "detail": "not in the store", "root": True}]
-        )
-        return {
-            "label": f"//fam/m/{i}x{i}-b1@fp32:cpu",
-            "family": "fam",
-            "status": status,
-            "key": f"{i:064x}",
-            "reasons": reasons,
-        }
+def row(label: str, status: Status, *codes: Code, family: str = "fam", detail: str = "") -> PlanRow:
+    reasons = tuple(Reason(code, detail, root=True) for code in codes)
+    return PlanRow(label, family, status, None, reasons)
 
-    return {
-        "targets": [target(i, "mint") for i in range(pending)]
-        + [target(10_000 + i, "fresh") for i in range(fresh)]
-    }
+
+def _plan(pending: int, fresh: int) -> list[PlanRow]:
+    def target(i: int, status: Status) -> PlanRow:
+        codes = () if status is Status.FRESH else (Code.MISSING_FROM_STORE,)
+        reasons = tuple(Reason(code, "not in the store", root=True) for code in codes)
+        return PlanRow(f"//fam/m/{i}x{i}-b1@fp32:cpu", "fam", status, f"{i:064x}", reasons)
+
+    return [target(i, Status.MINT) for i in range(pending)] + [
+        target(10_000 + i, Status.FRESH) for i in range(fresh)
+    ]
 
 
 def _rows(text: str) -> list[str]:
@@ -59,13 +55,14 @@ def test_no_cap_note_under_the_limit(capsys: pytest.CaptureFixture[str]) -> None
 def test_causes_are_grouped_per_family_and_new_targets_say_mint() -> None:
     from cgbuild.cli.plan import cause_lines
 
-    def target(family: str, i: int, reasons: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"label": f"//{family}/m/{i}", "family": family, "status": "mint", "reasons": reasons}
-
-    moved = {"code": "trace-input-moved", "detail": "family.a.config.x changed (1 → 2)", "root": True}
-    new = {"code": "new-target", "detail": "new target", "root": True}
+    moved = {"detail": "family.a.config.x changed (1 → 2)"}
     lines = cause_lines(
-        [target("a", 1, [moved]), target("a", 2, [moved]), target("b", 3, [new]), target("a", 4, [new])]
+        [
+            row("//a/m/1", Status.MINT, Code.TRACE_INPUT_MOVED, family="a", **moved),
+            row("//a/m/2", Status.MINT, Code.TRACE_INPUT_MOVED, family="a", **moved),
+            row("//b/m/3", Status.MINT, Code.NEW_TARGET, family="b", detail="new target"),
+            row("//a/m/4", Status.MINT, Code.NEW_TARGET, family="a", detail="new target"),
+        ]
     )
     assert [line.replace("[bold]", "").split("[/]")[0] for line in lines] == [
         "a",
@@ -80,21 +77,16 @@ def test_causes_are_grouped_per_family_and_new_targets_say_mint() -> None:
 def test_exit_code_gate_counts_mints_and_declared_blocks_not_this_machine() -> None:
     from cgbuild.cli.plan import gate
 
-    def target(label: str, status: str, code: str) -> dict[str, Any]:
-        return {"label": label, "status": status, "reasons": [{"code": code, "detail": "", "root": True}]}
-
-    plan = {
-        "targets": [
-            target("fresh", "fresh", "-"),
-            target("gpu", "blocked", "no-cuda-torch"),
-            target("floor", "blocked", "layout-below-sm-floor"),
-            target("unknown", "trace", "graph-unknown"),
-        ]
-    }
-    assert gate(plan) == []
-    plan["targets"] += [
-        target("mint", "mint", "missing-from-store"),
-        target("mismatch", "blocked", "layout-topology-mismatch"),
-        target("failed", "blocked", "trace-failed"),
+    rows = [
+        row("fresh", Status.FRESH),
+        row("gpu", Status.BLOCKED, Code.NO_CUDA_TORCH),
+        row("floor", Status.BLOCKED, Code.LAYOUT_BELOW_SM_FLOOR),
+        row("unknown", Status.TRACE, Code.GRAPH_UNKNOWN),
     ]
-    assert gate(plan) == ["mint", "mismatch", "failed"]
+    assert gate(rows) == []
+    rows += [
+        row("mint", Status.MINT, Code.MISSING_FROM_STORE),
+        row("mismatch", Status.BLOCKED, Code.LAYOUT_TOPOLOGY_MISMATCH),
+        row("failed", Status.BLOCKED, Code.TRACE_FAILED),
+    ]
+    assert gate(rows) == ["mint", "mismatch", "failed"]

@@ -76,9 +76,9 @@ FACTS = {
 def mint_job(ws: Workspace, label: str, out: Path) -> TraceJob:
     """The job in the worker request the mint writes for `label`."""
     selector = parse_selector(label)
-    (entry,) = make_plan(ws, selector, run_traces=False)["targets"]
+    (entry,) = make_plan(ws, selector, run_traces=False).entries
     with contextlib.closing(TraceCache(ws.state.traces)) as cache:
-        cache.put(entry["trace_inputs"], FACTS)
+        cache.put(entry.trace_inputs, FACTS)
     plan = make_plan(ws, selector, run_traces=False)
     (mk,) = approved(plan, ws)
     assert mk.labels == [label]
