@@ -595,7 +595,7 @@ def test_root_causes_name_the_config_key_and_group_per_family(
     conv = by_label(after)[CONV]
     assert conv["status"] == "fresh" and "early-cutoff" in {r["code"] for r in conv["reasons"]}
     capsys.readouterr()
-    show(after, every=False)
+    show(Plan.from_json(after, "plan").rows, every=False)
     out = capsys.readouterr().out
     assert "toy\n  2 targets re-mint: family.toy.config.chunks changed (absent → 8)\n" in out
     assert "4 targets re-traced to an unchanged graph (early cutoff)" in out
