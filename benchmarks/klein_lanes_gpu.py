@@ -247,7 +247,8 @@ def _serve(ws: Path, out: Path, opts: argparse.Namespace, keys: dict[str, str]) 
     for label in opts.serve.split(","):
         built = build(label)
         served = adopt(keys[label], built.module, store=store)
-        rows = (served.armed[0].metadata.get("lanes") or {}).get("axes") or []
+        sealed = served.armed[0].sealed
+        rows = ((sealed.lanes if sealed else None) or {}).get("axes") or []
         with torch.inference_mode():
             rec: dict[str, Any] = {
                 "key": keys[label],

@@ -7,8 +7,9 @@ outcome)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cgbuild.cli.main import add_workspace_args, workspace
 from cgbuild.cli.render import component_summary, console, phase_times, print_json
@@ -16,6 +17,10 @@ from cgbuild.config.dims import Range
 from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
 from cgbuild.lanes import caller_contract
+
+if TYPE_CHECKING:
+    from cgbuild.store.seal import SealError
+    from cgbuild.store.sealed import Sealed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cgbuild.store.metadata import metadata_problem
+    from cgbuild.store.metadata import Malformed
     from cgbuild.store.seal import SealError, member_digests, read_metadata
+    from cgbuild.store.sealed import parse
 
     record: dict[str, Any] | None = None
     evidence: dict[str, Any] | None = None
@@ -66,13 +72,11 @@ def run(args: argparse.Namespace) -> int:
         evidence = (ws.shared(store) or store).read_evidence(key)
     try:
         meta, members = read_metadata(path), member_digests(path)
-        if problem := metadata_problem(meta):  # the fields adopt and this summary read, as adopt checks them
-            raise SealError(problem, Code.BAD_METADATA)
-    except SealError as e:  # a crafted or broken archive: what adopt would refuse, named
-        if args.json:
-            print_json({"artifact": str(path), "refusal": {"code": e.code, "detail": e.detail}})
-            return 2
-        raise UserError(f"artifact refused ({e.code}): {e.detail}") from None
+        sealed = parse(meta)  # the fields adopt and this summary read, as adopt checks them
+    except Malformed as e:
+        return _refused(args, path, SealError(str(e), Code.BAD_METADATA))
+    except SealError as e:
+        return _refused(args, path, e)
     doc = {
         "artifact": str(path),
         "metadata": meta,
@@ -84,19 +88,27 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(doc)
         return 0
-    show(doc)
+    show(doc, sealed)
     return 0
 
 
-def show(doc: dict[str, Any]) -> None:
-    """The summary a person reads; every value comes from the document `--json` prints."""
+def _refused(args: argparse.Namespace, path: Path, e: SealError) -> int:
+    """A crafted or broken archive: what adopt would refuse, named."""
+    if args.json:
+        print_json({"artifact": str(path), "refusal": {"code": e.code, "detail": e.detail}})
+        return 2
+    raise UserError(f"artifact refused ({e.code}): {e.detail}") from None
+
+
+def show(doc: dict[str, Any], sealed: Sealed) -> None:
+    """The summary a person reads; every value comes from the document `--json` prints (its
+    metadata as parsed: `sealed`)."""
     from rich.markup import escape
     from rich.table import Table
 
-    meta = doc["metadata"]
     record = doc.get("mint_record") or {}
     stored = doc.get("stored")
-    axes = meta.get("axes") or {}
+    axes = sealed.axes
     graph, tc = axes.get("graph") or {}, axes.get("toolchain") or {}
     lay = axes.get("layout") or {}
     grid = Table.grid(padding=(0, 2))
@@ -106,41 +118,36 @@ def show(doc: dict[str, Any]) -> None:
     def row(name: str, value: str) -> None:
         grid.add_row(name, escape(value))
 
-    row("key", meta["key"])
+    row("key", sealed.key)
     labels = record.get("labels") or ((stored or {}).get("ref", {}).get("metadata") or {}).get("labels") or []
     row("labels", "\n".join(labels) or "(not recorded here)")
-    row("covers", "; ".join(_facet(f) for f in meta.get("facets") or []) or "-")
+    row("covers", "; ".join(_facet(f) for f in sealed.facets) or "-")
     row(
         "graph",
-        f"{graph.get('digest') or meta['graph']['digest']} ({meta['graph'].get('nodes')} nodes, "
-        f"traced with torch {graph.get('traced_with', meta.get('torch'))})",
+        f"{graph.get('digest') or sealed.graph_digest} ({sealed.nodes} nodes, "
+        f"traced with torch {graph.get('traced_with', sealed.torch)})",
     )
-    row("sm", f"{meta['sm']} (device {meta.get('device')})")
-    row(
-        "toolchain",
-        f"{tc.get('platform', meta['toolchain'].get('platform'))} fold {meta['toolchain']['fold']}",
-    )
-    for name, comp in sorted((meta["toolchain"].get("components") or {}).items()):
+    row("sm", f"{sealed.sm} (device {sealed.device})")
+    row("toolchain", f"{tc.get('platform', sealed.toolchain.get('platform'))} fold {sealed.toolchain_fold}")
+    for name, comp in sorted((sealed.toolchain.get("components") or {}).items()):
         try:
             row(f"  {name}", component_summary(name, comp))
         except (AttributeError, KeyError, TypeError, ValueError):  # forensics only: say so, go on
             row(f"  {name}", "(unreadable)")
     row(
         "layout",
-        f"{meta.get('stamp')}: topology {str(lay.get('topology'))[:16]} "
+        f"{sealed.stamp}: topology {str(lay.get('topology'))[:16]} "
         f"(from {lay.get('topology_source')}), quant {str(lay.get('quant'))[:16]} ({lay.get('quant_rule')})",
     )
-    host = meta.get("host") or {}
+    host = sealed.host
     row(
         "host",
-        f"isa {host.get('isa', {}).get('level')}, {host.get('cxx', {}).get('family')} "
-        f"{host.get('cxx', {}).get('version')}; needs {_runtime(host.get('runtime'))}; "
-        f"cgbuild {meta.get('cgbuild')}",
+        f"isa {host.isa.get('level')}, {host.cxx_family} {host.cxx.get('version')}; "
+        f"needs {_runtime(host.runtime)}; cgbuild {sealed.cgbuild}",
     )
-    contract = meta["graph"].get("contract") or {}
-    selector = (meta.get("lanes") or {}).get("selector") or {}
-    row("signature", _signature(caller_contract(contract, [selector["input"]] if selector else [])))
-    for i, line in enumerate(_lane_summary(meta, doc.get("lane_evidence"))):
+    selector = (sealed.lanes or {}).get("selector") or {}
+    row("signature", _signature(caller_contract(sealed.contract, [selector["input"]] if selector else [])))
+    for i, line in enumerate(_lane_summary(sealed.lanes, doc.get("lane_evidence"))):
         row("lanes" if i == 0 else "", line.removeprefix("lanes: ").strip())
     members = doc.get("members") or {}
     size = Path(doc["artifact"]).stat().st_size if Path(doc["artifact"]).exists() else None
@@ -164,13 +171,11 @@ def show(doc: dict[str, Any]) -> None:
     console().print(grid)
 
 
-def _runtime(runtime: Any) -> str:
-    if not isinstance(runtime, dict):
-        return str(runtime)
+def _runtime(runtime: Mapping[str, str]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(runtime.items()))
 
 
-def _facet(f: dict[str, Any]) -> str:
+def _facet(f: Mapping[str, Any]) -> str:
     text = f"{f.get('shape')}" + (f" frames {_size(f['frames'])}" if f.get("frames") is not None else "")
     text += f" (pixel frames {_size(f['pixel_frames'])})" if f.get("pixel_frames") is not None else ""
     text += f" batch {_size(f.get('batch'))}"
@@ -184,7 +189,7 @@ def _size(value: Any) -> str:
     return declared.text if declared is not None else str(value)
 
 
-def _signature(contract: dict[str, Any]) -> str:
+def _signature(contract: Mapping[str, Any]) -> str:
     """`x: float32[1, 8, 64] -> float32[1, 8, 10]` from the sealed call contract."""
 
     def leaf(v: Any) -> str:  # a tensor, or a constant the program baked in (None, False, 2)
@@ -209,9 +214,8 @@ def _bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def _lane_summary(meta: dict[str, Any], evidence: dict[str, Any] | None) -> list[str]:
+def _lane_summary(lanes: Mapping[str, Any] | None, evidence: dict[str, Any] | None) -> list[str]:
     """People's view of the lanes: the sealed verdict, then each recorded run's medians."""
-    lanes = meta.get("lanes")
     if not lanes:
         return []
     v = lanes["verdict"]

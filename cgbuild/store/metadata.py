@@ -98,6 +98,7 @@ def _constant(value: Any, where: str) -> None:
     _str(row.get("dtype"), f"{where}.dtype")
     _ints(row.get("shape"), f"{where}.shape")
     _ints(row.get("stride"), f"{where}.stride")
+    _list(row.get("aliases"), f"{where}.aliases", _str)
 
 
 def _layout_row(value: Any, where: str) -> None:
@@ -217,6 +218,7 @@ def metadata_problem(meta: Mapping[str, Any]) -> str | None:
         graph = _obj(meta.get("graph"), "graph")
         _str(meta.get("device"), "device", optional=True)
         _str(meta.get("stamp"), "stamp", optional=True)
+        _str(meta.get("cgbuild"), "cgbuild", optional=True)
         _str(graph.get("digest"), "graph.digest")
         _int(graph.get("nodes"), "graph.nodes", optional=True)
         toolchain = _obj(meta.get("toolchain"), "toolchain")
@@ -241,6 +243,7 @@ def metadata_problem(meta: Mapping[str, Any]) -> str | None:
         )
         layout = _obj(meta.get("layout"), "layout", optional=True)
         _list(layout.get("tensors"), "layout.tensors", _layout_row)
+        _str(layout.get("stamp"), "layout.stamp", optional=True)
         _obj(layout.get("rule"), "layout.rule", optional=True)
         _lanes(meta.get("lanes"), "lanes")
         _module(meta.get("module"), "module")

@@ -30,9 +30,10 @@ from cgbuild.core.codes import Code
 from cgbuild.lanes import Refit
 from cgbuild.store.errors import StoreError
 from cgbuild.store.local import Store
-from cgbuild.store.metadata import metadata_problem
+from cgbuild.store.metadata import Malformed
 from cgbuild.store.s3 import RemoteError
 from cgbuild.store.seal import LITERALS, PACKAGE, SealError, read_metadata, unseal
+from cgbuild.store.sealed import Sealed, parse
 from cgbuild.store.shared import SharedStore
 
 
@@ -57,7 +58,8 @@ class Artifact:
 
     key: str
     label: str
-    metadata: dict[str, Any]
+    sealed: Sealed | None
+    """What the artifact says of itself; None when it could not be read."""
     package: Package | None = None
     refusal: Refusal | None = None
     literals: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -81,12 +83,12 @@ class Artifact:
     """Load it again (an artifact refused before its package was loaded is re-armed so)."""
 
     @property
-    def sealed_contract(self) -> dict[str, Any]:
+    def sealed_contract(self) -> Mapping[str, Any]:
         """The program's call contract as sealed, the lane selector included."""
-        return self.metadata.get("graph", {}).get("contract", {})
+        return self.sealed.contract if self.sealed is not None else {}
 
     @property
-    def contract(self) -> dict[str, Any]:
+    def contract(self) -> Mapping[str, Any]:
         """What a caller's call must fit: once armed, the sealed contract without the lane selector."""
         return self.call_contract if self.call_contract is not None else self.sealed_contract
 
@@ -100,7 +102,11 @@ PLAIN = ConfigCheck()
 
 
 def choose_lane(
-    meta: Mapping[str, Any], device: torch.device, *, memory_bytes: int | None = None, pin: str | None = None
+    block: Mapping[str, Any] | None,
+    device: torch.device,
+    *,
+    memory_bytes: int | None = None,
+    pin: str | None = None,
 ) -> tuple[Refit | None, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The lane this device serves, the constants and the inputs that select it (docs/lanes.md):
     the selector input, or for an artifact sealed with one-hot switches their values by FQN.
@@ -110,7 +116,6 @@ def choose_lane(
     `lane-refit`, `lane-refit-no-fit` or `lane-unverified`. `pin` names a lane to serve instead
     (`lane-pinned`); it must be one the artifact carries. Never re-benchmarks.
     """
-    block = meta.get("lanes")
     if not block or not block.get("axes"):
         return None, {}, {}
     rows = block["axes"]
@@ -142,7 +147,8 @@ def _arm(
         except Exception as e:  # safetensors' own error type: the literals file is not one
             art.refusal = Refusal(Code.BAD_LITERALS, f"{LITERALS}: {type(e).__name__}: {e}")
             return
-    art.lane, switch, inputs = choose_lane(art.metadata, device, memory_bytes=memory_bytes, pin=pin)
+    assert art.sealed is not None  # only a read artifact is armed
+    art.lane, switch, inputs = choose_lane(art.sealed.lanes, device, memory_bytes=memory_bytes, pin=pin)
     art.literals.update(switch)  # bound with the rest below: before the first call, kept by rebind
     if refusal := supplied_refusal(art.sealed_contract, inputs):
         art.refusal = refusal
@@ -156,11 +162,7 @@ def _arm(
     except Exception as e:
         art.refusal = Refusal(Code.LOAD_FAILED, f"{type(e).__name__}: {e}")
         return
-    table = {
-        r["fqn"]
-        for group in ("state", "literal")
-        for r in (art.metadata.get("constants") or {}).get(group, [])
-    }
+    table = art.sealed.constant_fqns
     # The package's list is the truth of what it binds; the sealed table must describe each
     # (dtype, shape, stride to check). A table naming more is an artifact sealed before the
     # table was cut to the package's list: the extra rows are never bound.
@@ -215,29 +217,28 @@ def load_artifact(
     try:
         if store is not None:
             path = store.resolve(key, verify=True).path
-        meta = read_metadata(path)
-    except (StoreError, RemoteError, SealError, OSError, ValueError) as e:
-        code = getattr(e, "code", Code.BAD_ARTIFACT)
+        sealed = parse(read_metadata(path))
+    except (StoreError, RemoteError, SealError, OSError, ValueError) as e:  # Malformed too
+        code = Code.BAD_METADATA if isinstance(e, Malformed) else getattr(e, "code", Code.BAD_ARTIFACT)
+        detail = f"{path}: {e}" if isinstance(e, Malformed) else str(e)
         return Artifact(
-            key, label or key[:12], {}, refusal=Refusal(code, str(e)), seconds=time.perf_counter() - t
+            key, label or key[:12], None, refusal=Refusal(code, detail), seconds=time.perf_counter() - t
         )
-    art = Artifact(str(meta.get("key")), label or str(meta.get("key", ""))[:12], meta)
-    if problem := metadata_problem(meta):
-        art.refusal = Refusal(Code.BAD_METADATA, f"{path}: {problem}")
-    elif store is not None and art.key != key:
+    art = Artifact(sealed.key, label or sealed.key[:12], sealed)
+    if store is not None and art.key != key:
         art.refusal = Refusal(
             Code.KEY_MISMATCH, f"store key {key[:12]} holds an artifact that says {art.key[:12]}"
         )
     else:
-        art.refusal = host_refusal(meta, device) or layout_refusal(meta, module)
+        art.refusal = host_refusal(sealed, device) or layout_refusal(sealed.layout, module)
         if art.refusal is not None and art.refusal.code in REARMABLE:
             art.refusal = Refusal(art.refusal.code, f"{art.refusal.detail}{adapter_hint(module)}")
     art.config = config
-    record = meta.get("module")
-    if config.enabled and not isinstance(record, Mapping):
+    record = sealed.module
+    if config.enabled and record is None:
         art.unverified = ("config", "structure")
         log.info("%s: sealed without a configuration record: its configuration is unverified", art.label)
-    elif config.enabled and isinstance(record, Mapping):
+    elif config.enabled and record is not None:
         art.baseline = traced.from_record(record)
         if art.baseline is None:
             art.unverified = ("structure",)
@@ -269,11 +270,12 @@ def _bindings(
     art: Artifact, package: Package, module: nn.Module, device: torch.device
 ) -> tuple[dict[str, torch.Tensor], Refusal | None]:
     """Everything the package binds, by FQN: live weights and literals, checked; no copies."""
+    assert art.sealed is not None
     names = set(package.constant_fqns)
-    weights, refusal = weights_of(module, art.metadata, device, names)
+    weights, refusal = weights_of(module, art.sealed.state, device, names)
     if refusal:
         return {}, refusal
-    literals, refusal = literals_of(module, art.metadata, art.literals, names)
+    literals, refusal = literals_of(module, art.sealed.lane_switches, art.literals, names)
     return ({}, refusal) if refusal else ({**weights, **literals}, None)
 
 
@@ -282,8 +284,8 @@ def bind_live(art: Artifact, package: Package, module: nn.Module, device: torch.
     configuration and its structure match the artifact; else the first reason they do not (an
     unfused adapter named)."""
     bound, refusal = _bindings(art, package, module, device)
-    if refusal is None and art.config.enabled:
-        refusal = config_refusal(art.metadata, module, art.config.traced_as, art.config.substitutes)
+    if refusal is None and art.config.enabled and art.sealed is not None:
+        refusal = config_refusal(art.sealed.module, module, art.config.traced_as, art.config.substitutes)
     if refusal is None and (refusal := structure_refusal(art, module)):
         return refusal  # names its own fix
     if refusal is not None:
@@ -296,7 +298,7 @@ def bind_live(art: Artifact, package: Package, module: nn.Module, device: torch.
 def _watch(art: Artifact, module: nn.Module, bound: Collection[str]) -> Watch:
     """A watch over the bound names and every alias the table records for them."""
     names = set(bound)
-    for row in (art.metadata.get("constants") or {}).get("state", []):
-        if row["fqn"] in names:
-            names.update(row.get("aliases", []))
+    for row in art.sealed.state if art.sealed is not None else ():
+        if row.fqn in names:
+            names.update(row.aliases)
     return Watch(module, names)

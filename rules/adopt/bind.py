@@ -5,7 +5,7 @@ the next call.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -20,10 +20,11 @@ from torch import nn
 
 from cgbuild.core.codes import Code
 from cgbuild.identity.topology import safetensors_dtype
+from cgbuild.store.sealed import Constant, Layout
 
 
 def weights_of(
-    module: nn.Module, meta: Mapping[str, Any], device: torch.device, names: Collection[str]
+    module: nn.Module, state: Iterable[Constant], device: torch.device, names: Collection[str]
 ) -> tuple[dict[str, torch.Tensor], Refusal | None]:
     """The live module's tensors for the state constants the package binds (`names`), each
     checked; no copies.
@@ -35,30 +36,31 @@ def weights_of(
     """
     live = state_tensors(module)
     out: dict[str, torch.Tensor] = {}
-    for row in (meta.get("constants") or {}).get("state", []):
-        fqn = row["fqn"]
+    for row in state:
+        fqn = row.fqn
         if fqn not in names:
             continue
         t = live.get(fqn)
         if t is None:
             return {}, Refusal(Code.WEIGHTS_MISSING, f"the module has no tensor {fqn!r}")
         dtype = str(t.dtype).removeprefix("torch.")
-        if dtype != row["dtype"]:
-            return {}, Refusal(Code.WEIGHTS_MISMATCH, f"{fqn}: dtype {dtype}, artifact takes {row['dtype']}")
-        if list(t.shape) != row["shape"]:
+        if dtype != row.dtype:
+            return {}, Refusal(Code.WEIGHTS_MISMATCH, f"{fqn}: dtype {dtype}, artifact takes {row.dtype}")
+        if tuple(t.shape) != row.shape:
             return {}, Refusal(
-                Code.WEIGHTS_MISMATCH, f"{fqn}: shape {list(t.shape)}, artifact takes {row['shape']}"
+                Code.WEIGHTS_MISMATCH, f"{fqn}: shape {list(t.shape)}, artifact takes {list(row.shape)}"
             )
-        if list(t.stride()) != row["stride"]:
+        if tuple(t.stride()) != row.stride:
             return {}, Refusal(
                 Code.WEIGHTS_MISMATCH,
-                f"{fqn}: stride {list(t.stride())}, artifact takes {row['stride']} (never repacked silently)",
+                f"{fqn}: stride {list(t.stride())}, artifact takes {list(row.stride)} "
+                "(never repacked silently)",
             )
         if t.device.type != device.type:
             return {}, Refusal(
                 Code.WEIGHTS_MISMATCH, f"{fqn}: on {t.device}, the artifact runs on {device.type}"
             )
-        for alias in row.get("aliases", []):
+        for alias in row.aliases:
             other = live.get(alias)
             if other is None or not same_view(t, other):
                 held = "no such tensor" if other is None else "a separate tensor"
@@ -83,7 +85,7 @@ def attribute(module: nn.Module, fqn: str) -> torch.Tensor | None:
 
 
 def literals_of(
-    module: nn.Module, meta: Mapping[str, Any], sealed: Mapping[str, torch.Tensor], names: Collection[str]
+    module: nn.Module, switches: Collection[str], sealed: Mapping[str, torch.Tensor], names: Collection[str]
 ) -> tuple[dict[str, torch.Tensor], Refusal | None]:
     """The trace-baked literals the package binds (non-persistent buffers, tensor attributes).
 
@@ -92,9 +94,8 @@ def literals_of(
     both paths); one that holds another value would compute something else eager, so the
     artifact is refused (`literal-mismatch`); a literal the module does not hold (a constant
     created in `forward`) is bound from the artifact. The one-hot switches of an artifact sealed
-    before the lane selector are the lane choice's to bind and are not compared.
+    before the lane selector (`switches`) are the lane choice's to bind and are not compared.
     """
-    switches = {r.get("fqn") for r in (meta.get("lanes") or {}).get("axes") or []}
     out: dict[str, torch.Tensor] = {}
     for fqn, value in sealed.items():
         if fqn not in names:
@@ -116,22 +117,22 @@ def literals_of(
 
 
 def config_refusal(
-    meta: Mapping[str, Any],
+    recorded: Mapping[str, Any] | None,
     module: nn.Module,
     traced_as: str | None = None,
     substitutes: Mapping[str, str] | None = None,
 ) -> Refusal | None:
     """The first configuration value the live module holds otherwise than the module the
     artifact was minted from (`config-drift`; `cgbuild_rules.configured`; `traced_as` and
-    `substitutes`: a call adapter's root class and stand-ins), or None."""
-    recorded = meta.get("module")
-    if not isinstance(recorded, Mapping):
+    `substitutes`: a call adapter's root class and stand-ins), or None; none to compare with
+    when the artifact was sealed before the record (`recorded` None)."""
+    if recorded is None:
         return None
     why = configured.drift(recorded, module, traced_as, substitutes)
     return Refusal(Code.CONFIG_DRIFT, why) if why else None
 
 
-def layout_refusal(meta: Mapping[str, Any], module: nn.Module) -> Refusal | None:
+def layout_refusal(layout: Layout | None, module: nn.Module) -> Refusal | None:
     """The first tensor (by name) of the artifact's layout that the live module lacks or holds
     with another dtype or shape, checked before anything is loaded or bound.
 
@@ -140,17 +141,15 @@ def layout_refusal(meta: Mapping[str, Any], module: nn.Module) -> Refusal | None
     as `layout-mismatch` naming its first float weight, not as an opaque bind failure.
     Artifacts sealed without a layout table are checked by their constant table alone.
     """
-    block = meta.get("layout") or {}
-    rows = block.get("tensors") or []
-    if not rows:
+    if layout is None:
         return None
     live = state_tensors(module)
-    stamp = block.get("stamp") or "the artifact's layout"
-    rule = (block.get("rule") or {}).get("name")
+    stamp = layout.stamp or "the artifact's layout"
+    rule = layout.rule
     hint = ""
-    if rule and not str(rule).startswith("plain."):
+    if rule and not rule.startswith("plain."):
         hint = f" (quantize it first: cgbuild_rules.quant.convert(module, {rule!r}, dtype))"
-    for name, dtype, shape in sorted(rows):
+    for name, dtype, shape in sorted(layout.tensors):
         t = live.get(name)
         if t is None:
             return Refusal(Code.LAYOUT_MISMATCH, f"{stamp}: the module has no tensor {name!r}{hint}")
@@ -185,12 +184,12 @@ class CheckpointTensors(nn.Module):
             owner.register_buffer(name, tensor)  # the caller's tensor itself: no copy
 
 
-def tie_aliases(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def tie_aliases(state: Iterable[Constant], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint saves a tied tensor once (`save_model`, `save_pretrained`): give it back its
     other names from the sealed table, so adopt finds every alias tied as at mint."""
     out = dict(tensors)
-    for row in (meta.get("constants") or {}).get("state", []):
-        names = [row["fqn"], *row.get("aliases", [])]
+    for row in state:
+        names = [row.fqn, *row.aliases]
         held = next((out[n] for n in names if n in out), None)
         if held is not None:
             for name in names:

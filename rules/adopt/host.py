@@ -6,8 +6,6 @@ version, the ISA, the compiler family, the C/C++ runtime versions.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 from cgbuild_rules.adopt.refusal import Refusal
@@ -16,6 +14,7 @@ from torch import nn
 
 from cgbuild.core.codes import Code
 from cgbuild.identity import compiler
+from cgbuild.store.sealed import Sealed
 
 
 # ---- host facts --------------------------------------------------------------------------------
@@ -47,29 +46,28 @@ def torch_compiler_family() -> str | None:
     return None
 
 
-def host_refusal(meta: Mapping[str, Any], device: torch.device) -> Refusal | None:
+def host_refusal(sealed: Sealed, device: torch.device) -> Refusal | None:
     """The first recorded fact this host or device contradicts, checked before any load."""
-    if meta.get("kind") != "aot-inductor":
-        return Refusal(Code.BAD_ARTIFACT, f"kind {meta.get('kind')!r} is not an AOTInductor artifact")
+    if sealed.kind != "aot-inductor":
+        return Refusal(Code.BAD_ARTIFACT, f"kind {sealed.kind!r} is not an AOTInductor artifact")
     here = device_sm(device)
-    if meta.get("sm") != here:
-        return Refusal(Code.WRONG_SM, f"artifact is for {meta.get('sm')}, the module is on {device} ({here})")
-    if meta.get("torch") != torch.__version__:
+    if sealed.sm != here:
+        return Refusal(Code.WRONG_SM, f"artifact is for {sealed.sm}, the module is on {device} ({here})")
+    if sealed.torch != torch.__version__:
         return Refusal(
             Code.TORCH_VERSION,
-            f"artifact was built with torch {meta.get('torch')}, "
+            f"artifact was built with torch {sealed.torch}, "
             f"this process runs {torch.__version__} (packages are ABI-locked)",
         )
-    host = meta.get("host") or {}
-    isa = compiler.isa_refusal(host.get("isa") or {})
+    isa = compiler.isa_refusal(dict(sealed.host.isa))
     if isa:
         return Refusal(Code.HOST_ISA, isa)
-    family = (host.get("cxx") or {}).get("family")
+    family = sealed.host.cxx_family
     built_with = torch_compiler_family()
     if family and built_with and family != built_with:
         return Refusal(Code.COMPILER_FAMILY, f"package built with {family}, torch with {built_with}")
     provided = host_runtime()
-    for name, need in (host.get("runtime") or {}).items():
+    for name, need in sealed.host.runtime.items():
         want = tuple(int(x) for x in need.split("."))
         if name in provided and provided[name] < want:
             have = ".".join(map(str, provided[name]))

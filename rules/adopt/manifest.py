@@ -129,16 +129,16 @@ def _layout_misfit(arts: list[Artifact], module: nn.Module) -> str | None:
 
     Read from each artifact's sealed layout table (an artifact that could not be read matches
     nothing: its own refusal is the reason)."""
-    readable = [a for a in arts if a.metadata]
+    readable = [a for a in arts if a.sealed is not None]
     if not readable:
         why = next((a.refusal for a in arts if a.refusal), None)
         return f"{why.code}: {why.detail}" if why else "no artifact"
     for art in readable:
-        if refusal := layout_refusal(art.metadata, module):
+        if refusal := layout_refusal(art.sealed.layout if art.sealed else None, module):
             return refusal.detail
     return None
 
 
 def _refused(name: str, code: Code, detail: str) -> Artifact:
     """A stand-in for a module the manifest cannot serve here: the module serves eager, named."""
-    return Artifact("", name, {}, refusal=Refusal(code, detail))
+    return Artifact("", name, None, refusal=Refusal(code, detail))

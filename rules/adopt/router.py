@@ -31,6 +31,7 @@ from cgbuild.store.errors import StoreError
 from cgbuild.store.local import Store
 from cgbuild.store.s3 import RemoteError
 from cgbuild.store.seal import SealError, read_metadata
+from cgbuild.store.sealed import Constant, parse
 from cgbuild.store.shared import SharedStore
 
 
@@ -209,7 +210,7 @@ class Adopted(Attached):
         module = self.module
         if refusal := structure_refusal(art, module):
             return refusal
-        refusal = layout_refusal(art.metadata, module)
+        refusal = layout_refusal(art.sealed.layout if art.sealed else None, module)
         if refusal is not None:
             return Refusal(refusal.code, f"{refusal.detail}{adapter_hint(module)}")
         if refusal := bind_live(art, art.package, module, module_device(module)):
@@ -330,11 +331,11 @@ def serve_checkpoint(
     Trace-baked literals come from the artifact. Weight swaps: assign new tensors to
     `served.module` (same names) and call `served.rebind()`.
     """
-    meta: Mapping[str, Any] = {}
+    state: tuple[Constant, ...] = ()
     path = Path(artifact)
-    with contextlib.suppress(StoreError, RemoteError, SealError, OSError, ValueError):
-        meta = read_metadata(store.resolve(str(artifact), verify=True).path if store is not None else path)
-    holder = CheckpointTensors(tie_aliases(meta, tensors))
+    with contextlib.suppress(StoreError, RemoteError, SealError, OSError, ValueError):  # load_artifact says
+        state = parse(read_metadata(store.resolve(str(artifact), verify=True).path if store else path)).state
+    holder = CheckpointTensors(tie_aliases(state, tensors))
     art = load_artifact(
         artifact, holder, store=store, memory_bytes=memory_bytes, lane=lane, config=ConfigCheck(enabled=False)
     )

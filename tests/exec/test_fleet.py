@@ -29,11 +29,13 @@ from support.toy import copy_toy
 
 from cgbuild.config import cgfile
 from cgbuild.config.labels import parse_selector
-from cgbuild.config.targets import expand
+from cgbuild.config.targets import Target, expand
 from cgbuild.core.errors import UserError
 from cgbuild.exec import fleet
 from cgbuild.exec.mint import MintKey, approved
+from cgbuild.plan.entries import PlanEntry
 from cgbuild.plan.planner import Workspace, make_plan
+from cgbuild.plan.reasons import Status
 from cgbuild.protocol.mint import Minted, MintFailed
 from cgbuild.store.local import Store
 from cgbuild.store.s3 import Remote
@@ -41,6 +43,28 @@ from cgbuild.store.seal import read_metadata
 from cgbuild.store.trust import SIGNING_KEY_ENV, key_id, public_key_bytes
 
 ray = pytest.importorskip("ray")
+
+
+def entry_of(t: Target) -> PlanEntry:
+    """A plan entry of `t` whose key is still to be minted: what a MintKey groups."""
+    return PlanEntry(
+        t.label,
+        t.id.family,
+        t.id.module,
+        t.id.graph_class,
+        t.id.layout,
+        "",
+        t.id.sm,
+        tuple(t.skus),
+        {},
+        None,
+        Status.MINT,
+        {},
+        (),
+        "",
+    )
+
+
 from ray._private import ray_constants  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
@@ -204,7 +228,7 @@ def test_admission_blocks_keys_no_node_offers(tmp_path: Path, toy_reference: Pat
     text = text.replace('skus = ["cpu"]', 'skus = ["cpu", "b200"]')
     (ws / "Cgfile").write_text(text + '\n[sku.b200]\nsm = "sm_100"\nmemory_gib = 180\n')
     targets = [t for t in expand(cgfile.load(ws / "Cgfile")) if t.id.graph_class == "8x64-b1"]
-    keys = [MintKey(f"{i:064x}", [{"label": t.label}], t, {}) for i, t in enumerate(targets)]
+    keys = [MintKey(f"{i:064x}", [entry_of(t)], t, {}) for i, t in enumerate(targets)]
     runnable, refused = fleet.admission(keys, {"cpu": 2.0, "sm_90": 1.0, "CPU": 2.0})
     assert {mk.target.id.sm for mk in runnable} == {"cpu"}
     assert refused and {r["code"] for r in refused} == {"no-node-for-sm"}
@@ -221,14 +245,14 @@ def test_a_key_the_driver_cannot_see_counts_as_not_minted(tmp_path: Path, toy_re
     ws = Workspace(cgfile.load(copy_toy(tmp_path / "toy", toy_reference) / "Cgfile"))
     target = next(t for t in expand(ws.cg) if t.label == MLP8)
     ok = Minted("a" * 64, "gone.tar.gz", "c" * 64, 12, {}, {}, admission="admitted")
-    unseen = MintKey("a" * 64, [{"label": MLP8}], target, {}, result=ok)
+    unseen = MintKey("a" * 64, [entry_of(target)], target, {}, result=ok)
     fleet.settle_visibility(ws, unseen, "node-7")
     assert isinstance(unseen.result, MintFailed) and unseen.result.code == "not-visible"
     assert unseen.result.phase == "admit" and "node-7" in unseen.result.detail
     artifact = tmp_path / "sealed.bin"
     artifact.write_bytes(b"sealed bytes")
     ws.store().admit("b" * 64, artifact)
-    seen = MintKey("b" * 64, [{"label": MLP8}], target, {}, result=ok)
+    seen = MintKey("b" * 64, [entry_of(target)], target, {}, result=ok)
     fleet.settle_visibility(ws, seen, "node-7")
     assert seen.result is ok
 
@@ -249,7 +273,7 @@ def test_node_refuses_a_workspace_it_does_not_share(
 ) -> None:
     ws = Workspace(cgfile.load(copy_toy(tmp_path / "toy", toy_reference) / "Cgfile"))
     target = next(t for t in expand(ws.cg) if t.label == MLP8)
-    order = fleet.order_for(ws, MintKey("0" * 64, [{"label": MLP8}], target, {}))
+    order = fleet.order_for(ws, MintKey("0" * 64, [entry_of(target)], target, {}))
     task = ray.remote(fleet.mint_on_node).options(resources={"cpu": 1}, num_cpus=0, num_returns="streaming")
     with nodes(cluster, {"cpu": 1}):
         for changed, code in (

@@ -131,6 +131,15 @@ def _lanes(fqn: str | None = "lanes.linear.onehot", selector: dict[str, Any] | N
         (_bend("graph.contract.inputs", [{"name": "x", "leaves": [{"dtype": 1}]}]), "leaves[0].dtype"),
         (_bend("graph.contract.symbols", [{"name": "S0", "min": "0"}]), "symbols[0].min"),
         (_bend("constants.state", [7]), "constants.state[0]: not an object"),
+        (
+            _bend("constants.state", [{"fqn": "a", "dtype": "f", "shape": [], "stride": [], "aliases": "b"}]),
+            "constants.state[0].aliases: not a list",
+        ),
+        (
+            _bend("layout", {"tensors": [["fc1.weight", "F32", [1]]], "stamp": 3}),
+            "layout.stamp: not a string",
+        ),
+        (_bend("cgbuild", ["0.1"]), "cgbuild: not a string"),
         (_bend("layout", {"tensors": [["fc1.weight", "F32"]]}), "layout.tensors[0]"),
         (
             _bend("lanes", {"axes": [{"axis": "linear", "values": ["a"]}], "verdict": {"winner": "b"}}),

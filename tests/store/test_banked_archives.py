@@ -13,8 +13,8 @@ from cgbuild_rules.adopt import load_artifact
 from torch import nn
 
 from cgbuild.store.local import Store
-from cgbuild.store.metadata import metadata_problem
 from cgbuild.store.seal import read_metadata
+from cgbuild.store.sealed import parse
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 ARCHIVES = sorted(p.name for p in RESULTS.glob("gpu_sm90_store*.tgz"))
@@ -44,7 +44,8 @@ def test_a_banked_archive_reads_resolves_and_is_refused_only_for_its_sm(archive:
     for key in keys:
         path = store.resolve(key, verify=True).path  # re-hashed: the bytes banked are the bytes sealed
         meta = read_metadata(path)
-        assert meta["key"] == key and metadata_problem(meta) is None, (archive, key, metadata_problem(meta))
+        sealed = parse(meta)  # every check of sealed metadata added since accepts it
+        assert (sealed.key, sealed.sm, sealed.kind) == (key, "sm_90", "aot-inductor"), archive
         art = load_artifact(key, nn.Linear(1, 1), store=store)
         assert art.refusal is not None and art.refusal.code == "wrong-sm", art.refusal
         assert art.unverified == UNVERIFIED[key[:8]], (archive, key[:8], art.unverified)
