@@ -98,7 +98,7 @@ def qualified_name(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return str(target)  # aten.linear.default
     if isinstance(target, torch._ops.HigherOrderOperator):
-        return f"higher_order.{target.name()}"
+        return f"higher_order.{target.name()}"  # type: ignore[no-untyped-call]
     if isinstance(target, torch._ops.OpOverloadPacket):
         return str(target._qualified_op_name).replace("::", ".")
     module = getattr(target, "__module__", None)
@@ -483,7 +483,7 @@ def _with_strides(
     """The contract as sealed: each tensor leaf also names its traced strides (the package reads
     its inputs with them, so adopt must know them), and `strides` the non-contiguous ones the
     digest holds (absent when every input is contiguous), for `plan` and `why` to name."""
-    out = json.loads(json.dumps(contract))
+    out: dict[str, Any] = json.loads(json.dumps(contract))
     flat = iter(strides)
     for spec in out["inputs"]:
         for leaf in spec["leaves"]:

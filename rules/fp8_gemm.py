@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -39,8 +39,8 @@ def kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def fused(
+    @triton.jit  # type: ignore[untyped-decorator]
+    def fused(  # type: ignore[no-untyped-def]  # a kernel's parameters are its launch contract
         x,
         x_scale,
         w,
@@ -131,4 +131,4 @@ def op() -> Callable[..., torch.Tensor]:
         )
         return out
 
-    return linear
+    return cast(Callable[..., torch.Tensor], linear)

@@ -291,14 +291,14 @@ def export(
 @contextlib.contextmanager
 def _instance_forward(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
     prior = module.__dict__.get("forward")
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
     try:
         yield
     finally:
         if prior is None:
             del module.__dict__["forward"]
         else:
-            module.forward = prior  # type: ignore[method-assign]
+            module.forward = prior
 
 
 # ---- measurement --------------------------------------------------------------------------------

@@ -360,11 +360,11 @@ def report_compute_dtype(module: nn.Module, arts: list[Artifact]) -> Callable[[]
     holder = module.get_submodule(first.rpartition(".")[0])
     from diffusers.hooks.hooks import HookRegistry, ModelHook  # a diffusers model: diffusers is here
 
-    class ComputesIn(ModelHook):  # type: ignore[misc]
+    class ComputesIn(ModelHook):
         cgbuild_inert = True  # cgbuild_rules.traced.INERT: wraps the forward, changes no call
 
         def __init__(self, dtype: torch.dtype) -> None:
-            super().__init__()
+            super().__init__()  # type: ignore[no-untyped-call]
             self.compute_dtype = dtype
 
     registry = HookRegistry.check_if_exists_or_initialize(holder)
@@ -461,7 +461,7 @@ def _compiled(obj: Any) -> nn.Module | None:
     frame = sys.modules.get("torch._dynamo.eval_frame")
     wrapper = getattr(frame, "OptimizedModule", None)
     if wrapper is not None and isinstance(obj, wrapper) and isinstance(obj._orig_mod, nn.Module):
-        return obj._orig_mod  # type: ignore[no-any-return]
+        return obj._orig_mod
     return None
 
 

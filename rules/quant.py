@@ -29,6 +29,7 @@ compiles) alike, so one code path serves every build mode. A serving process use
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -135,7 +136,8 @@ def triton_linear(
     registered the op: a `torch.cond` branch is traced by dynamo, even eagerly, and must only call it)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     b = bias[0] if bias else x.new_empty(0)
-    out = torch.ops.cgbuild.fp8_rowwise_linear_v1(rows, _row_scale(rows).reshape(-1), weight, weight_scale, b)
+    op = torch.ops.cgbuild.fp8_rowwise_linear_v1
+    out: torch.Tensor = op(rows, _row_scale(rows).reshape(-1), weight, weight_scale, b)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -169,7 +171,7 @@ class Fp8RowwiseLinear(_RowwiseLinear):
         lane: LaneSwitch | None = self.__dict__.get("lane")
         if lane is None:
             return scaled_mm_linear(*operands)
-        return lane.select(FP8_GEMM, *operands)
+        return cast(torch.Tensor, lane.select(FP8_GEMM, *operands))
 
 
 MODULES: dict[str, type[_RowwiseLinear]] = {
@@ -218,7 +220,7 @@ def convert(
             if fqn and eligible(child):
                 parent_name, _, attr = fqn.rpartition(".")
                 parent = module.get_submodule(parent_name) if parent_name else module
-                setattr(parent, attr, cls.from_linear(child, dtype))  # type: ignore[arg-type]
+                setattr(parent, attr, cls.from_linear(child, dtype))
                 done.append(fqn)
     for axis, values in chosen.items():
         if values and done:

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from cgbuild_rules import configured
@@ -198,7 +198,7 @@ def load_entry(entry: str, root: str) -> Callable[[dict[str, Any]], Any]:
         raise EntryError(f"cannot load entry {entry!r}: {type(e).__name__}: {e}") from None
     if not callable(obj):
         raise EntryError(f"entry {entry!r} is not callable")
-    return obj
+    return cast(Callable[[dict[str, Any]], Any], obj)
 
 
 @dataclass
@@ -308,7 +308,7 @@ def _retie(module: nn.Module, ties: list[list[str]]) -> None:
         for fqn in rest:
             prefix, _, name = fqn.rpartition(".")
             other = module.get_submodule(prefix) if prefix else module
-            table = other._parameters if name in other._parameters else other._buffers
+            table: dict[str, Any] = other._parameters if name in other._parameters else other._buffers
             table[name] = tensors[first]
 
 

@@ -167,6 +167,7 @@ class Adopted(Attached):
         self._retry_refused()
         restrided: list[str] = []
         leaves: list[Any]
+        why: Refusal | None
         if (mode := self._mode_refusal(args, kwargs)) is not None:
             art, leaves, why = None, [], mode
         elif self.replaced is not None:
@@ -276,7 +277,7 @@ class Adopted(Attached):
                 f"the module's forward is an instance attribute set before adopt ({_name(before)}), which "
                 "the program never runs: adopt first, then wrap it",
             )
-        self.module.forward = self  # type: ignore[method-assign]
+        self.module.forward = self
         return self
 
     def release(self) -> None:
