@@ -133,7 +133,13 @@ def _summary(
     return {
         "schema": "cgbuild.mint-summary/1",
         "minted": [
-            {"key": mk.key, "labels": mk.labels, "admission": r.admission, "phases": r.phases}
+            {
+                "key": mk.key,
+                "labels": mk.labels,
+                "admission": r.admission,
+                "phases": r.phases,
+                "device": r.device,
+            }
             for mk in results
             if isinstance(r := mk.result, Minted)
         ],

@@ -81,6 +81,7 @@ class Code(StrEnum):
     FLEET_ERROR = "fleet-error"
     FLEET_NODE_LOST = "fleet-node-lost"
     NO_NODE_FOR_SM = "no-node-for-sm"
+    NO_GPU_FOR_SM = "no-gpu-for-sm"
     NOT_VISIBLE = "not-visible"
     WORKSPACE_DRIFT = "workspace-drift"
     WORKSPACE_MISSING = "workspace-missing"

@@ -7,9 +7,17 @@ for `--executor ray`.
 
 Placement: a key needs one unit of the resource named exactly as its sm (`sm_90`, `sm_120`, and
 `cpu` for CPU keys — lowercase; Ray's own `CPU` counts cores and is not used), so the count a
-node advertises is how many mints it runs at once. A key whose sm no live node offers is refused
-before anything is submitted (`no-node-for-sm`), never left queued; a key whose last capable
-node dies while it waits is cancelled (`fleet-node-lost`) for the same reason.
+node advertises is how many mints it runs at once; a CUDA key also needs one of Ray's `GPU`s on
+that same node (`num_gpus=1`), a CPU key none. A key no live node can take is refused before
+anything is submitted (`no-node-for-sm`; `no-gpu-for-sm` when nodes advertise its sm but none
+of them has a GPU), never left queued; a key whose last capable node dies while it waits is
+cancelled (`fleet-node-lost`) for the same reason.
+
+Pinning: the node starts the key's mint child with `CUDA_VISIBLE_DEVICES` set to exactly the GPU
+Ray assigned the task (`get_accelerator_ids()`; empty for a CPU key, which was assigned none),
+whatever Ray itself does to the worker's environment, so two mints on one host never compile or
+verify on the same GPU, nor on one Ray did not give them. The record names the GPU Ray assigned
+(`node.gpus`) and the device verify ran on (the result's `device`).
 
 The worker is `mint.mint_one` on the node, exactly what the local pool runs: the node re-loads
 the workspace from the same path (a shared filesystem or the same checkout at the same path,
@@ -23,6 +31,7 @@ same durable record as a local mint.
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import socket
@@ -39,6 +48,7 @@ from cgbuild.core.canon import sha256_file
 from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
 from cgbuild.core.fs import write_json
+from cgbuild.core.platform import CUDA, device_of
 from cgbuild.exec.mint import MintKey, mint_one
 from cgbuild.plan.entries import PlanEntry
 from cgbuild.plan.workspace import Workspace
@@ -100,34 +110,60 @@ def connect(executor: Executor) -> None:
         raise UserError(f"cannot join the Ray cluster: {exc}", field="--executor") from None
 
 
-def offered() -> dict[str, float]:
-    """Each resource the live nodes advertise, summed (an sm is offered when it is here)."""
+def offered() -> list[dict[str, float]]:
+    """The resources each live node advertises (a key needs ONE node that has all it asks for)."""
     import ray
 
-    total: dict[str, float] = {}
-    for node in ray.nodes():
-        if node.get("Alive"):
-            for name, amount in node.get("Resources", {}).items():
-                total[name] = total.get(name, 0.0) + amount
-    return total
+    return [dict(node.get("Resources", {})) for node in ray.nodes() if node.get("Alive")]
 
 
-def admission(keys: list[MintKey], resources: dict[str, float]) -> tuple[list[MintKey], list[dict[str, Any]]]:
+def needs(sm: str) -> dict[str, float]:
+    """What one mint of an `sm` key asks of its node: a unit of the sm, and a GPU for a CUDA sm."""
+    return {sm: 1.0, "GPU": 1.0} if device_of(sm) == CUDA else {sm: 1.0}
+
+
+def placeable(sm: str, nodes: list[dict[str, float]]) -> bool:
+    """Whether some node offers everything a key of `sm` asks for."""
+    need = needs(sm)
+    return any(all(node.get(name, 0) >= amount for name, amount in need.items()) for node in nodes)
+
+
+def task_options(sm: str) -> dict[str, Any]:
+    """The Ray options that place a key of `sm`: its sm's unit, one `GPU` for a CUDA key (Ray
+    then assigns the task a GPU of its own), none of Ray's `CPU`s (the sm paces the node)."""
+    need = needs(sm)
+    return {"resources": {sm: need[sm]}, "num_gpus": need.get("GPU", 0), "num_cpus": 0}
+
+
+def _blocked(sm: str, nodes: list[dict[str, float]]) -> tuple[Code, str]:
+    """Why no node can take a key of `sm`: the code and its words."""
+    if any(node.get(sm, 0) >= 1 for node in nodes):
+        return Code.NO_GPU_FOR_SM, (
+            f"blocked: nodes advertise {sm!r} but none of them has a GPU for Ray to assign "
+            "(a CUDA key runs on one GPU Ray gives it: start the node on its GPU machine, where "
+            "Ray counts the GPUs, or with `ray start --num-gpus N`)"
+        )
+    sms = sorted({name for node in nodes for name in node if name == "cpu" or name.startswith("sm_")})
+    return Code.NO_NODE_FOR_SM, (
+        f"blocked: no node of the cluster advertises the resource {sm!r} "
+        f"(nodes offer: {', '.join(sms) or 'no sm'}; start one with "
+        f"`ray start --resources '{{\"{sm}\": 1}}'`)"
+    )
+
+
+def admission(
+    keys: list[MintKey], nodes: list[dict[str, float]]
+) -> tuple[list[MintKey], list[dict[str, Any]]]:
     """Keys some node can mint, and a `refused` row per label of those none can (blocked now)."""
     runnable: list[MintKey] = []
     blocked: list[dict[str, Any]] = []
-    sms = sorted(name for name in resources if name == "cpu" or name.startswith("sm_"))
     for mk in keys:
         sm = mk.target.id.sm
-        if resources.get(sm, 0) >= 1:
+        if placeable(sm, nodes):
             runnable.append(mk)
             continue
-        detail = (
-            f"blocked: no node of the cluster advertises the resource {sm!r} "
-            f"(nodes offer: {', '.join(sms) or 'no sm'}; start one with "
-            f"`ray start --resources '{{\"{sm}\": 1}}'`)"
-        )
-        blocked.extend({"label": label, "code": Code.NO_NODE_FOR_SM, "detail": detail} for label in mk.labels)
+        code, detail = _blocked(sm, nodes)
+        blocked.extend({"label": label, "code": code, "detail": detail} for label in mk.labels)
     return runnable, blocked
 
 
@@ -179,8 +215,7 @@ class Fleet:
 
         def submit(mk: MintKey) -> _Followed:
             gen = task.options(
-                resources={mk.target.id.sm: 1},
-                num_cpus=0,
+                **task_options(mk.target.id.sm),
                 max_retries=NODE_RETRIES,
                 retry_exceptions=False,
                 num_returns="streaming",
@@ -230,21 +265,23 @@ class Fleet:
     def _drop_orphans(
         self, ws: Workspace, live: dict[Any, _Followed], on_event: Callable[[MintKey, str], None] | None
     ) -> None:
-        """A key silent for WATCH_S whose sm no live node offers any more is cancelled and failed
-        (`fleet-node-lost`), never left queued for a node that will not come."""
+        """A key silent for WATCH_S that no live node can take any more (its sm, and a GPU for a
+        CUDA key) is cancelled and failed (`fleet-node-lost`), never left queued for a node that
+        will not come."""
         import ray
 
         quiet = [f for f in live.values() if time.monotonic() - f.heard >= WATCH_S]
         if not quiet:
             return
-        resources = offered()
+        nodes = offered()
         for f in quiet:
             sm = f.mk.target.id.sm
-            if resources.get(sm, 0) >= 1:
+            if placeable(sm, nodes):
                 continue
             ray.cancel(f.gen, force=True)
             del live[f.gen]
-            detail = f"no live node offers {sm!r} any more (the node minting it was lost)"
+            offer = " with a GPU" if "GPU" in needs(sm) else ""
+            detail = f"no live node offers {sm!r}{offer} any more (the node minting it was lost)"
             self._finish(ws, f.mk, _failure(Code.FLEET_NODE_LOST, detail), on_event)
 
     def _finish(
@@ -319,6 +356,14 @@ def _workspace_here(order: Order) -> tuple[Workspace, MintKey]:
     return ws, MintKey(order.key, order.entries, target, order.toolchain)
 
 
+def pinned_environment(gpus: list[str]) -> dict[str, str]:
+    """The mint child's environment: this process's, seeing exactly the GPUs Ray assigned the
+    task (an empty `CUDA_VISIBLE_DEVICES` for a CPU key, which was assigned none: no GPU of the
+    host). Set here, not left to Ray, which leaves the variable alone for a task that asked for
+    no GPU and, under `RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`, for every task."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+
+
 def mint_on_node(order: Order) -> Iterator[dict[str, Any]]:
     """The Ray task: `mint_one` here, yielding `{"phase", "node"}` per phase, then the result.
 
@@ -326,20 +371,28 @@ def mint_on_node(order: Order) -> Iterator[dict[str, Any]]:
     """
     import ray
 
-    node = ray.get_runtime_context().get_node_id()
+    context = ray.get_runtime_context()
+    node = context.get_node_id()
     host = socket.gethostname()
+    gpus = sorted(context.get_accelerator_ids().get("GPU", []))
     try:
         ws, mk = _workspace_here(order)
     except (_Refusal, UserError) as exc:
         code = exc.code if isinstance(exc, _Refusal) else Code.WORKSPACE_DRIFT
         yield _failure(code, str(exc))
         return
+    sm = mk.target.id.sm
+    if device_of(sm) == CUDA and len(gpus) != 1:
+        detail = f"node {host} gave this {sm} key {len(gpus)} GPUs: a CUDA key mints on exactly one"
+        yield _failure(Code.NO_GPU_FOR_SM, detail)
+        return
+    env = pinned_environment(gpus)
     events: queue.Queue[str | None] = queue.Queue()
     raised: list[BaseException] = []
 
     def run() -> None:
         try:
-            mint_one(ws, mk, ws.store(), lambda _mk, phase: events.put(phase))
+            mint_one(ws, mk, ws.store(), lambda _mk, phase: events.put(phase), env=env)
         except BaseException as exc:  # re-raised below: the driver sees the task fail with it
             raised.append(exc)
         finally:
@@ -355,4 +408,4 @@ def mint_on_node(order: Order) -> Iterator[dict[str, Any]]:
         raise raised[0]
     record = ws.state.read_record(mk.key) or {}
     assert mk.result is not None  # mint_one always ends with one
-    yield {"result": mk.result.to_json(), "record": record, "node": {"id": node, "host": host}}
+    yield {"result": mk.result.to_json(), "record": record, "node": {"id": node, "host": host, "gpus": gpus}}

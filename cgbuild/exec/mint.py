@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +112,7 @@ def _evidence_run(result: Minted, how: str) -> dict[str, Any]:
         "recorded": int(time.time()),
         "artifact_sha256": result.sha256,
         "reproducible": (result.compared or {}).get("reproducible"),
+        "verified_on": result.device,
         **(result.lane_evidence or {}),
     }
 
@@ -181,12 +182,14 @@ def mint_one(
     store: Store,
     on_event: Callable[[MintKey, str], None] | None = None,
     held: HeldTraces | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> MintKey:
     """Mint, admit and record one key on this machine; returns it with `result` filled.
 
     The unit both executors run: the local pool calls it per key, a fleet worker calls it on
-    the node that holds the key's sm. A worker `held` from the plan's trace mints it when one
-    traced its unit here (cgbuild.exec.held).
+    the node that holds the key's sm, with `env` its mint child's environment (pinned to the
+    GPU Ray assigned). A worker `held` from the plan's trace mints it when one traced its unit
+    here (cgbuild.exec.held).
     """
     record_path = ws.state.record(mk.key)
     log = ws.state.log(mk.key)
@@ -215,7 +218,7 @@ def mint_one(
             shared.check_publishable()  # before the compile: an unpublishable mint is wasted
         request = request_for(ws, mk, ws.state.build)
         worker = held.claim(mk.target, log) if held is not None else None  # after the refusals above
-        result = worker.complete(request, progress) if worker else run_worker(request, log, progress)
+        result = worker.complete(request, progress) if worker else run_worker(request, log, progress, env=env)
         if isinstance(result, Minted):
             if on_event:
                 on_event(mk, "admitting")

@@ -84,6 +84,9 @@ class Minted:
     lane_evidence: Mapping[str, Any] | None = None
     compared: Mapping[str, Any] | None = None
     """`reproducible`, `differing`, `fields`, `verdict_moved` of a re-mint (`compare_with`)"""
+    device: Mapping[str, Any] | None = None
+    """the device the artifact was verified on: its type, the `CUDA_VISIBLE_DEVICES` the mint
+    ran under and, on a GPU, its index, name and UUID (a machine fact: never sealed)"""
     admission: str | None = None
     evidence: str | None = None
     """why the lane evidence stayed on this machine, when it did"""
@@ -289,8 +292,10 @@ def run_worker(
     on_traced: Callable[[dict[str, Any]], None] | None = None,
     channel: Channel | None = None,
     started: Callable[[int], None] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> MintOutcome:
     """One mint child; its stderr goes to `log`; a child that dies still yields a typed result.
+    `env` is the child's whole environment (None: this process's).
 
     The child announces each phase on its protocol stream (`{"progress": "compile"}`) before
     its one result line. A hold's child also reports its trace (`{"traced": ...}`, to
@@ -312,7 +317,7 @@ def run_worker(
                 detail = f"the mint worker's result line is not a mint result: {e} (log: {log})"
                 result = MintFailed(Code.MINT_ERROR, Phase.WORKER, detail)
 
-    ended = spawn("cgbuild_rules.mint", talk=Talk(request, take, channel, started), log=log)
+    ended = spawn("cgbuild_rules.mint", talk=Talk(request, take, channel, started), log=log, env=env)
     if result is not None:
         return result
     failed = MintFailed.ended(ended, "mint worker", Phase.WORKER)

@@ -62,12 +62,14 @@ override), `out` (folder for `<key>.tar.gz`),
 `timeout_s` (per stage part: the trace, the compile, each check).
 Result: `{"id", "ok": true, "key", "artifact", "sha256", "size", "members": {name: sha256},
 "verify": [{"output", "dtype", "rel_rms", "tolerance", "max_abs", "lane"?}] (from the serve stage),
-"served": [{"lane"?, "counters", "seconds"}], "phases": {"wait"? (for the compile sandbox),
+"served": [{"lane"?, "counters", "seconds"}], "device": {"type", "visible" (the
+`CUDA_VISIBLE_DEVICES` the mint ran under), "index"?, "name"?, "uuid"? (on a GPU)} (the device
+verify ran on: a machine fact, never sealed), "phases": {"wait"? (for the compile sandbox),
 "export", "compile", "verify", "lanes"?, "seal", "serve", "total"}, "lane_evidence"?: {raw
 timings, samples, peaks, device, numerics, verdict}}` (the
 engine files the evidence beside the artifact, never in it) or `{"id", "ok": false, "code",
 "retryable", "phase", "detail", ...}` with `old`/`new`
-(drift), `changes` (toolchain components), `needed`/`found` (device) or `signal`. Codes:
+(drift), `changes` (toolchain components), `needed`/`found`/`visible` (device) or `signal`. Codes:
 `bad-request`, `wrong-device`, `wrong-host`, `toolchain-drift`, `graph-drift`, `layout-drift`,
 `layout-topology-mismatch`, `layout-below-sm-floor`, `layout-toolchain-unsupported` (the rule's
 floor, this torch on this sm, or the kernel's probe on the device), `entry-error`,

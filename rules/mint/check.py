@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,13 +74,29 @@ def _verify(req: Mapping[str, Any], work: Path, c: _Checked) -> dict[str, Any]:
     lane_inputs = {} if sel is None else {lane_rt.SELECTOR: sel}
     with torch.no_grad():
         got = c.package(*built.args, **built.kwargs, **lane_inputs)
-    result: dict[str, Any] = {"ok": True, "errors": compare_outputs(got, want, tolerance_of(job.quant))}
+    errors = compare_outputs(got, want, tolerance_of(job.quant))
+    result: dict[str, Any] = {"ok": True, "errors": errors, "device": _verified_on(job.device)}
     if req.get("lanes"):
         rows = _lane_rows(req, job, built.module)
         c.block = {"axes": rows, "selector": lane_rt.selector_spec(rows)}
         checks = _verify_lanes(job, built, c.package, c.block)
         result["lanes"] = {"rows": rows, "selector": c.block["selector"], **checks}
     return result
+
+
+def _verified_on(device: str) -> dict[str, Any]:
+    """The device this stage verifies on, as the mint's record names it (never sealed): its
+    type, the `CUDA_VISIBLE_DEVICES` the mint was started under (a fleet node pins it to the GPU
+    Ray assigned the key) and, on a GPU, torch's index of it, its name and its UUID."""
+    import torch
+
+    seen: dict[str, Any] = {"type": device, "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    if device == "cuda":
+        index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        uuid = getattr(props, "uuid", None)
+        seen.update(index=index, name=props.name, uuid=f"GPU-{uuid}" if uuid is not None else None)
+    return seen
 
 
 def stage_check(req: Mapping[str, Any], work: Path) -> dict[str, Any]:

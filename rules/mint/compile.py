@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 import time
 from collections.abc import Mapping, Sequence
@@ -44,19 +45,27 @@ def _sm_here(device: str) -> str | None:
 
 
 def _device_refusal(device: str, sm: str, here: str | None) -> None:
-    """Refuse a key whose sm is not this machine's (`here`: `_sm_here(device)`)."""
+    """Refuse a key whose sm is not this machine's (`here`: `_sm_here(device)`), naming the
+    `CUDA_VISIBLE_DEVICES` it ran under (`visible`: a fleet node pins it to Ray's GPU)."""
     if device == "cpu":
         return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    under = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
     if here is None:
         raise MintFailure(
             Code.WRONG_DEVICE,
-            f"key needs {sm} (cuda); this machine has no CUDA device",
+            f"key needs {sm} (cuda); this machine has no CUDA device{under}",
             needed=sm,
             found="cpu",
+            visible=visible,
         )
     if here != sm:
         raise MintFailure(
-            Code.WRONG_DEVICE, f"key needs {sm}; this machine's device is {here}", needed=sm, found=here
+            Code.WRONG_DEVICE,
+            f"key needs {sm}; this machine's device is {here}{under}",
+            needed=sm,
+            found=here,
+            visible=visible,
         )
 
 

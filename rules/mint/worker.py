@@ -276,6 +276,7 @@ def _minted(
         served=served["served"],
         phases={**({"wait": waited} if waited else {}), **built["seconds"], **seconds, "total": total},
         lane_evidence=evidence,
+        device=checked.get("device"),
         compared=compare_artifacts(req.compare_with, artifact) if req.compare_with else None,
     )
 

@@ -1,6 +1,8 @@
 """Fleet mints on a real local Ray cluster: nodes on loopback advertise fake sm resources and run
 real CPU mints (AOTInductor compiles of the toy), so placement, streaming, retry and records are
-Ray's and cgbuild's own, never stand-ins.
+Ray's and cgbuild's own, never stand-ins. GPUs are Ray's own counters too (`num_gpus` of a node
+here without one): Ray schedules and assigns them as on a GPU host, and the mint child of a CUDA
+key, started pinned to its assignment, reports what it was given before it refuses the device.
 
 The head carries no `cpu` resource; each test adds the worker nodes it needs and removes them,
 so which node can run a key is decided by the test. Compiles are few: one fleet mint, one local
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -90,6 +93,7 @@ def cluster() -> Iterator[Cluster]:
     drivers the tests start inherit it, so the whole cluster talks over loopback alone."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, "0")
+        mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)  # read when this process was imported
         c = Cluster(
             initialize_head=True,
@@ -106,8 +110,11 @@ def cluster() -> Iterator[Cluster]:
 
 @contextmanager
 def nodes(c: Cluster, *resources: dict[str, float]) -> Iterator[list[Any]]:
-    """Worker nodes advertising these resources for the test's duration."""
-    added = [c.add_node(**NODE, resources=r) for r in resources]
+    """Worker nodes advertising these resources for the test's duration (`GPU`: Ray's `num_gpus`)."""
+    added = [
+        c.add_node(**NODE, num_gpus=r.get("GPU", 0), resources={k: v for k, v in r.items() if k != "GPU"})
+        for r in resources
+    ]
     c.wait_for_nodes()
     try:
         yield added
@@ -117,8 +124,8 @@ def nodes(c: Cluster, *resources: dict[str, float]) -> Iterator[list[Any]]:
                 c.remove_node(node)
 
 
-def mint_json(ws: Path, *args: str) -> tuple[int, dict[str, Any], str]:
-    proc = cli(ws, "mint", *args, "--json", timeout=MINT_TIMEOUT_S)
+def mint_json(ws: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any], str]:
+    proc = cli(ws, "mint", *args, "--json", env=env, timeout=MINT_TIMEOUT_S)
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
@@ -132,10 +139,35 @@ def shape(value: Any) -> Any:
     return type(value).__name__
 
 
+H100 = ("h100", "sm_90", 80)
+B200 = ("b200", "sm_100", 180)
+
+
+def with_skus(ws: Path, *skus: tuple[str, str, int]) -> Path:
+    """The toy workspace whose targets also build for these SKUs (name, sm, memory in GiB)."""
+    text = (ws / "Cgfile").read_text()
+    names = ", ".join(f'"{name}"' for name, _, _ in skus)
+    text = text.replace('skus = ["cpu"]', f'skus = ["cpu", {names}]')
+    text += "".join(f'\n[sku.{name}]\nsm = "{sm}"\nmemory_gib = {gib}\n' for name, sm, gib in skus)
+    (ws / "Cgfile").write_text(text)
+    return ws
+
+
 def planned(ws: Path, label: str) -> tuple[Workspace, MintKey]:
     w = Workspace(cgfile.load(ws / "Cgfile"))
     (mk,) = approved(make_plan(w, parse_selector(label)), w)
     return w, mk
+
+
+def on_sm_90(ws: Workspace, mk: MintKey) -> MintKey:
+    """A planned CPU key as its target's sm_90 key (CPU torch plans none): the same request for a
+    CUDA device, which the mint child refuses `wrong-device` here, naming the
+    `CUDA_VISIBLE_DEVICES` it was started with."""
+    (entry,) = mk.entries
+    label = entry.label.removesuffix(":cpu") + ":sm_90"
+    target = next(t for t in expand(ws.cg) if t.label == label)
+    gpu = dataclasses.replace(entry, label=label, sm="sm_90", skus=(H100[0],))
+    return MintKey(mk.key, [gpu], target, {**mk.toolchain, "platform": "cuda"})
 
 
 def compiling_on(
@@ -223,20 +255,36 @@ def test_check_on_the_fleet_is_refused(tmp_path: Path) -> None:
 
 
 def test_admission_blocks_keys_no_node_offers(tmp_path: Path, toy_reference: Path) -> None:
-    ws = copy_toy(tmp_path / "toy", toy_reference)
-    text = (ws / "Cgfile").read_text()
-    text = text.replace('skus = ["cpu"]', 'skus = ["cpu", "b200"]')
-    (ws / "Cgfile").write_text(text + '\n[sku.b200]\nsm = "sm_100"\nmemory_gib = 180\n')
+    ws = with_skus(copy_toy(tmp_path / "toy", toy_reference), H100, B200)
     targets = [t for t in expand(cgfile.load(ws / "Cgfile")) if t.id.graph_class == "8x64-b1"]
     keys = [MintKey(f"{i:064x}", [entry_of(t)], t, {}) for i, t in enumerate(targets)]
-    runnable, refused = fleet.admission(keys, {"cpu": 2.0, "sm_90": 1.0, "CPU": 2.0})
-    assert {mk.target.id.sm for mk in runnable} == {"cpu"}
-    assert refused and {r["code"] for r in refused} == {"no-node-for-sm"}
-    assert {r["label"].rpartition(":")[2] for r in refused} == {"sm_100"}
+
+    def sms(mks: list[MintKey]) -> set[str]:
+        return {mk.target.id.sm for mk in mks}
+
+    def refusals(rows: list[dict[str, Any]]) -> dict[str, str]:
+        return {r["label"].rpartition(":")[2]: r["code"] for r in rows}
+
+    runnable, refused = fleet.admission(keys, [{"cpu": 2.0, "CPU": 2.0}, {"sm_90": 1.0, "GPU": 1.0}])
+    assert sms(runnable) == {"cpu", "sm_90"}
+    assert refusals(refused) == {"sm_100": "no-node-for-sm"}
     assert "nodes offer: cpu, sm_90" in refused[0]["detail"]
     # Ray's own CPU (cores) is not the cpu sm: a cluster of plain nodes mints no CPU key
-    runnable, refused = fleet.admission(keys, {"CPU": 8.0})
+    runnable, refused = fleet.admission(keys, [{"CPU": 8.0}])
     assert runnable == [] and len(refused) == len(keys)
+    # a CUDA key needs its sm and a GPU on ONE node; a CPU key needs no GPU
+    for no_gpu in ([{"cpu": 1.0}, {"sm_90": 2.0}], [{"cpu": 1.0, "GPU": 1.0}, {"sm_90": 2.0}]):
+        runnable, refused = fleet.admission(keys, no_gpu)
+        assert sms(runnable) == {"cpu"}
+        assert refusals(refused) == {"sm_90": "no-gpu-for-sm", "sm_100": "no-node-for-sm"}
+        gpu_rows = [r for r in refused if r["code"] == "no-gpu-for-sm"]
+        assert all("advertise 'sm_90' but none of them has a GPU" in r["detail"] for r in gpu_rows)
+
+
+def test_task_options_ask_one_gpu_for_a_cuda_key_and_none_for_a_cpu_key() -> None:
+    assert fleet.task_options("sm_90") == {"resources": {"sm_90": 1.0}, "num_gpus": 1.0, "num_cpus": 0}
+    assert fleet.task_options("sm_120") == {"resources": {"sm_120": 1.0}, "num_gpus": 1.0, "num_cpus": 0}
+    assert fleet.task_options("cpu") == {"resources": {"cpu": 1.0}, "num_gpus": 0, "num_cpus": 0}
 
 
 def test_a_key_the_driver_cannot_see_counts_as_not_minted(tmp_path: Path, toy_reference: Path) -> None:
@@ -259,13 +307,15 @@ def test_a_key_the_driver_cannot_see_counts_as_not_minted(tmp_path: Path, toy_re
 
 # ---- on the cluster ---------------------------------------------------------------------------
 def test_offered_is_what_live_nodes_advertise(cluster: Cluster) -> None:
-    with nodes(cluster, {"sm_90": 1}) as (node,):
-        assert fleet.offered().get("sm_90") == 1 and "cpu" not in fleet.offered()
+    with nodes(cluster, {"sm_90": 1, "GPU": 2}) as (node,):
+        offers = fleet.offered()
+        assert [(n["sm_90"], n["GPU"]) for n in offers if "sm_90" in n] == [(1, 2)]
+        assert not any("cpu" in n for n in offers)
         cluster.remove_node(node)
         deadline = time.monotonic() + 60
-        while "sm_90" in fleet.offered() and time.monotonic() < deadline:
+        while any("sm_90" in n for n in fleet.offered()) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert "sm_90" not in fleet.offered()
+        assert not any("sm_90" in n for n in fleet.offered())
 
 
 def test_node_refuses_a_workspace_it_does_not_share(
@@ -288,7 +338,7 @@ def test_cli_fleet_mint_lands_on_a_cpu_node_with_a_local_mints_records(
     cluster: Cluster, tmp_path: Path, toy_reference: Path
 ) -> None:
     ws = copy_toy(tmp_path / "toy", toy_reference)
-    with nodes(cluster, {"sm_90": 1}, {"cpu": 1}) as (_gpu, cpu):
+    with nodes(cluster, {"sm_90": 1}, {"cpu": 1, "GPU": 1}) as (_gpu, cpu):
         rc, remote, stderr = mint_json(ws, MLP8, "--executor", f"ray://{cluster.address}")
     assert rc == 0, (remote, stderr)
     assert [m["labels"] for m in remote["minted"]] == [[MLP8]] and not remote["failed"]
@@ -296,14 +346,70 @@ def test_cli_fleet_mint_lands_on_a_cpu_node_with_a_local_mints_records(
     key = remote["minted"][0]["key"]
     record = json.loads((ws / ".cgbuild" / "mint" / f"{key}.json").read_text())
     assert record["state"] == "ok" and record["node"]["id"] == cpu.node_id
+    # a CPU key asks Ray for no GPU, though its node has one, and its mint child is shown none
+    assert record["node"]["gpus"] == []
+    assert record["result"]["device"] == remote["minted"][0]["device"] == {"type": "cpu", "visible": ""}
     meta = read_metadata(Store(ws / ".cgbuild" / "store").resolve(key).path)
     assert meta["key"] == key and meta["sm"] == "cpu"
-    # the same workspace minted locally: one summary shape, one record shape (plus the node)
-    rc, local, _ = mint_json(ws, MLP16)
+    assert "visible" not in json.dumps(meta)  # the device it was verified on is never sealed
+    # the same workspace minted locally (seeing no GPU, as a node shows a CPU key): one summary
+    # shape, one record shape (plus the node)
+    rc, local, _ = mint_json(ws, MLP16, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert rc == 0, local
     assert shape(remote) == shape(local)
     local_record = json.loads((ws / ".cgbuild" / "mint" / f"{local['minted'][0]['key']}.json").read_text())
-    assert shape(record) == {**shape(local_record), "node": {"id": "str", "host": "str"}}
+    assert shape(record) == {**shape(local_record), "node": {"id": "str", "host": "str", "gpus": []}}
+
+
+def test_cuda_mints_on_one_host_each_run_on_the_gpu_ray_assigned(
+    cluster: Cluster, tmp_path: Path, toy_reference: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sm_90 keys on one node declaring two GPUs: each task asks Ray for one GPU, and each
+    mint child runs under exactly the GPU Ray assigned its task; running at once, the two hold
+    different GPUs. The node's workers are told to leave `CUDA_VISIBLE_DEVICES` alone
+    (`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`), so the pin seen here is the fleet's own.
+    With no GPU here each child refuses `wrong-device`, naming what it was given."""
+    monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")  # the node inherits it
+    ws = with_skus(copy_toy(tmp_path / "toy", toy_reference), H100)
+    w, first = planned(ws, MLP8)
+    keys = [on_sm_90(w, first), on_sm_90(w, planned(ws, MLP16)[1])]
+    with nodes(cluster, {"sm_90": 2, "GPU": 2}, {"sm_90": 2}):
+        assert fleet.admission(keys, fleet.offered()) == (keys, [])
+        fleet.Fleet().mint_keys(w, keys)
+    for mk in keys:  # each mint child ran, and found no GPU here
+        assert isinstance(mk.result, MintFailed) and mk.result.code == "wrong-device", mk.result
+    records = [json.loads(w.state.record(mk.key).read_text()) for mk in keys]
+    (start_a, end_a), (start_b, end_b) = [(r["started"], r["finished"]) for r in records]
+    assert start_a < end_b and start_b < end_a, "the two mints did not run at once"
+    assert sorted(r["node"]["gpus"] for r in records) == [["0"], ["1"]]  # one GPU each, not the same
+    for mk, record in zip(keys, records, strict=True):
+        assert isinstance(mk.result, MintFailed)
+        (gpu,) = record["node"]["gpus"]
+        assert mk.result.facts["visible"] == record["result"]["visible"] == gpu
+        assert f"(CUDA_VISIBLE_DEVICES='{gpu}')" in mk.result.detail
+
+
+def test_a_cuda_key_never_runs_without_a_gpu_of_its_own(
+    cluster: Cluster, tmp_path: Path, toy_reference: Path
+) -> None:
+    """A node that advertises sm_90 but has no GPU: a task given no GPU is refused on the node
+    before any mint child starts, and the executor's own task, which waits for a GPU no live
+    node offers, fails instead of staying queued."""
+    ws = with_skus(copy_toy(tmp_path / "toy", toy_reference), H100)
+    w, mk = planned(ws, MLP8)
+    key = on_sm_90(w, mk)
+    task = ray.remote(fleet.mint_on_node).options(resources={"sm_90": 1}, num_cpus=0, num_returns="streaming")
+    with nodes(cluster, {"sm_90": 1}):
+        (last,) = [ray.get(ref) for ref in task.remote(fleet.order_for(w, key))]
+        assert last["result"]["code"] == "no-gpu-for-sm", last
+        assert "0 GPUs: a CUDA key mints on exactly one" in last["result"]["detail"]
+        run = threading.Thread(target=fleet.Fleet().mint_keys, args=(w, [key]))
+        run.start()
+        run.join(120)
+        assert not run.is_alive(), "a CUDA key waited for a GPU no node offers"
+    assert isinstance(key.result, MintFailed) and key.result.code == "fleet-node-lost", key.result
+    assert "no live node offers 'sm_90' with a GPU" in key.result.detail
+    assert not w.state.record(key.key).exists()  # no mint started anywhere
 
 
 def test_fleet_mint_publishes_signed_into_the_shared_store(

@@ -307,6 +307,7 @@ def test_toy_lanes_verdict_evidence_and_inspect(minted_toy: Path) -> None:
         path = store.root / "evidence" / t["key"] / f"{host_name()}.json"
         run = json.loads(path.read_text())["runs"][0]
         assert run["how"] == "mint" and run["verdict"] == verdict
+        assert run["verified_on"]["type"] == "cpu"  # the device verify ran on, beside the artifact
         for lane in ("baseline", "chunked"):
             m = run["measured"][lane]
             assert len(m["samples_ns"]) == 9 and m["median_ns"] > 0 and m["peak_bytes"] > 0

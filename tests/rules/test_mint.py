@@ -54,6 +54,7 @@ def test_mint_seals_a_verified_artifact(
     assert set(result["phases"]) == {"export", "compile", "verify", "seal", "serve", "total"}
     assert result["served"] == [{"counters": {"compiled": 1}, "seconds": result["served"][0]["seconds"]}]
     assert result["verify"][0]["rel_rms"] < 1e-5
+    assert result["device"] == {"type": "cpu", "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
     meta = read_metadata(result["artifact"])
     assert meta["key"] == req["key"] and meta["graph"]["digest"] == req["graph_digest"]
     assert meta["graph"]["contract"]["inputs"][0]["leaves"][0]["shape"] == [1, 8, 64]
@@ -73,6 +74,7 @@ def test_mint_seals_a_verified_artifact(
     assert (
         req["sandbox"] not in text and req["out"] not in text and "seconds" not in text
     )  # no paths, no clocks
+    assert "visible" not in text  # nor the device it was verified on
     files = unseal(result["artifact"], tmp_path / "x")
     assert set(files) == {"metadata.json", "model.pt2", "constants.safetensors"}
     import zipfile
@@ -135,9 +137,12 @@ def test_cuda_key_on_a_cpu_machine_is_refused_naming_the_sm(cheap_request: dict[
     job = json.loads(json.dumps(cheap_request["job"]))
     job["spec"]["device"] = "cuda"
     tc = {**cheap_request["toolchain"], "platform": "cuda"}
-    result = run_worker({**cheap_request, "job": job, "sm": "sm_90", "toolchain": tc})
+    pinned = {**os.environ, "CUDA_VISIBLE_DEVICES": "3"}  # as a fleet node pins a CUDA key's mint
+    result = run_worker({**cheap_request, "job": job, "sm": "sm_90", "toolchain": tc}, env=pinned)
     assert result["code"] == "wrong-device" and result["needed"] == "sm_90" and "sm_90" in result["detail"]
     assert result["retryable"] is False
+    # the stage that refused it ran under the pinned devices (the mint environment keeps them)
+    assert result["visible"] == "3" and "(CUDA_VISIBLE_DEVICES='3')" in result["detail"]
 
 
 @pytest.mark.parametrize(("sig", "code"), [("SIGKILL", "worker-killed"), ("SIGSEGV", "worker-signal")])
