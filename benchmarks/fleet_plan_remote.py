@@ -62,6 +62,7 @@ from engine import (
     Run,
     child_env,
     code_under_test,
+    median_walls,
     summarize,
     time_process,
     trace_count,
@@ -370,9 +371,7 @@ def _warm(bench: Bench, cold: Cold, reps: int) -> Warm:
             _check_sent(bench, name, sent, cold.refs)
     assert all(all(warm.memo_hits[name]) for name in FROM_MEMO), warm.memo_hits
     assert all(warm.memo_rewritten), warm.memo_rewritten
-    print(
-        {name: round(statistics.median(r.wall for r in rs), 3) for name, rs in warm.runs.items()}, flush=True
-    )
+    print({name: round(wall, 3) for name, wall in median_walls(warm.runs).items()}, flush=True)
     return warm
 
 
@@ -543,7 +542,7 @@ def _measured(
 
 def _against_target(cold: Cold, warm: Warm, clone: Clone) -> dict[str, Any]:
     """The memo's plans against `TARGET_MEMO_SECONDS`, and how the cases compare."""
-    med = {name: statistics.median(r.wall for r in rs) for name, rs in warm.runs.items()}
+    med = median_walls(warm.runs)
     clone_wall = statistics.median(r.wall for r in clone.runs)
     full, memo = med["warm_plan_json_remote_full"], med["warm_plan_json_remote"]
     relist = med["warm_plan_json_remote_relist"]

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -43,15 +42,15 @@ from engine import (
     Code,
     Run,
     cgbuild_argv,
-    child_env,
-    code_under_test,
+    measured_code,
+    median_walls,
     plan_json,
     profile,
     same_versions,
     summarize,
+    target_met,
     time_process,
     trace_count,
-    versions,
     write_workspace,
 )
 from harness import load_average, scratch, write_result
@@ -140,9 +139,7 @@ def main() -> None:
     load_before = load_average()
     with scratch("cgbuild-mint-noop-", args.keep) as tmp:
         ws = tmp / "ws"
-        code = code_under_test(args.code, tmp)
-        env = child_env(code)
-        at_start = versions(code)
+        code, env, at_start = measured_code(args.code, tmp)
         write_workspace(
             ws, code.toy, families=args.families, shapes=args.shapes, cpu_families=args.families, gpu=False
         )
@@ -216,18 +213,14 @@ def setting(args: argparse.Namespace, keys: int) -> dict[str, Any]:
 
 def against_target(runs: dict[str, list[Run]]) -> dict[str, Any]:
     """The no-op mints against the floor and the warm plan, and the target met or not."""
-    med = {name: statistics.median(r.wall for r in rs) for name, rs in runs.items()}
+    med = median_walls(runs)
     return {
         "ratios": {
             "mint_noop_over_python_pass": round(med["mint_noop"] / med["python_pass"], 2),
             "mint_noop_over_warm_plan_json": round(med["mint_noop"] / med["warm_plan_json"], 2),
             "mint_noop_json_over_warm_plan_json": round(med["mint_noop_json"] / med["warm_plan_json"], 2),
         },
-        "target": {
-            "mint_noop_seconds_max": TARGET_SECONDS,
-            "mint_noop_met": med["mint_noop"] <= TARGET_SECONDS,
-            "mint_noop_json_met": med["mint_noop_json"] <= TARGET_SECONDS,
-        },
+        "target": target_met(med, "mint_noop_seconds_max", TARGET_SECONDS, "mint_noop", "mint_noop_json"),
     }
 
 

@@ -62,16 +62,16 @@ from engine import (
     LAYOUTS,
     Run,
     cgbuild_argv,
-    child_env,
-    code_under_test,
     family_name,
+    measured_code,
+    median_walls,
     plan_json,
     profile,
     same_versions,
     summarize,
+    target_met,
     time_process,
     trace_count,
-    versions,
     write_workspace,
 )
 from harness import load_average, scratch, write_result
@@ -202,7 +202,7 @@ def timed_rounds(
             runs[name].append(time_process(argv, cwd=cwd, env=env))
             after = [(p.stat().st_mtime_ns, p.stat().st_ino) for p in index if p.exists()]
             memo_hits[name].append(bool(index) and after == stamps)
-    print({name: round(statistics.median(r.wall for r in rs), 3) for name, rs in runs.items()}, flush=True)
+    print({name: round(wall, 3) for name, wall in median_walls(runs).items()}, flush=True)
     return runs, memo_hits
 
 
@@ -222,9 +222,7 @@ def main() -> None:
     load_before = load_average()
     with scratch("cgbuild-plan-scale-", args.keep) as tmp:
         ws, ws_mint = tmp / "ws", tmp / "ws-mint"
-        code = code_under_test(args.code, tmp)
-        env = child_env(code)
-        at_start = versions(code)
+        code, env, at_start = measured_code(args.code, tmp)
         write_workspace(
             ws, code.toy, families=args.families, shapes=args.shapes, cpu_families=args.cpu_families
         )
@@ -299,7 +297,7 @@ def workspace_facts(args: argparse.Namespace) -> dict[str, Any]:
 
 def against_target(runs: dict[str, list[Run]], n: int) -> dict[str, Any]:
     """The fixed and per-target cost, the ratios to the floors, and the target met or not."""
-    med = {name: statistics.median(r.wall for r in rs) for name, rs in runs.items()}
+    med = median_walls(runs)
     cpu_med = {name: statistics.median(r.cpu for r in rs) for name, rs in runs.items()}
     floor = med["python_pass"]
     fixed = cpu_med["warm_plan_json_one_target"]
@@ -316,13 +314,15 @@ def against_target(runs: dict[str, list[Run]], n: int) -> dict[str, Any]:
             "warm_json_over_import_networkx": round(med["warm_plan_json"] / med["python_import_networkx"], 2),
             "full_over_memo": round(med["warm_plan_json_full"] / med["warm_plan_json"], 2),
         },
-        "target": {
-            "warm_plan_seconds_max": TARGET_SECONDS,
-            "warm_plan_json_met": med["warm_plan_json"] <= TARGET_SECONDS,
-            "warm_plan_human_met": med["warm_plan_human"] <= TARGET_SECONDS,
-            "warm_plan_json_all_mint_met": med["warm_plan_json_all_mint"] <= TARGET_SECONDS,
-            "warm_plan_human_all_mint_met": med["warm_plan_human_all_mint"] <= TARGET_SECONDS,
-        },
+        "target": target_met(
+            med,
+            "warm_plan_seconds_max",
+            TARGET_SECONDS,
+            "warm_plan_json",
+            "warm_plan_human",
+            "warm_plan_json_all_mint",
+            "warm_plan_human_all_mint",
+        ),
     }
 
 
