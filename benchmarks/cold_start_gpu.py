@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import commit_option, cuda_timed, write_result
+from harness import PhaseClock, commit_option, cuda_timed, write_result
 from targets import drop_lanes, job_of
 
 T0 = time.perf_counter()
@@ -105,42 +105,69 @@ def worker(path: str, ws: Path, label: str, ckpt: Path, artifact: Path | None) -
     torch.cuda.init()
     torch.empty(1, device="cuda")
     rec["import_torch"] = _since()
-    t = time.perf_counter()
-    job = job_of(ws, label)
-    args = _inputs(job)
-    torch.cuda.synchronize()
-    rec["harness"] = round(time.perf_counter() - t, 3)
+    clock = PhaseClock(rec)
+    with clock.phase("harness"):
+        job = job_of(ws, label)
+        args = _inputs(job)
+        torch.cuda.synchronize()
     if path.startswith("headless"):
-        t = time.perf_counter()
+        fn, module = _headless(path, ckpt, artifact, clock), None
+    else:
+        fn, module = _from_module(path, ws, job, ckpt, artifact, clock)
+    with clock.phase("first_call"):
+        with torch.inference_mode():
+            out = fn(*args)
+        torch.cuda.synchronize()
+    rec["to_first_output"] = _since()
+    rec["to_first_output_less_harness"] = round(rec["to_first_output"] - rec["harness"], 3)
+    rec["out_sum"] = float(out.float().sum())  # the same weights give the same output, either reader
+    rec["steady_ms"] = _steady(fn, args)
+    if path in ("adopt", "headless", "headless_tensorwise"):
+        rec["served"] = dict(fn.counters)
+    if path == "adopt":
+        _rebind(fn, module, args, clock)
+    rec["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    del out
+    return rec
+
+
+def _headless(path: str, ckpt: Path, artifact: Path | None, clock: PhaseClock) -> Any:
+    """The artifact served from the checkpoint's tensors alone: no model code imported."""
+    import torch
+
+    with clock.phase("import_cgbuild"):
         from cgbuild_rules.adopt import serve_checkpoint
         from cgbuild_rules.weights import read_checkpoint
         from safetensors.torch import load_file
 
-        rec["import_cgbuild"] = round(time.perf_counter() - t, 3)
-        t = time.perf_counter()
+    with clock.phase("weights"):
         if path == "headless_tensorwise":  # safetensors' own loader, tensor by tensor (the old reader)
             tensors = load_file(str(ckpt), device="cuda")
         else:
             tensors = read_checkpoint(ckpt, "cuda")
         torch.cuda.synchronize()
-        rec["weights"] = round(time.perf_counter() - t, 3)
-        t = time.perf_counter()
-        fn: Any = serve_checkpoint(artifact, tensors)
-        rec["prepare"] = round(time.perf_counter() - t, 3)
-        rec["model_code_imported"] = "diffusers" in sys.modules
-    else:
-        t = time.perf_counter()
+    with clock.phase("prepare"):
+        fn = serve_checkpoint(artifact, tensors)
+    clock.record["model_code_imported"] = "diffusers" in sys.modules
+    return fn
+
+
+def _from_module(
+    path: str, ws: Path, job: dict[str, Any], ckpt: Path, artifact: Path | None, clock: PhaseClock
+) -> tuple[Any, Any]:
+    """The model built from its code and the checkpoint, then adopted, compiled or left eager."""
+    import torch
+
+    with clock.phase("import_model"):
         sys.path.insert(0, str(ws))
         import flux2_entry  # noqa: F401  (the model's code, as a serving process imports it)
 
-        rec["import_model"] = round(time.perf_counter() - t, 3)
-        from cgbuild_rules.weights import module_from_checkpoint, read_checkpoint
+    from cgbuild_rules.weights import module_from_checkpoint, read_checkpoint
 
-        t = time.perf_counter()
+    with clock.phase("weights"):
         module = module_from_checkpoint(job, read_checkpoint(ckpt, "cuda"), "cuda")
         torch.cuda.synchronize()
-        rec["weights"] = round(time.perf_counter() - t, 3)
-        t = time.perf_counter()
+    with clock.phase("prepare"):
         if path == "adopt":
             from cgbuild_rules.adopt import adopt
 
@@ -149,35 +176,25 @@ def worker(path: str, ws: Path, label: str, ckpt: Path, artifact: Path | None) -
             fn = torch.compile(module)
         else:
             fn = module
-        rec["prepare"] = round(time.perf_counter() - t, 3)
-    t = time.perf_counter()
-    with torch.inference_mode():
-        out = fn(*args)
-    torch.cuda.synchronize()
-    rec["first_call"] = round(time.perf_counter() - t, 3)
-    rec["to_first_output"] = _since()
-    rec["to_first_output_less_harness"] = round(rec["to_first_output"] - rec["harness"], 3)
-    rec["out_sum"] = float(out.float().sum())  # the same weights give the same output, either reader
-    rec["steady_ms"] = _steady(fn, args)
-    if path in ("adopt", "headless", "headless_tensorwise"):
-        rec["served"] = dict(fn.counters)
-    if path == "adopt":
-        # a weight swap: new tensors of the same layout (a merged LoRA, say), bound without a re-mint
-        with torch.no_grad():
-            swapped = {k: v * 1.01 if v.is_floating_point() else v for k, v in module.state_dict().items()}
-        module.load_state_dict(swapped, assign=True)
-        t = time.perf_counter()
+    return fn, module
+
+
+def _rebind(fn: Any, module: Any, args: tuple[Any, ...], clock: PhaseClock) -> None:
+    """A weight swap: new tensors of the same layout (a merged LoRA, say), bound without a re-mint."""
+    import torch
+
+    rec = clock.record
+    with torch.no_grad():
+        swapped = {k: v * 1.01 if v.is_floating_point() else v for k, v in module.state_dict().items()}
+    module.load_state_dict(swapped, assign=True)
+    with clock.phase("rebind_s", digits=4):
         fn.rebind()
         torch.cuda.synchronize()
-        rec["rebind_s"] = round(time.perf_counter() - t, 4)
-        with torch.inference_mode():
-            got = fn(*args).float()
-            want = module(*args).float()
-        rec["rebind_rel_err_vs_eager"] = float((got - want).norm() / want.norm())
-        rec["served_after_rebind"] = dict(fn.counters)
-    rec["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    del out
-    return rec
+    with torch.inference_mode():
+        got = fn(*args).float()
+        want = module(*args).float()
+    rec["rebind_rel_err_vs_eager"] = float((got - want).norm() / want.norm())
+    rec["served_after_rebind"] = dict(fn.counters)
 
 
 def _spawn(args: list[str], env: dict[str, str]) -> dict[str, Any]:
@@ -227,20 +244,13 @@ def _setup(work: Path, label: str, archive: Path, no_lanes: bool) -> tuple[Path,
     return ws, ckpt, artifact
 
 
-def main_all(
-    work: Path,
-    out_json: Path,
-    label: str,
-    archive: Path,
-    reps: int,
-    no_lanes: bool = False,
-    cold_cache: bool = True,
-    commit: str | None = None,
-) -> dict[str, Any]:
+def main_all(a: argparse.Namespace) -> dict[str, Any]:
+    """Every path's workers (`--reps` rounds, then the cold page-cache ones) and their medians."""
+    work, label, reps = a.work, a.label, a.reps
     work.mkdir(parents=True, exist_ok=True)
-    t = time.perf_counter()
-    ws, ckpt, artifact = _setup(work, label, archive, no_lanes)
-    setup_s = round(time.perf_counter() - t, 1)
+    clock = PhaseClock(digits=1)
+    with clock.phase("setup_s"):
+        ws, ckpt, artifact = _setup(work, label, a.store_archive, a.no_lanes)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"), "PYTHONUNBUFFERED": "1"}
     base = [str(ws), label]
     runs: list[dict[str, Any]] = []
@@ -256,10 +266,32 @@ def main_all(
         for path in PATHS:
             run(path, ckpt, "warm")
     cold = work / "weights.cold.safetensors"
-    for path in ("headless", "adopt") if cold_cache else ():
+    for path in ("headless", "adopt") if not a.no_cold else ():
         _fresh_copy(ckpt, cold)
         run(path, cold, "cold")
     cold.unlink(missing_ok=True)
+    numbers = {
+        "what": "a serving worker's whole cold start to first output, part by part, new process each",
+        "label": label,
+        "checkpoint_gib": round(ckpt.stat().st_size / 2**30, 2),
+        "setup_s": clock.record["setup_s"],
+        "reps": reps,
+        "lanes": not a.no_lanes,
+        "runs": runs,
+        "median": _medians(runs),
+    }
+    return write_result(
+        a.out_json,
+        "cold_start_gpu",
+        numbers,
+        packages=("diffusers", "safetensors"),
+        torch=True,
+        commit=a.commit,
+    )
+
+
+def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per path and page cache, the median of every `SUMMARY` part all its good runs report."""
     summary: dict[str, Any] = {}
     for path in PATHS:
         for cache in ("warm", "cold"):
@@ -270,19 +302,7 @@ def main_all(
                     for k in SUMMARY
                     if all(k in r for r in done)
                 }
-    numbers = {
-        "what": "a serving worker's whole cold start to first output, part by part, new process each",
-        "label": label,
-        "checkpoint_gib": round(ckpt.stat().st_size / 2**30, 2),
-        "setup_s": setup_s,
-        "reps": reps,
-        "lanes": not no_lanes,
-        "runs": runs,
-        "median": summary,
-    }
-    return write_result(
-        out_json, "cold_start_gpu", numbers, packages=("diffusers", "safetensors"), torch=True, commit=commit
-    )
+    return summary
 
 
 if __name__ == "__main__":
@@ -299,5 +319,4 @@ if __name__ == "__main__":
     p.add_argument("--no-lanes", action="store_true", help="drop the example's lane tables (no switches)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold page-cache workers")
     commit_option(p)
-    a = p.parse_args()
-    main_all(a.work, a.out_json, a.label, a.store_archive, a.reps, a.no_lanes, not a.no_cold, a.commit)
+    main_all(p.parse_args())

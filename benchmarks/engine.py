@@ -156,6 +156,13 @@ def versions(code: Code) -> dict[str, Any]:
     return {**harness.versions(*PACKAGES), **code.identity()}
 
 
+def measured_code(ref: str, tmp: Path) -> tuple[Code, dict[str, str], dict[str, Any]]:
+    """What a run measures: the code under test (`ref` exported into `tmp`), its children's
+    environment, and its versions at the start (`same_versions` checks them at the end)."""
+    code = code_under_test(ref, tmp)
+    return code, child_env(code), versions(code)
+
+
 def same_versions(before: dict[str, Any], code: Code) -> dict[str, Any]:
     """The versions taken at the start, checked against the end: the code must not move mid-run."""
     after = versions(code)
@@ -204,6 +211,16 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
         "cpu_runs": cpus,
         "cpu_median": round(statistics.median(cpus), 4),
     }
+
+
+def median_walls(runs: dict[str, list[Run]]) -> dict[str, float]:
+    """Each case's median wall seconds over its fresh processes."""
+    return {name: statistics.median(r.wall for r in rs) for name, rs in runs.items()}
+
+
+def target_met(med: dict[str, float], limit_name: str, limit: float, *cases: str) -> dict[str, Any]:
+    """The limit under `limit_name`, then for each case whether its median stays within it."""
+    return {limit_name: limit, **{f"{case}_met": med[case] <= limit for case in cases}}
 
 
 def trace_count(ws: Path) -> int:

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import commit_option, cuda_timed, timed, write_result
+from harness import PhaseClock, commit_option, cuda_timed, timed, write_result
 from targets import built_of, drop_lanes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,40 +122,24 @@ def _as_fp32(value: Any) -> Any:
 
 def phase(name: str, work: Path, label: str) -> dict[str, Any]:
     """Run one phase in this process (called in a fresh child per phase)."""
-    t_import = time.perf_counter()
-    import torch
+    rec: dict[str, Any] = {"phase": name}
+    clock = PhaseClock(rec, digits=2)
+    with clock.phase("import_torch_s"):
+        import torch
 
-    rec: dict[str, Any] = {"phase": name, "import_torch_s": round(time.perf_counter() - t_import, 2)}
     ws = work / "ws"
     device = "cpu" if label.endswith(":cpu") else "cuda"
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(work / "triton")
     if name == "mint":
-        t0 = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), "mint", label, "--json"],
-            capture_output=True,
-            text=True,
-        )
-        rec["wall_s"] = round(time.perf_counter() - t0, 2)
-        rec["rc"] = proc.returncode
-        lines = proc.stdout.strip().splitlines()
-        rec["summary"] = json.loads(lines[-1]) if lines else None
-        rec["progress"] = [ln for ln in proc.stderr.splitlines() if ln.startswith("mint ")][-12:]
-        rec["traced_here"] = [
-            json.loads(p.read_text()).get("traced_here")
-            for p in sorted((ws / ".cgbuild" / "mint").glob("*.json"))
-        ]
-        if proc.returncode:
-            rec["stderr_tail"] = proc.stderr[-2000:]
-        return rec
+        return _mint(rec, ws, label)
     if name == "aoti_load":
         return _aoti_load(rec, ws, label)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    b = built_of(ws, label)
-    rec["build_s"] = round(time.perf_counter() - t0, 2)
+    clock = PhaseClock(rec, digits=2)  # its start: the build's, which the check stage is alive from
+    with clock.phase("build_s"):
+        b = built_of(ws, label)
     rec["params"] = sum(p.numel() for p in b.module.parameters())
     if device == "cuda":
         rec["gpu"] = torch.cuda.get_device_name()
@@ -175,61 +159,94 @@ def phase(name: str, work: Path, label: str) -> dict[str, Any]:
         rec["steady_ms"] = _steady(compiled, b, device)
         _errors(rec, out, work)
     elif name in BARE:
-        from cgbuild.identity import compiler, policy
-
-        configs: dict[str, Any] = dict(policy.inductor_configs(clamps=compiler.torch_clamps_march()))
-        rec["cxx"] = os.environ.get("CXX")
-        if name != "bare_aoti":
-            rec["cxx"] = configs["cpp.cxx"] = compiler.choose_cxx()
-        t0 = time.perf_counter()
-        from cgbuild_rules.lanes import export
-
-        with torch.inference_mode():  # the program the mint compiles: the lane selector's too
-            ep = export(b.module, b.args, b.kwargs, b.dynamic_shapes, b.selector)
-        rec["export_s"] = round(time.perf_counter() - t0, 2)
-        beside = None
-        if name == "bare_aoti_cxx_beside_check":  # a mint's check stage starts with the compile
-            beside = subprocess.Popen(
-                [sys.executable, __file__, "phase", "check_stage", str(work), "--label", label],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-        t0 = time.perf_counter()
-        pkg = torch._inductor.aoti_compile_and_package(
-            ep, package_path=str(work / f"{name}.pt2"), inductor_configs=configs
-        )
-        rec["compile_s"] = round(time.perf_counter() - t0, 2)
-        rec["package_mb"] = round(os.path.getsize(pkg) / 2**20, 2)
-        if beside is not None:
-            (work / "compiled").touch()
-            out, _ = beside.communicate(timeout=120)
-            rec["check_stage"] = json.loads(out.strip().splitlines()[-1])
-            (work / "compiled").unlink()
+        _bare(name, b, work, label, clock)
     elif name == "check_stage":  # built above, as the check stage builds; holds it until the compile ends
         while not (work / "compiled").exists():
             time.sleep(0.2)
-        rec["alive_s"] = round(time.perf_counter() - t0, 2)
+        clock.total("alive_s")
     elif name == "adopt":
-        from cgbuild_rules.adopt import adopt
-
-        from cgbuild.store.local import Store
-
-        key = _plan_entry(ws, label)["key"]
-        _sync(device)
-        t0 = time.perf_counter()
-        served = adopt(key, b.module, store=Store(ws / ".cgbuild" / "store"))
-        rec["adopt_s"] = round(time.perf_counter() - t0, 3)
-        first, out = _first(served, b, device)
-        rec["first_s"] = round(rec["adopt_s"] + first, 3)
-        rec["steady_ms"] = _steady(served, b, device)
-        rec["served"] = dict(served.counters)
-        _errors(rec, out, work)
+        _adopt(b, work, label, device, clock)
     if device == "cuda":
         rec["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     for k in ("first_s",):
         if isinstance(rec.get(k), float):
             rec[k] = round(rec[k], 3)
     return rec
+
+
+def _mint(rec: dict[str, Any], ws: Path, label: str) -> dict[str, Any]:
+    """`cgbuild mint LABEL` in a child: its wall time, summary, last progress lines and where it traced."""
+    with PhaseClock(rec, digits=2).phase("wall_s"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "cgbuild.cli", "-C", str(ws), "mint", label, "--json"],
+            capture_output=True,
+            text=True,
+        )
+    rec["rc"] = proc.returncode
+    lines = proc.stdout.strip().splitlines()
+    rec["summary"] = json.loads(lines[-1]) if lines else None
+    rec["progress"] = [ln for ln in proc.stderr.splitlines() if ln.startswith("mint ")][-12:]
+    rec["traced_here"] = [
+        json.loads(p.read_text()).get("traced_here")
+        for p in sorted((ws / ".cgbuild" / "mint").glob("*.json"))
+    ]
+    if proc.returncode:
+        rec["stderr_tail"] = proc.stderr[-2000:]
+    return rec
+
+
+def _bare(name: str, b: Any, work: Path, label: str, clock: PhaseClock) -> None:
+    """torch.export and AOTI's compile-and-package under cgbuild's compile policy, without cgbuild;
+    `bare_aoti_cxx_beside_check` with a check stage's process alive beside the compile."""
+    import torch
+
+    from cgbuild.identity import compiler, policy
+
+    rec = clock.record
+    configs: dict[str, Any] = dict(policy.inductor_configs(clamps=compiler.torch_clamps_march()))
+    rec["cxx"] = os.environ.get("CXX")
+    if name != "bare_aoti":
+        rec["cxx"] = configs["cpp.cxx"] = compiler.choose_cxx()
+    with clock.phase("export_s"):
+        from cgbuild_rules.lanes import export
+
+        with torch.inference_mode():  # the program the mint compiles: the lane selector's too
+            ep = export(b.module, b.args, b.kwargs, b.dynamic_shapes, b.selector)
+    beside = None
+    if name == "bare_aoti_cxx_beside_check":  # a mint's check stage starts with the compile
+        beside = subprocess.Popen(
+            [sys.executable, __file__, "phase", "check_stage", str(work), "--label", label],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+    with clock.phase("compile_s"):
+        pkg = torch._inductor.aoti_compile_and_package(
+            ep, package_path=str(work / f"{name}.pt2"), inductor_configs=configs
+        )
+    rec["package_mb"] = round(os.path.getsize(pkg) / 2**20, 2)
+    if beside is not None:
+        (work / "compiled").touch()
+        out, _ = beside.communicate(timeout=120)
+        rec["check_stage"] = json.loads(out.strip().splitlines()[-1])
+        (work / "compiled").unlink()
+
+
+def _adopt(b: Any, work: Path, label: str, device: str, clock: PhaseClock) -> None:
+    """The minted artifact adopted for the live module: adopt time, first output, steady step, errors."""
+    from cgbuild_rules.adopt import adopt
+
+    from cgbuild.store.local import Store
+
+    rec, ws = clock.record, work / "ws"
+    key = _plan_entry(ws, label)["key"]
+    _sync(device)
+    with clock.phase("adopt_s", digits=3):
+        served = adopt(key, b.module, store=Store(ws / ".cgbuild" / "store"))
+    first, out = _first(served, b, device)
+    rec["first_s"] = round(rec["adopt_s"] + first, 3)
+    rec["steady_ms"] = _steady(served, b, device)
+    rec["served"] = dict(served.counters)
+    _errors(rec, out, work)
 
 
 def _aoti_load(rec: dict[str, Any], ws: Path, label: str) -> dict[str, Any]:
@@ -245,9 +262,8 @@ def _aoti_load(rec: dict[str, Any], ws: Path, label: str) -> dict[str, Any]:
     rec["cxx_env"] = os.environ.get("CXX")
     with tempfile.TemporaryDirectory() as tmp:
         members = unseal(Store(ws / ".cgbuild" / "store").resolve(key).path, tmp)
-        t0 = time.perf_counter()
-        torch._inductor.aoti_load_package(str(members[PACKAGE]))
-        rec["load_s"] = round(time.perf_counter() - t0, 3)
+        with PhaseClock(rec, digits=3).phase("load_s"):
+            torch._inductor.aoti_load_package(str(members[PACKAGE]))
     return rec
 
 

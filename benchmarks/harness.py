@@ -195,9 +195,10 @@ def timed(fn: Callable[[], object], *, reps: int, warmup: int = 0) -> float:
     return statistics.median(wall_times(fn, reps=reps, warmup=warmup))
 
 
-def cuda_timed(fn: Callable[[], object], *, reps: int, warmup: int = 0) -> float:
-    """Median seconds of `reps` calls of `fn` timed with CUDA events, after `warmup` untimed ones: the
-    device's time for the work a call queues, which the host's clock misses (the call returns first)."""
+def cuda_times(fn: Callable[[], object], *, reps: int, warmup: int = 0) -> list[float]:
+    """Seconds of each of `reps` calls of `fn` timed with CUDA events, after `warmup` untimed ones:
+    the device's time for the work a call queues, which the host's clock misses (the call returns
+    first)."""
     import torch
 
     for _ in range(warmup):
@@ -211,7 +212,45 @@ def cuda_timed(fn: Callable[[], object], *, reps: int, warmup: int = 0) -> float
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return times
+
+
+def cuda_timed(fn: Callable[[], object], *, reps: int, warmup: int = 0) -> float:
+    """Median seconds of `reps` calls of `fn` timed with CUDA events (`cuda_times`)."""
+    return statistics.median(cuda_times(fn, reps=reps, warmup=warmup))
+
+
+class PhaseClock:
+    """Named phases of one run and the wall seconds each took, written into `record` as they end:
+    `with clock.phase("weights"): ...` times a block; `clock.lap("arm")` the time since the last lap
+    (or the clock's start). Seconds are rounded to `digits` (None: as measured); a phase that raises
+    records nothing."""
+
+    def __init__(self, record: dict[str, Any] | None = None, *, digits: int | None = 3) -> None:
+        self.record: dict[str, Any] = {} if record is None else record
+        self.digits = digits
+        self.started = self.last = time.perf_counter()
+
+    def _put(self, name: str, seconds: float, digits: int | None) -> float:
+        self.record[name] = seconds if digits is None else round(seconds, digits)
+        return float(self.record[name])
+
+    @contextlib.contextmanager
+    def phase(self, name: str, *, digits: int | None = None) -> Iterator[None]:
+        """The block's wall seconds as `name`, rounded to `digits` where given, else as the clock rounds."""
+        start = time.perf_counter()
+        yield
+        self._put(name, time.perf_counter() - start, self.digits if digits is None else digits)
+
+    def lap(self, name: str) -> float:
+        """Seconds since the last lap (or the start) as `name`."""
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        return self._put(name, seconds, self.digits)
+
+    def total(self, name: str) -> float:
+        """Seconds since the clock started as `name`."""
+        return self._put(name, time.perf_counter() - self.started, self.digits)
 
 
 if __name__ == "__main__":

@@ -117,82 +117,19 @@ def main() -> int:
     commit_option(ap)
     args = ap.parse_args()
 
-    import torch
+    import torch  # noqa: F401
 
     sys.path.insert(0, str(ROOT / "examples" / "toy"))
-    import toy_models
-    from cgbuild_rules.lanes import export, lane_rows, selector_of, selector_spec, set_lanes
-
-    from cgbuild import lanes
-    from cgbuild.identity import compiler, policy
+    import toy_models  # noqa: F401  (the entry, imported before the traces as it always was)
 
     traces = _traces()
     print(json.dumps(traces, indent=1))
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    spec_lanes = {"linear": LANES}
-    m = toy_models.MLP(args.hidden, args.hidden, args.hidden, spec_lanes).to(dev).eval()
-    x = torch.randn(1, args.rows, args.hidden, device=dev)
     work = Path(tempfile.mkdtemp(prefix="lanes-gpu-"))
-    eager: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for lane in LANES:
-            set_lanes(m, {"linear": lane})
-            eager[lane] = m(x)
-        set_lanes(m, {"linear": "baseline"})
-        ep = export(m, (x,), {}, None, selector_of(m, dev))
-        rows2d = x.reshape(-1, args.hidden)
-        direct = toy_models.triton_linear()(rows2d, m.fc1.weight, m.fc1.bias)
-        triton_vs_cublas = float(
-            (direct - torch.nn.functional.linear(rows2d, m.fc1.weight, m.fc1.bias)).abs().max()
-        )
-    graph_ops = sorted({str(n.target) for n in ep.graph_module.graph.nodes if n.op == "call_function"})
-    sub_ops = sorted(
-        {
-            str(n.target)
-            for mod in ep.graph_module.modules()
-            if isinstance(mod, torch.fx.GraphModule)
-            for n in mod.graph.nodes
-            if n.op == "call_function"
-        }
-    )
-    # the mint policy's settings this torch knows (an older torch lacks e.g. the x86 clamp knobs)
-    known: dict[str, Any] = {k: v for k, v in policy.inductor_configs("x86_64").items() if _has_config(k)}
-    known["cpp.cxx"] = (None, compiler.choose_cxx(None))  # never $CXX (a wrapper here segfaults loads)
-    t = time.perf_counter()
-    torch._inductor.aoti_compile_and_package(ep, package_path=str(work / "model.pt2"), inductor_configs=known)
-    compile_s = time.perf_counter() - t
-    rows = lane_rows(m, ["linear"], spec_lanes)
-    (work / "lanes.json").write_text(json.dumps({"axes": rows, "selector": selector_spec(rows)}))
-    state = {**{k: v for k, v in m.state_dict().items()}, "__x__": x}
-    torch.save(state, work / "state.pt")
-    torch.save(eager, work / "eager.pt")
-
-    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    runs: dict[str, Any] = {}
-    for lane in LANES:  # a fresh process per lane, never importing the entry
-        proc = subprocess.run(
-            [sys.executable, "-c", _SERVE, str(work), lane, "measure"],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=600,
-        )
-        if proc.returncode != 0:
-            runs[lane] = {"returncode": proc.returncode, "error": (proc.stderr + proc.stdout)[-3000:]}
-            continue
-        runs[lane] = json.loads(proc.stdout.strip().splitlines()[-1])
-    measured = [
-        lanes.Measured(lane, r["median_ns"], r["peak_bytes"]) for lane, r in runs.items() if "median_ns" in r
-    ]
-    verdicts = (
-        {
-            sku: lanes.decide(measured, sku, gib << 30)
-            for sku, gib in (("h200", 141), ("rtx-pro-6000", 96), ("rtx5090", 32), ("l4", 24))
-        }
-        if len(measured) >= 2
-        else {}
-    )
+    m, x, eager, ep, triton_vs_cublas = _program(args.rows, args.hidden)
+    graph_ops, sub_ops = _ops(ep)
+    compile_s = _package(ep, m, x, eager, work)
+    runs = _serve(work)
+    verdicts = _verdicts(runs)
     numbers = {
         "what": f"toy MLP, {args.hidden} wide, {args.rows} rows, fp32, lanes {LANES}",
         "traces": traces,
@@ -209,24 +146,111 @@ def main() -> int:
     }
     write_result(Path(args.out), "lanes_gpu", numbers, commit=args.commit)
     print(json.dumps({k: numbers[k] for k in ("compile_s", "package_bytes", "branch_ops")}, indent=1))
+    shown = ("median_ns", "peak_bytes", "rel_rms_vs_eager", "entry_imported", "op_registered", "error")
     for lane, r in runs.items():
-        print(
-            lane,
-            {
-                k: r.get(k)
-                for k in (
-                    "median_ns",
-                    "peak_bytes",
-                    "rel_rms_vs_eager",
-                    "entry_imported",
-                    "op_registered",
-                    "error",
-                )
-            },
-        )
+        print(lane, {k: r.get(k) for k in shown})
     for sku, v in verdicts.items():
         print(sku, v["winner"], v["binding"], v["fallback"])
     return 0
+
+
+def _program(rows: int, hidden: int) -> tuple[Any, Any, dict[str, Any], Any, float]:
+    """The toy MLP with every lane on the GPU: each lane's eager output, the exported program (its
+    lane selector included), and the Triton kernel's distance from cuBLAS on the same rows."""
+    import torch
+    import toy_models
+    from cgbuild_rules.lanes import export, selector_of, set_lanes
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    m = toy_models.MLP(hidden, hidden, hidden, {"linear": LANES}).to(dev).eval()
+    x = torch.randn(1, rows, hidden, device=dev)
+    eager: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for lane in LANES:
+            set_lanes(m, {"linear": lane})
+            eager[lane] = m(x)
+        set_lanes(m, {"linear": "baseline"})
+        ep = export(m, (x,), {}, None, selector_of(m, dev))
+        rows2d = x.reshape(-1, hidden)
+        direct = toy_models.triton_linear()(rows2d, m.fc1.weight, m.fc1.bias)
+        triton_vs_cublas = float(
+            (direct - torch.nn.functional.linear(rows2d, m.fc1.weight, m.fc1.bias)).abs().max()
+        )
+    return m, x, eager, ep, triton_vs_cublas
+
+
+def _ops(ep: Any) -> tuple[list[str], list[str]]:
+    """The exported program's ops, and those of its branches (the lanes' subgraphs)."""
+    import torch
+
+    graph_ops = sorted({str(n.target) for n in ep.graph_module.graph.nodes if n.op == "call_function"})
+    sub_ops = sorted(
+        {
+            str(n.target)
+            for mod in ep.graph_module.modules()
+            if isinstance(mod, torch.fx.GraphModule)
+            for n in mod.graph.nodes
+            if n.op == "call_function"
+        }
+    )
+    return graph_ops, sub_ops
+
+
+def _package(ep: Any, m: Any, x: Any, eager: dict[str, Any], work: Path) -> float:
+    """The program compiled under the mint policy into `work/model.pt2`, beside what a serving
+    process reads (the lane table, the weights and input, the eager outputs). Returns compile seconds."""
+    import torch
+    from cgbuild_rules.lanes import lane_rows, selector_spec
+
+    from cgbuild.identity import compiler, policy
+
+    # the mint policy's settings this torch knows (an older torch lacks e.g. the x86 clamp knobs)
+    known: dict[str, Any] = {k: v for k, v in policy.inductor_configs("x86_64").items() if _has_config(k)}
+    known["cpp.cxx"] = (None, compiler.choose_cxx(None))  # never $CXX (a wrapper here segfaults loads)
+    t = time.perf_counter()
+    torch._inductor.aoti_compile_and_package(ep, package_path=str(work / "model.pt2"), inductor_configs=known)
+    compile_s = time.perf_counter() - t
+    rows = lane_rows(m, ["linear"], {"linear": LANES})
+    (work / "lanes.json").write_text(json.dumps({"axes": rows, "selector": selector_spec(rows)}))
+    state = {**{k: v for k, v in m.state_dict().items()}, "__x__": x}
+    torch.save(state, work / "state.pt")
+    torch.save(eager, work / "eager.pt")
+    return compile_s
+
+
+def _serve(work: Path) -> dict[str, Any]:
+    """Each lane served and measured in a fresh process that never imports the entry."""
+    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    runs: dict[str, Any] = {}
+    for lane in LANES:
+        proc = subprocess.run(
+            [sys.executable, "-c", _SERVE, str(work), lane, "measure"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+        if proc.returncode != 0:
+            runs[lane] = {"returncode": proc.returncode, "error": (proc.stderr + proc.stdout)[-3000:]}
+            continue
+        runs[lane] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return runs
+
+
+def _verdicts(runs: dict[str, Any]) -> dict[str, Any]:
+    """`lanes.decide` over the measured lanes for GPUs of four memory sizes (none under two lanes)."""
+    from cgbuild import lanes
+
+    measured = [
+        lanes.Measured(lane, r["median_ns"], r["peak_bytes"]) for lane, r in runs.items() if "median_ns" in r
+    ]
+    if len(measured) < 2:
+        return {}
+    return {
+        sku: lanes.decide(measured, sku, gib << 30)
+        for sku, gib in (("h200", 141), ("rtx-pro-6000", 96), ("rtx5090", 32), ("l4", 24))
+    }
 
 
 if __name__ == "__main__":

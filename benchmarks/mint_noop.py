@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -43,15 +42,15 @@ from engine import (
     Code,
     Run,
     cgbuild_argv,
-    child_env,
-    code_under_test,
+    measured_code,
+    median_walls,
     plan_json,
     profile,
     same_versions,
     summarize,
+    target_met,
     time_process,
     trace_count,
-    versions,
     write_workspace,
 )
 from harness import load_average, scratch, write_result
@@ -101,6 +100,31 @@ def check_json(run: Run, n: int) -> None:
     assert summary["fresh"] == n, summary["fresh"]
 
 
+def measure(ws: Path, env: dict[str, str], n: int, reps: int) -> dict[str, list[Run]]:
+    """The floor, the warm plan and both no-op mints, `reps` rounds of fresh processes after an
+    untimed one; every mint run checked."""
+    target = "//..."
+    cases: dict[str, list[str]] = {
+        "python_pass": [sys.executable, "-c", "pass"],
+        "warm_plan_json": cgbuild_argv("-C", str(ws), "plan", "--json"),
+        "mint_noop": cgbuild_argv("-C", str(ws), "mint", target),
+        "mint_noop_json": cgbuild_argv("-C", str(ws), "mint", target, "--json"),
+    }
+    checks = {"mint_noop": check_human, "mint_noop_json": check_json}
+    for name, argv in cases.items():  # untimed: bytecode and caches keyed to this interpreter
+        run = time_process(argv, cwd=ws, env=env, stdout=subprocess.PIPE)
+        if name in checks:
+            checks[name](run, n)
+    runs: dict[str, list[Run]] = {name: [] for name in cases}
+    for _ in range(reps):
+        for name, argv in cases.items():
+            run = time_process(argv, cwd=ws, env=env, stdout=subprocess.PIPE)
+            if name in checks:
+                checks[name](run, n)
+            runs[name].append(run)
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", type=int, default=10)
@@ -115,9 +139,7 @@ def main() -> None:
     load_before = load_average()
     with scratch("cgbuild-mint-noop-", args.keep) as tmp:
         ws = tmp / "ws"
-        code = code_under_test(args.code, tmp)
-        env = child_env(code)
-        at_start = versions(code)
+        code, env, at_start = measured_code(args.code, tmp)
         write_workspace(
             ws, code.toy, families=args.families, shapes=args.shapes, cpu_families=args.families, gpu=False
         )
@@ -131,49 +153,16 @@ def main() -> None:
         statuses = Counter(t["status"] for t in fresh_plan["targets"])
         assert statuses == Counter({"fresh": n}), statuses
         census = store_census(ws)
-
-        target = "//..."
-        cases: dict[str, list[str]] = {
-            "python_pass": [sys.executable, "-c", "pass"],
-            "warm_plan_json": cgbuild_argv("-C", str(ws), "plan", "--json"),
-            "mint_noop": cgbuild_argv("-C", str(ws), "mint", target),
-            "mint_noop_json": cgbuild_argv("-C", str(ws), "mint", target, "--json"),
-        }
-        checks = {"mint_noop": check_human, "mint_noop_json": check_json}
-        for name, argv in cases.items():  # untimed: bytecode and caches keyed to this interpreter
-            run = time_process(argv, cwd=ws, env=env, stdout=subprocess.PIPE)
-            if name in checks:
-                checks[name](run, n)
-        runs: dict[str, list[Run]] = {name: [] for name in cases}
-        for _ in range(args.reps):
-            for name, argv in cases.items():
-                run = time_process(argv, cwd=ws, env=env, stdout=subprocess.PIPE)
-                if name in checks:
-                    checks[name](run, n)
-                runs[name].append(run)
+        runs = measure(ws, env, n, args.reps)
         assert store_census(ws) == census, "a no-op mint changed the store"
         assert not (ws / ".cgbuild" / "mint").exists(), "a no-op mint wrote mint records"
         summary_line = runs["mint_noop"][-1].stdout.splitlines()[0]
-        prof = profile(ws, env, code, "-C", str(ws), "mint", target, "--json")
-
-        med = {name: statistics.median(r.wall for r in rs) for name, rs in runs.items()}
+        prof = profile(ws, env, code, "-C", str(ws), "mint", "//...", "--json")
         numbers: dict[str, Any] = {
-            "what": f"a second `cgbuild mint {target}` over {n} fresh CPU targets: nothing to mint",
+            "what": f"a second `cgbuild mint //...` over {n} fresh CPU targets: nothing to mint",
             "load_average": {"before": load_before, "after": load_average()},
             "versions": same_versions(at_start, code),
-            "store": (
-                f"PLACEHOLDER objects: {keys} small distinct files (one per key) admitted with "
-                "cgbuild.store.local.Store.admit, not compiled artifacts. Deciding a key is fresh reads "
-                "its ref and stats its object; the no-op path never opens an artifact."
-            ),
-            "workspace": {
-                "families": args.families,
-                "modules_per_family": 2,
-                "shapes_per_module": args.shapes,
-                "layouts": LAYOUTS,
-                "skus": {"cpu": "cpu"},
-                "entry": "a copy of examples/toy/toy_models.py per family (<family>_models:build)",
-            },
+            **setting(args, keys),
             "targets": {"total": n, "fresh": statuses["fresh"], "distinct_keys": keys},
             "mint_summary_line": summary_line.split(" into ")[0],  # the store path is this machine's
             "checks": {
@@ -192,16 +181,7 @@ def main() -> None:
                 "admit_placeholders": round(admit_seconds, 3),
                 **{name: summarize(rs) for name, rs in runs.items()},
             },
-            "ratios": {
-                "mint_noop_over_python_pass": round(med["mint_noop"] / med["python_pass"], 2),
-                "mint_noop_over_warm_plan_json": round(med["mint_noop"] / med["warm_plan_json"], 2),
-                "mint_noop_json_over_warm_plan_json": round(med["mint_noop_json"] / med["warm_plan_json"], 2),
-            },
-            "target": {
-                "mint_noop_seconds_max": TARGET_SECONDS,
-                "mint_noop_met": med["mint_noop"] <= TARGET_SECONDS,
-                "mint_noop_json_met": med["mint_noop_json"] <= TARGET_SECONDS,
-            },
+            **against_target(runs),
             "profile_mint_noop_json": prof,
             "benchmark_seconds": round(time.perf_counter() - started, 1),
         }
@@ -210,6 +190,38 @@ def main() -> None:
             json.dumps({k: result[k] for k in ("targets", "ratios", "target", "mint_summary_line")}, indent=2)
         )
         print(json.dumps(result["seconds"], indent=2))
+
+
+def setting(args: argparse.Namespace, keys: int) -> dict[str, Any]:
+    """What the store holds and what the workspace was generated with."""
+    return {
+        "store": (
+            f"PLACEHOLDER objects: {keys} small distinct files (one per key) admitted with "
+            "cgbuild.store.local.Store.admit, not compiled artifacts. Deciding a key is fresh reads "
+            "its ref and stats its object; the no-op path never opens an artifact."
+        ),
+        "workspace": {
+            "families": args.families,
+            "modules_per_family": 2,
+            "shapes_per_module": args.shapes,
+            "layouts": LAYOUTS,
+            "skus": {"cpu": "cpu"},
+            "entry": "a copy of examples/toy/toy_models.py per family (<family>_models:build)",
+        },
+    }
+
+
+def against_target(runs: dict[str, list[Run]]) -> dict[str, Any]:
+    """The no-op mints against the floor and the warm plan, and the target met or not."""
+    med = median_walls(runs)
+    return {
+        "ratios": {
+            "mint_noop_over_python_pass": round(med["mint_noop"] / med["python_pass"], 2),
+            "mint_noop_over_warm_plan_json": round(med["mint_noop"] / med["warm_plan_json"], 2),
+            "mint_noop_json_over_warm_plan_json": round(med["mint_noop_json"] / med["warm_plan_json"], 2),
+        },
+        "target": target_met(med, "mint_noop_seconds_max", TARGET_SECONDS, "mint_noop", "mint_noop_json"),
+    }
 
 
 if __name__ == "__main__":

@@ -423,6 +423,15 @@ FIELDS["aoti_load_package_warm"] = FIELDS["aoti_load_package_cold"]
 FIELDS["torch_compile_warm"] = FIELDS["torch_compile_cold"]
 
 
+def _inner(r: Run, k: str) -> float:
+    return float(r.inner[k])
+
+
+def _median_of(runs: dict[str, list[Run]], name: str, k: str) -> float:
+    """The median of what case `name`'s runs reported as `k`."""
+    return med([_inner(r, k) for r in runs[name]])
+
+
 def summarize(
     runs: dict[str, list[Run]],
     facts: dict[str, list[Any]],
@@ -436,47 +445,12 @@ def summarize(
     digests = facts["minted_digests"]
     bare_digests = {r.inner["graph_digest"] for name in ("bare_cold", "bare_warm") for r in runs[name]}
     same_graph = len(set(digests)) == 1 and bare_digests == set(digests)
-
-    def m(r: Run, k: str) -> float:
-        return float(r.inner[k])
-
-    def mm(name: str, k: str) -> float:
-        return med([m(r, k) for r in runs[name]])
-
-    overhead = [r.wall - (m(r, "export") + m(r, "compile") + m(r, "verify")) for r in mint]
-    breakdown = {
-        # CLI start, workspace load, the toolchain probe, the plan, the held worker's start (its
-        # Python, torch and stage) and printing: outside `mint_keys` (which counts from the key's
-        # request) less the held worker's trace (`export`), which the plan waits on
-        "cli_plan_worker_start": [r.wall - m(r, "summary_seconds") - m(r, "export") for r in mint],
-        # record writes, the hand-over of the key, admission into the store
-        "records_admit": [m(r, "summary_seconds") - m(r, "total") for r in mint],
-        # from the key's request, outside the timed phases: the toolchain re-check, the check
-        # stage's hand-offs, normalization, the adopt before the seal, metadata
-        "worker_untimed": [m(r, "total") - sum(m(r, k) for k in ("compile", "verify", "seal")) for r in mint],
-        "seal": [m(r, "seal") for r in mint],
-    }
-    overhead_med = med(overhead)
-    bare_cold, bare_warm = mm("bare_cold", "export_compile"), mm("bare_warm", "export_compile")
-    verify = mm("mint", "verify")
+    overhead = [r.wall - (_inner(r, "export") + _inner(r, "compile") + _inner(r, "verify")) for r in mint]
     first = {
-        name: mm(name, "to_first_output")
+        name: _median_of(runs, name, "to_first_output")
         for name in CASES
         if name.startswith(("adopt", "aoti", "torch_compile"))
     }
-    wall = {name: med([r.wall for r in runs[name]]) for name in CASES}
-    import_torch = [m(r, "import_torch") for name in FIELDS for r in runs[name]]
-    seconds: dict[str, Any] = {}
-    for name in CASES:
-        block: dict[str, Any] = {"process_wall": series([r.wall for r in runs[name]])}
-        if name == "mint":
-            block["phases"] = inner_series(mint, "export", "compile", "verify", "seal", "total")
-            block["mint_keys"] = series([m(r, "summary_seconds") for r in mint])
-            block["overhead"] = series(overhead)
-            block["overhead_breakdown"] = {k: series(v) for k, v in breakdown.items()}
-        else:
-            block.update(inner_series(runs[name], *FIELDS[name]))
-        seconds[name] = block
     comp = compiler.cxx_component(cxx)
     return {
         "what": f"toy MLP {LABEL}: bare AOTI compile vs `cgbuild mint`; adopt vs others to first output",
@@ -493,22 +467,82 @@ def summarize(
         "reps": len(mint),
         "round_seconds": facts["round_seconds"],
         "stopped_early": stopped or None,
-        "settings": {
-            "inductor_configs": policy.inductor_configs(normalize_arch(platform.machine())),
-            "bare_cold": "mint environment (identity.policy.mint_environment) with a fresh TMPDIR and "
-            "Inductor/Triton cache per round; cpp.cxx = the host compiler the mint chooses",
-            "bare_warm": "the same, in a new process reusing the cold run's TMPDIR and caches (Inductor's "
-            "precompiled headers live under TMPDIR): the state cgbuild's fixed mint sandbox is in "
-            "after its first compile",
-            "mint": "cgbuild mint LABEL --json into a fresh copy of examples/toy per round (cold trace "
-            "cache, empty store); the compile runs in cgbuild's fixed, shared sandbox, as is",
-            "serving": "this environment with a fresh TMPDIR and Inductor cache per round (cold); the "
-            "warm variants are a new process reusing the cold run's folders. adopt resolves the "
-            "key in the round's store (re-hashing the object) and unseals it; aoti_load_package "
-            "gets the already-unsealed model.pt2; torch.compile uses its defaults",
-            "first_call": "under torch.no_grad(), module in eval mode, seed-0 weights",
+        "settings": settings(),
+        "seconds": seconds(runs, overhead),
+        **compared(runs, med(overhead), first),
+        "checks": {
+            "same_graph_digest_bare_and_minted": same_graph,
+            "adopt_first_call_ran_compiled": True,  # the adopt child exits non-zero otherwise
+            "mint_sandbox_had_precompiled_headers_before_each_mint": facts["mint_sandbox_pch_before"],
+            "max_abs_vs_eager": {
+                name: max(r.inner["max_abs_vs_eager"] for r in runs[name]) for name in first
+            },
         },
-        "seconds": seconds,
+    }
+
+
+def settings() -> dict[str, Any]:
+    """How each case ran: the compile policy, the caches and sandboxes, the first call."""
+    return {
+        "inductor_configs": policy.inductor_configs(normalize_arch(platform.machine())),
+        "bare_cold": "mint environment (identity.policy.mint_environment) with a fresh TMPDIR and "
+        "Inductor/Triton cache per round; cpp.cxx = the host compiler the mint chooses",
+        "bare_warm": "the same, in a new process reusing the cold run's TMPDIR and caches (Inductor's "
+        "precompiled headers live under TMPDIR): the state cgbuild's fixed mint sandbox is in "
+        "after its first compile",
+        "mint": "cgbuild mint LABEL --json into a fresh copy of examples/toy per round (cold trace "
+        "cache, empty store); the compile runs in cgbuild's fixed, shared sandbox, as is",
+        "serving": "this environment with a fresh TMPDIR and Inductor cache per round (cold); the "
+        "warm variants are a new process reusing the cold run's folders. adopt resolves the "
+        "key in the round's store (re-hashing the object) and unseals it; aoti_load_package "
+        "gets the already-unsealed model.pt2; torch.compile uses its defaults",
+        "first_call": "under torch.no_grad(), module in eval mode, seed-0 weights",
+    }
+
+
+def seconds(runs: dict[str, list[Run]], overhead: list[float]) -> dict[str, Any]:
+    """Every case's process wall and reported parts; the mint's phases and where its overhead goes."""
+    mint = runs["mint"]
+    breakdown = {
+        # CLI start, workspace load, the toolchain probe, the plan, the held worker's start (its
+        # Python, torch and stage) and printing: outside `mint_keys` (which counts from the key's
+        # request) less the held worker's trace (`export`), which the plan waits on
+        "cli_plan_worker_start": [r.wall - _inner(r, "summary_seconds") - _inner(r, "export") for r in mint],
+        # record writes, the hand-over of the key, admission into the store
+        "records_admit": [_inner(r, "summary_seconds") - _inner(r, "total") for r in mint],
+        # from the key's request, outside the timed phases: the toolchain re-check, the check
+        # stage's hand-offs, normalization, the adopt before the seal, metadata
+        "worker_untimed": [
+            _inner(r, "total") - sum(_inner(r, k) for k in ("compile", "verify", "seal")) for r in mint
+        ],
+        "seal": [_inner(r, "seal") for r in mint],
+    }
+    out: dict[str, Any] = {}
+    for name in CASES:
+        block: dict[str, Any] = {"process_wall": series([r.wall for r in runs[name]])}
+        if name == "mint":
+            block["phases"] = inner_series(mint, "export", "compile", "verify", "seal", "total")
+            block["mint_keys"] = series([_inner(r, "summary_seconds") for r in mint])
+            block["overhead"] = series(overhead)
+            block["overhead_breakdown"] = {k: series(v) for k, v in breakdown.items()}
+        else:
+            block.update(inner_series(runs[name], *FIELDS[name]))
+        out[name] = block
+    return out
+
+
+def compared(runs: dict[str, list[Run]], overhead_med: float, first: dict[str, float]) -> dict[str, Any]:
+    """The medians, the mint's overhead and the serving paths against each other, and the target."""
+
+    def mm(name: str, k: str) -> float:
+        return _median_of(runs, name, k)
+
+    bare_cold, bare_warm = mm("bare_cold", "export_compile"), mm("bare_warm", "export_compile")
+    verify = mm("mint", "verify")
+    wall = {name: med([r.wall for r in runs[name]]) for name in CASES}
+    import_torch = [_inner(r, "import_torch") for name in FIELDS for r in runs[name]]
+    others = [name for name in first if name != "adopt"]
+    return {
         "medians": {
             "import_torch_all_children": round(med(import_torch), 3),
             "bare_cold_export_compile": round(bare_cold, 3),
@@ -535,27 +569,14 @@ def summarize(
             "mint_wall_over_bare_warm_process_wall": round(wall["mint"] / wall["bare_warm"], 3),
             **{
                 f"adopt_over_{name}_to_first_output": round(first["adopt"] / first[name], 4)
-                for name in first
-                if name != "adopt"
+                for name in others
             },
-            **{
-                f"adopt_over_{name}_process_wall": round(wall["adopt"] / wall[name], 3)
-                for name in first
-                if name != "adopt"
-            },
+            **{f"adopt_over_{n}_process_wall": round(wall["adopt"] / wall[n], 3) for n in others},
         },
         "target": {
             "mint_overhead_ratio_max": TARGET_OVERHEAD_RATIO,
             "met_vs_bare_cold": overhead_med / bare_cold <= TARGET_OVERHEAD_RATIO,
             "met_vs_bare_warm": overhead_med / bare_warm <= TARGET_OVERHEAD_RATIO,
-        },
-        "checks": {
-            "same_graph_digest_bare_and_minted": same_graph,
-            "adopt_first_call_ran_compiled": True,  # the adopt child exits non-zero otherwise
-            "mint_sandbox_had_precompiled_headers_before_each_mint": facts["mint_sandbox_pch_before"],
-            "max_abs_vs_eager": {
-                name: max(r.inner["max_abs_vs_eager"] for r in runs[name]) for name in first
-            },
         },
     }
 

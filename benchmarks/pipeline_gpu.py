@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import cgbuild, commit_option, write_result
+from harness import PhaseClock, cgbuild, commit_option, cuda_times, write_result
 from targets import drop_lanes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,78 +251,37 @@ def _rel(out: Any, ref: Any) -> float:
 
 
 def phase(name: str, work: Path) -> dict[str, Any]:
-    t0 = time.perf_counter()
+    """One path in this process (a fresh child per path): time to first image part by part, the
+    steady image latency, the error against the fp32 image and how cgbuild served the calls."""
+    clock = PhaseClock()
     import torch
 
-    t_torch = time.perf_counter()
+    clock.lap("import_torch")
     import diffusers  # noqa: F401
 
-    t_diffusers = time.perf_counter()
+    clock.lap("import_diffusers")
     size = 768 if name.endswith("_768") else 1024
     kind = name.removesuffix("_768")
-    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
-    pipe = _pipeline(work, dtype)
-    from safetensors.torch import load_file
-
-    embeds = load_file(work / "embeds.safetensors", device="cuda")["prompt_embeds"].to(dtype)
-    served: Any = None
-    if kind == "cgbuild_fp8":
-        from cgbuild_rules.quant import convert
-
-        convert(pipe.transformer, "fp8-rowwise", torch.bfloat16)
-    torch.cuda.synchronize()
-    t_weights = time.perf_counter()
+    pipe, embeds = _loaded(work, kind)
+    clock.lap("weights")
     rec: dict[str, Any] = {"size": size}
-    if kind.startswith("cgbuild"):
-        from cgbuild_rules.pipeline import adopt_pipeline
-
-        from cgbuild.store.local import Store
-
-        manifest = work / f"manifest-{'fp8' if kind == 'cgbuild_fp8' else 'bf16'}.json"
-        served = adopt_pipeline(pipe, manifest, store=Store(work / "ws" / ".cgbuild" / "store"))
-        t_arm = time.perf_counter()
-        rec["warmup"] = served.warmup()
-        target = served
-    elif kind.startswith("compile"):
-        pipe.transformer.compile()
-        pipe.vae.decode = torch.compile(pipe.vae.decode)
-        t_arm = time.perf_counter()
-        target = pipe
-    else:
-        t_arm = time.perf_counter()
-        target = pipe
+    served, target = _armed(pipe, kind, work, clock, rec)
     torch.cuda.synchronize()
-    t_warm = time.perf_counter()
+    clock.lap("warmup")
     first = _image(target, embeds, size)
     torch.cuda.synchronize()
-    t_first = time.perf_counter()
-    rec["seconds"] = {
-        "import_torch": round(t_torch - t0, 3),
-        "import_diffusers": round(t_diffusers - t_torch, 3),
-        "weights": round(t_weights - t_diffusers, 3),
-        "arm": round(t_arm - t_weights, 3),
-        "warmup": round(t_warm - t_arm, 3),
-        "first_image": round(t_first - t_warm, 3),
-        "to_first_image": round(t_first - t0, 3),
-    }
-    for _ in range(2):
-        _image(target, embeds, size)
-    times = []
-    for _ in range(IMAGES):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = _image(target, embeds, size)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    clock.lap("first_image")
+    clock.total("to_first_image")
+    rec["seconds"] = clock.record
+    last: list[Any] = [None]
+
+    def image() -> None:
+        last[0] = _image(target, embeds, size)
+
+    times = [s * 1e3 for s in cuda_times(image, reps=IMAGES, warmup=2)]
     rec["image_ms"] = round(sorted(times)[len(times) // 2], 2)
     rec["image_ms_all"] = [round(x, 2) for x in times]
-    ref_path = work / f"fp32_{size}.pt"
-    if kind == "fp32":
-        torch.save(out.float().cpu(), ref_path)
-    elif ref_path.exists():
-        rec["rel_err_vs_fp32"] = round(_rel(out.cpu(), torch.load(ref_path)), 5)
-    rec["rel_err_first_vs_steady"] = round(_rel(first, out), 6)
+    _errors(rec, work, kind, size, first, last[0])
     if served is not None:
         rec["counters"] = served.counters
         rec["eager_calls"] = sum(
@@ -332,6 +291,57 @@ def phase(name: str, work: Path) -> dict[str, Any]:
             rec["compiled_only_check"] = _compiled_only_check(pipe, embeds)
     rec["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return rec
+
+
+def _loaded(work: Path, kind: str) -> tuple[Any, Any]:
+    """The stock pipeline from the checkpoint and the prompt embeddings, in the path's dtype (the
+    fp8 path's transformer converted), on the GPU."""
+    import torch
+    from safetensors.torch import load_file
+
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    pipe = _pipeline(work, dtype)
+    embeds = load_file(work / "embeds.safetensors", device="cuda")["prompt_embeds"].to(dtype)
+    if kind == "cgbuild_fp8":
+        from cgbuild_rules.quant import convert
+
+        convert(pipe.transformer, "fp8-rowwise", torch.bfloat16)
+    torch.cuda.synchronize()
+    return pipe, embeds
+
+
+def _armed(pipe: Any, kind: str, work: Path, clock: PhaseClock, rec: dict[str, Any]) -> tuple[Any, Any]:
+    """The path's pipeline armed (adopted, compile-wrapped or as is), `arm` lapped on `clock` before
+    any warm-up: the served pipeline (None but for cgbuild) and what makes the images."""
+    import torch
+
+    if kind.startswith("cgbuild"):
+        from cgbuild_rules.pipeline import adopt_pipeline
+
+        from cgbuild.store.local import Store
+
+        manifest = work / f"manifest-{'fp8' if kind == 'cgbuild_fp8' else 'bf16'}.json"
+        served = adopt_pipeline(pipe, manifest, store=Store(work / "ws" / ".cgbuild" / "store"))
+        clock.lap("arm")
+        rec["warmup"] = served.warmup()
+        return served, served
+    if kind.startswith("compile"):
+        pipe.transformer.compile()
+        pipe.vae.decode = torch.compile(pipe.vae.decode)
+    clock.lap("arm")
+    return None, pipe
+
+
+def _errors(rec: dict[str, Any], work: Path, kind: str, size: int, first: Any, out: Any) -> None:
+    """The steady image's relative error against the fp32 path's (which saves it) and the first's."""
+    import torch
+
+    ref_path = work / f"fp32_{size}.pt"
+    if kind == "fp32":
+        torch.save(out.float().cpu(), ref_path)
+    elif ref_path.exists():
+        rec["rel_err_vs_fp32"] = round(_rel(out.cpu(), torch.load(ref_path)), 5)
+    rec["rel_err_first_vs_steady"] = round(_rel(first, out), 6)
 
 
 def _compiled_only_check(pipe: Any, embeds: Any) -> dict[str, Any]:

@@ -53,6 +53,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,16 +62,16 @@ from engine import (
     LAYOUTS,
     Run,
     cgbuild_argv,
-    child_env,
-    code_under_test,
     family_name,
+    measured_code,
+    median_walls,
     plan_json,
     profile,
     same_versions,
     summarize,
+    target_met,
     time_process,
     trace_count,
-    versions,
     write_workspace,
 )
 from harness import load_average, scratch, write_result
@@ -125,6 +126,86 @@ def seed_store(ws: Path, keys: set[str]) -> None:
         ref.write_text(json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n")
 
 
+@dataclass
+class Keyed:
+    """The generated workspace planned cold (its CPU units traced), its GPU units' facts seeded:
+    every target keyed, none stored yet."""
+
+    cold_run: Run
+    cold_targets: int
+    cold_traces: int
+    seeded: int
+    targets: list[dict[str, Any]]
+    keys: set[str]
+
+
+def keyed(ws: Path, env: dict[str, str], cpu_families: int) -> Keyed:
+    """Cold: empty state, every CPU unit traced; then the GPU units' facts seeded (see above)."""
+    cold_run, cold = plan_json(ws, env)
+    cold_traces = trace_count(ws)
+    seeded = seed_gpu_facts(ws, cold, cpu_families)
+    _, keyed_plan = plan_json(ws, env)
+    targets = keyed_plan["targets"]
+    keys = {t["key"] for t in targets if t["key"]}
+    assert all(t["status"] == "mint" for t in targets), Counter(t["status"] for t in targets)
+    print(f"cold plan: {len(cold['targets'])} targets, {cold_traces} traces, {cold_run.wall:.1f} s")
+    print(f"seeded {seeded} GPU units: {len(targets)} targets keyed, {len(keys)} distinct keys", flush=True)
+    return Keyed(cold_run, len(cold["targets"]), cold_traces, seeded, targets, keys)
+
+
+def cases_of(ws: Path, ws_mint: Path, one: str) -> dict[str, tuple[Path, list[str]]]:
+    """Each measured command and where it runs: the floors, the no-op plans, the all-mint ones."""
+    return {
+        "python_pass": (ws, [sys.executable, "-c", "pass"]),
+        "python_import_networkx": (ws, [sys.executable, "-c", "import networkx"]),
+        "warm_plan_json": (ws, cgbuild_argv("-C", str(ws), "plan", "--json")),
+        "warm_plan_human": (ws, cgbuild_argv("-C", str(ws), "plan")),
+        "warm_plan_json_one_target": (ws, cgbuild_argv("-C", str(ws), "plan", one, "--json")),
+        "warm_plan_json_all_mint": (ws_mint, cgbuild_argv("-C", str(ws_mint), "plan", "--json")),
+        "warm_plan_human_all_mint": (ws_mint, cgbuild_argv("-C", str(ws_mint), "plan")),
+        # the same no-op plan computed in full: its memo removed before each run
+        "warm_plan_json_full": (ws, cgbuild_argv("-C", str(ws), "plan", "--json")),
+    }
+
+
+def warm_up(cases: dict[str, tuple[Path, list[str]]], env: dict[str, str]) -> dict[str, int]:
+    """Two untimed rounds: the first plans record the fresh targets and write the memos. Returns
+    each command's lines of output."""
+    human_lines: dict[str, int] = {}
+    for _ in range(2):
+        for name, (cwd, argv) in cases.items():
+            out = time_process(argv, cwd=cwd, env=env, stdout=subprocess.PIPE)
+            human_lines[name] = out.stdout.count("\n")
+    return human_lines
+
+
+def timed_rounds(
+    cases: dict[str, tuple[Path, list[str]]], env: dict[str, str], memo: Path, reps: int, full_reps: int
+) -> tuple[dict[str, list[Run]], dict[str, list[bool]]]:
+    """`reps` rounds alternating the commands (the full plan in the first `full_reps`, its memo
+    removed first): each command's runs and whether its memo served each."""
+    (full_memo,) = [
+        p for p in memo.glob("*.json") if json.loads(p.read_text())["request"]["selector"] == "//..."
+    ]
+    runs: dict[str, list[Run]] = {name: [] for name in cases}
+    memo_hits: dict[str, list[bool]] = {name: [] for name in cases}
+    for rep in range(reps):
+        for name, (cwd, argv) in cases.items():
+            full = name == "warm_plan_json_full"
+            if full and rep >= full_reps:
+                continue
+            if full:
+                for part in memo.glob(f"{full_memo.stem}.*"):
+                    part.unlink()
+            index = sorted((cwd / ".cgbuild" / "cache" / "plans").glob("*.json"))
+            stamps = [(p.stat().st_mtime_ns, p.stat().st_ino) for p in index]
+            runs[name].append(time_process(argv, cwd=cwd, env=env))
+            after = [(p.stat().st_mtime_ns, p.stat().st_ino) for p in index if p.exists()]
+            memo_hits[name].append(bool(index) and after == stamps)
+    print({name: round(wall, 3) for name, wall in median_walls(runs).items()}, flush=True)
+    return runs, memo_hits
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", type=int, default=42)
@@ -141,139 +222,50 @@ def main() -> None:
     load_before = load_average()
     with scratch("cgbuild-plan-scale-", args.keep) as tmp:
         ws, ws_mint = tmp / "ws", tmp / "ws-mint"
-        code = code_under_test(args.code, tmp)
-        env = child_env(code)
-        at_start = versions(code)
+        code, env, at_start = measured_code(args.code, tmp)
         write_workspace(
             ws, code.toy, families=args.families, shapes=args.shapes, cpu_families=args.cpu_families
         )
-
-        # Cold: empty state, every CPU unit traced; then the GPU units' facts seeded (see above).
-        cold_run, cold = plan_json(ws, env)
-        cold_traces = trace_count(ws)
-        seeded = seed_gpu_facts(ws, cold, args.cpu_families)
-        _, keyed_plan = plan_json(ws, env)
-        targets = keyed_plan["targets"]
-        keys = {t["key"] for t in targets if t["key"]}
-        assert all(t["status"] == "mint" for t in targets), Counter(t["status"] for t in targets)
-        print(f"cold plan: {len(cold['targets'])} targets, {cold_traces} traces, {cold_run.wall:.1f} s")
-        print(
-            f"seeded {seeded} GPU units: {len(targets)} targets keyed, {len(keys)} distinct keys", flush=True
-        )
+        state = keyed(ws, env, args.cpu_families)
         shutil.copytree(ws, ws_mint, symlinks=True)  # nothing moved, nothing stored: every key `mint`
-        seed_store(ws, keys)  # every key stored: the no-op plan, every target `fresh`
+        seed_store(ws, state.keys)  # every key stored: the no-op plan, every target `fresh`
 
-        one = targets[0]["label"]
-        memo = ws / ".cgbuild" / "cache" / "plans"
-        cases: dict[str, tuple[Path, list[str]]] = {
-            "python_pass": (ws, [sys.executable, "-c", "pass"]),
-            "python_import_networkx": (ws, [sys.executable, "-c", "import networkx"]),
-            "warm_plan_json": (ws, cgbuild_argv("-C", str(ws), "plan", "--json")),
-            "warm_plan_human": (ws, cgbuild_argv("-C", str(ws), "plan")),
-            "warm_plan_json_one_target": (ws, cgbuild_argv("-C", str(ws), "plan", one, "--json")),
-            "warm_plan_json_all_mint": (ws_mint, cgbuild_argv("-C", str(ws_mint), "plan", "--json")),
-            "warm_plan_human_all_mint": (ws_mint, cgbuild_argv("-C", str(ws_mint), "plan")),
-            # the same no-op plan computed in full: its memo removed before each run
-            "warm_plan_json_full": (ws, cgbuild_argv("-C", str(ws), "plan", "--json")),
-        }
-        # Untimed: the first plans record the fresh targets and write the memos.
-        human_lines: dict[str, int] = {}
-        for _ in range(2):
-            for name, (cwd, argv) in cases.items():
-                out = time_process(argv, cwd=cwd, env=env, stdout=subprocess.PIPE)
-                human_lines[name] = out.stdout.count("\n")
+        cases = cases_of(ws, ws_mint, state.targets[0]["label"])
+        human_lines = warm_up(cases, env)
         _, warm = plan_json(ws, env)
-        assert all(t["status"] == "fresh" for t in warm["targets"]) and len(warm["targets"]) == len(targets)
+        n = len(state.targets)
+        assert all(t["status"] == "fresh" for t in warm["targets"]) and len(warm["targets"]) == n
         _, warm_mint = plan_json(ws_mint, env)
         assert [t["key"] for t in warm_mint["targets"]] == [t["key"] for t in warm["targets"]]
-        assert trace_count(ws) == cold_traces + seeded
+        assert trace_count(ws) == state.cold_traces + state.seeded
+        memo = ws / ".cgbuild" / "cache" / "plans"
+        runs, memo_hits = timed_rounds(cases, env, memo, args.reps, args.full_reps)
 
-        (full_memo,) = [
-            p for p in memo.glob("*.json") if json.loads(p.read_text())["request"]["selector"] == "//..."
-        ]
-        runs: dict[str, list[Run]] = {name: [] for name in cases}
-        memo_hits: dict[str, list[bool]] = {name: [] for name in cases}
-        for rep in range(args.reps):
-            for name, (cwd, argv) in cases.items():
-                full = name == "warm_plan_json_full"
-                if full and rep >= args.full_reps:
-                    continue
-                if full:
-                    for part in memo.glob(f"{full_memo.stem}.*"):
-                        part.unlink()
-                index = sorted((cwd / ".cgbuild" / "cache" / "plans").glob("*.json"))
-                stamps = [(p.stat().st_mtime_ns, p.stat().st_ino) for p in index]
-                runs[name].append(time_process(argv, cwd=cwd, env=env))
-                after = [(p.stat().st_mtime_ns, p.stat().st_ino) for p in index if p.exists()]
-                memo_hits[name].append(bool(index) and after == stamps)
-        print(
-            {name: round(statistics.median(r.wall for r in rs), 3) for name, rs in runs.items()}, flush=True
-        )
-
+        cold = state.cold_run
         prof = profile(ws, env, code, "-C", str(ws), "plan", "--json")
-        med = {name: statistics.median(r.wall for r in rs) for name, rs in runs.items()}
-        cpu_med = {name: statistics.median(r.cpu for r in rs) for name, rs in runs.items()}
-        floor = med["python_pass"]
-        n = len(targets)
-        fixed = cpu_med["warm_plan_json_one_target"]
-        per_target_us = (cpu_med["warm_plan_json"] - fixed) / max(n - 1, 1) * 1e6
         numbers: dict[str, Any] = {
             "what": f"cgbuild plan over a generated workspace of {n} keyed targets: warm no-op "
             "(--json and human, every key stored), warm with nothing stored, and the same no-op plan "
             "computed in full; fresh processes",
             "load_average": {"before": load_before, "after": load_average()},
             "versions": same_versions(at_start, code),
-            "workspace": {
-                "families": args.families,
-                "cpu_families": args.cpu_families,
-                "modules_per_family": 2,
-                "shapes_per_module": args.shapes,
-                "layouts": LAYOUTS,
-                "gpu_skus": {name: sm for name, (sm, _) in GPU_SKUS.items()},
-                "sm_values": ["cpu", *sorted({sm for sm, _ in GPU_SKUS.values()})],
-                "entry": "a copy of examples/toy/toy_models.py per family (<family>_models:build)",
-                "keyed_how": "CPU units traced for real; each GPU unit's trace fact is its CPU twin's "
-                "(family i mod cpu_families, same module, shape and layout) with a graph digest derived "
-                "from its own trace inputs, written into traces.sqlite (seed_gpu_facts): a CUDA torch "
-                "would trace them; the plan only reads facts",
-                "store_how": "one ref per key naming one placeholder object (seed_store): plan reads "
-                "refs and stats objects, nothing was minted",
-            },
+            "workspace": workspace_facts(args),
             "targets": {
                 "total": n,
-                "distinct_keys": len(keys),
-                "traced_units": cold_traces,
-                "seeded_gpu_units": seeded,
+                "distinct_keys": len(state.keys),
+                "traced_units": state.cold_traces,
+                "seeded_gpu_units": state.seeded,
                 "human_summary_lines": {k: v for k, v in human_lines.items() if "human" in k},
                 "plan_json_bytes": len(json.dumps(warm, sort_keys=True, separators=(",", ":"))),
             },
             "reps": args.reps,
             "full_reps": args.full_reps,
             "seconds": {
-                "cold_plan_cpu_units_only": {"wall": round(cold_run.wall, 3), "cpu": round(cold_run.cpu, 3)},
+                "cold_plan_cpu_units_only": {"wall": round(cold.wall, 3), "cpu": round(cold.cpu, 3)},
                 **{name: summarize(rs) for name, rs in runs.items()},
             },
             "memo_hit": {name: hits for name, hits in memo_hits.items() if name.startswith("warm")},
-            "cost_split": {
-                "basis": "median CPU seconds: the one-target no-op plan is the fixed cost; the "
-                "all-targets one minus it, per extra target",
-                "fixed_cpu_seconds": round(fixed, 4),
-                "per_target_us": round(per_target_us, 2),
-            },
-            "ratios": {
-                "warm_json_over_python_pass": round(med["warm_plan_json"] / floor, 2),
-                "warm_json_over_import_networkx": round(
-                    med["warm_plan_json"] / med["python_import_networkx"], 2
-                ),
-                "full_over_memo": round(med["warm_plan_json_full"] / med["warm_plan_json"], 2),
-            },
-            "target": {
-                "warm_plan_seconds_max": TARGET_SECONDS,
-                "warm_plan_json_met": med["warm_plan_json"] <= TARGET_SECONDS,
-                "warm_plan_human_met": med["warm_plan_human"] <= TARGET_SECONDS,
-                "warm_plan_json_all_mint_met": med["warm_plan_json_all_mint"] <= TARGET_SECONDS,
-                "warm_plan_human_all_mint_met": med["warm_plan_human_all_mint"] <= TARGET_SECONDS,
-            },
+            **against_target(runs, n),
             "torch_imported_by_engine": False,  # every timed cgbuild run exits 99 otherwise
             "profile_warm_plan_json": prof,
             "benchmark_seconds": round(time.perf_counter() - started, 1),
@@ -281,6 +273,57 @@ def main() -> None:
         result = write_result(args.out, "plan_scale", numbers, commit=code.commit)
         print(json.dumps({k: result[k] for k in ("targets", "ratios", "target", "cost_split")}, indent=2))
         print(json.dumps(result["seconds"], indent=2))
+
+
+def workspace_facts(args: argparse.Namespace) -> dict[str, Any]:
+    """What was generated and how it was keyed and stored without a GPU."""
+    return {
+        "families": args.families,
+        "cpu_families": args.cpu_families,
+        "modules_per_family": 2,
+        "shapes_per_module": args.shapes,
+        "layouts": LAYOUTS,
+        "gpu_skus": {name: sm for name, (sm, _) in GPU_SKUS.items()},
+        "sm_values": ["cpu", *sorted({sm for sm, _ in GPU_SKUS.values()})],
+        "entry": "a copy of examples/toy/toy_models.py per family (<family>_models:build)",
+        "keyed_how": "CPU units traced for real; each GPU unit's trace fact is its CPU twin's "
+        "(family i mod cpu_families, same module, shape and layout) with a graph digest derived "
+        "from its own trace inputs, written into traces.sqlite (seed_gpu_facts): a CUDA torch "
+        "would trace them; the plan only reads facts",
+        "store_how": "one ref per key naming one placeholder object (seed_store): plan reads "
+        "refs and stats objects, nothing was minted",
+    }
+
+
+def against_target(runs: dict[str, list[Run]], n: int) -> dict[str, Any]:
+    """The fixed and per-target cost, the ratios to the floors, and the target met or not."""
+    med = median_walls(runs)
+    cpu_med = {name: statistics.median(r.cpu for r in rs) for name, rs in runs.items()}
+    floor = med["python_pass"]
+    fixed = cpu_med["warm_plan_json_one_target"]
+    per_target_us = (cpu_med["warm_plan_json"] - fixed) / max(n - 1, 1) * 1e6
+    return {
+        "cost_split": {
+            "basis": "median CPU seconds: the one-target no-op plan is the fixed cost; the "
+            "all-targets one minus it, per extra target",
+            "fixed_cpu_seconds": round(fixed, 4),
+            "per_target_us": round(per_target_us, 2),
+        },
+        "ratios": {
+            "warm_json_over_python_pass": round(med["warm_plan_json"] / floor, 2),
+            "warm_json_over_import_networkx": round(med["warm_plan_json"] / med["python_import_networkx"], 2),
+            "full_over_memo": round(med["warm_plan_json_full"] / med["warm_plan_json"], 2),
+        },
+        "target": target_met(
+            med,
+            "warm_plan_seconds_max",
+            TARGET_SECONDS,
+            "warm_plan_json",
+            "warm_plan_human",
+            "warm_plan_json_all_mint",
+            "warm_plan_human_all_mint",
+        ),
+    }
 
 
 if __name__ == "__main__":

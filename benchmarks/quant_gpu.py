@@ -23,7 +23,6 @@ import json
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ except ImportError:  # a bare checkout: the rules folder is the package
 
 import torch  # noqa: E402
 from cgbuild_rules.quant import convert, probe  # noqa: E402
-from harness import commit_option, cuda_timed, write_result  # noqa: E402
+from harness import PhaseClock, commit_option, cuda_timed, write_result  # noqa: E402
 from torch import nn  # noqa: E402
 
 from cgbuild.core.platform import normalize_arch  # noqa: E402
@@ -74,26 +73,7 @@ def main() -> int:
     commit_option(parser)
     args = parser.parse_args()
     dev = torch.device("cuda")
-    major, minor = torch.cuda.get_device_capability(dev)
-    sm = f"sm_{major}{minor}"
-    result: dict[str, Any] = {
-        "shape": {"tokens": TOKENS, "hidden": HIDDEN, "mlp": MLP, "dtype": "bfloat16"},
-    }
-    ok, why = scaled_mm_rowwise(torch.__version__, sm)
-    result["plan_capability"] = {"supported": ok, "why": why}
-    result["plan_floor"] = {
-        name: floor_refusal(QUANT_RULES[name], sm, torch.__version__)
-        for name in ("int8-rowwise", "fp8-rowwise")
-    }
-    result["mint_probe"] = {}
-    for name in ("int8-rowwise", "fp8-rowwise"):
-        t = time.perf_counter()
-        p_ok, p_why = probe(name, dev)
-        result["mint_probe"][name] = {
-            "ok": p_ok,
-            "detail": p_why,
-            "seconds": round(time.perf_counter() - t, 3),
-        }
+    result = _planned(dev)
     print(json.dumps(result, indent=1), flush=True)
 
     torch.manual_seed(0)
@@ -117,42 +97,74 @@ def main() -> int:
         }
         print(name, rows[name], flush=True)
     if not args.no_compile:
-        # The mint's compile policy and host compiler (never $CXX: on this image a foreign
-        # compiler's wrapper .so segfaults at load), loaded through the C++ loader and bound to
-        # the module's own tensors, as adopt does.
-        from cgbuild_rules.loader import Package
-
-        configs: dict[str, Any] = {}
-        for knob, value in policy.inductor_configs(normalize_arch(platform.machine())).items():
-            try:
-                torch._inductor.config.__getattr__(knob)
-                configs[knob] = value
-            except AttributeError:  # an older torch lacks a knob (e.g. cpp.march): say so
-                result.setdefault("policy_knobs_missing", []).append(knob)
-        configs["cpp.cxx"] = (None, compiler.choose_cxx())
+        configs = _mint_configs(result)
         for name, m in models.items():
-            with tempfile.TemporaryDirectory() as tmp:
-                t = time.perf_counter()
-                ep = torch.export.export(m, (xb,))
-                pt2 = torch._inductor.aoti_compile_and_package(
-                    ep, package_path=str(Path(tmp) / "model.pt2"), inductor_configs=configs
-                )
-                compile_s = time.perf_counter() - t
-                loaded = Package(pt2, device_index=0)
-                live = {**dict(m.named_parameters()), **dict(m.named_buffers())}
-                loaded.bind({fqn: live[fqn] for fqn in loaded.constant_fqns})
-                with torch.no_grad():
-                    got = loaded(xb)
-                rows[name] |= {
-                    "export_and_compile_s": round(compile_s, 1),
-                    "compiled_rel_rms_vs_eager": rel_rms(got, outs[name]),
-                    "compiled_ms": step_ms(loaded, xb),
-                    "scaled_mm_in_graph": "_scaled_mm" in str(ep.graph),
-                }
+            rows[name] |= _compiled(m, xb, outs[name], configs)
             print(name, rows[name], flush=True)
     result["layouts"] = rows
     write_result(args.out, "quant_gpu", result, torch=True, commit=args.commit)
     return 0
+
+
+def _planned(dev: torch.device) -> dict[str, Any]:
+    """What the plan decides on this GPU (the rowwise capability, each layout's floor) and what the
+    mint's probe finds, with its seconds."""
+    major, minor = torch.cuda.get_device_capability(dev)
+    sm = f"sm_{major}{minor}"
+    result: dict[str, Any] = {
+        "shape": {"tokens": TOKENS, "hidden": HIDDEN, "mlp": MLP, "dtype": "bfloat16"},
+    }
+    ok, why = scaled_mm_rowwise(torch.__version__, sm)
+    result["plan_capability"] = {"supported": ok, "why": why}
+    result["plan_floor"] = {
+        name: floor_refusal(QUANT_RULES[name], sm, torch.__version__)
+        for name in ("int8-rowwise", "fp8-rowwise")
+    }
+    result["mint_probe"] = {}
+    for name in ("int8-rowwise", "fp8-rowwise"):
+        row: dict[str, Any] = {}
+        with PhaseClock(row).phase("seconds"):
+            p_ok, p_why = probe(name, dev)
+        result["mint_probe"][name] = {"ok": p_ok, "detail": p_why, **row}
+    return result
+
+
+def _mint_configs(result: dict[str, Any]) -> dict[str, Any]:
+    """The mint's compile policy and host compiler (never $CXX: on this image a foreign compiler's
+    wrapper .so segfaults at load); a knob this torch lacks is named in `result`."""
+    configs: dict[str, Any] = {}
+    for knob, value in policy.inductor_configs(normalize_arch(platform.machine())).items():
+        try:
+            torch._inductor.config.__getattr__(knob)
+            configs[knob] = value
+        except AttributeError:  # an older torch lacks a knob (e.g. cpp.march): say so
+            result.setdefault("policy_knobs_missing", []).append(knob)
+    configs["cpp.cxx"] = (None, compiler.choose_cxx())
+    return configs
+
+
+def _compiled(m: nn.Module, xb: torch.Tensor, eager: torch.Tensor, configs: dict[str, Any]) -> dict[str, Any]:
+    """`m` exported and compiled, loaded through the C++ loader and bound to the module's own
+    tensors, as adopt does: compile seconds, error against eager, step time, the scaled matmul."""
+    from cgbuild_rules.loader import Package
+
+    row: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        with PhaseClock(row, digits=1).phase("export_and_compile_s"):
+            ep = torch.export.export(m, (xb,))
+            pt2 = torch._inductor.aoti_compile_and_package(
+                ep, package_path=str(Path(tmp) / "model.pt2"), inductor_configs=configs
+            )
+        loaded = Package(pt2, device_index=0)
+        live = {**dict(m.named_parameters()), **dict(m.named_buffers())}
+        loaded.bind({fqn: live[fqn] for fqn in loaded.constant_fqns})
+        with torch.no_grad():
+            got = loaded(xb)
+        return row | {
+            "compiled_rel_rms_vs_eager": rel_rms(got, eager),
+            "compiled_ms": step_ms(loaded, xb),
+            "scaled_mm_in_graph": "_scaled_mm" in str(ep.graph),
+        }
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild_rules.mint import DEFAULT_SANDBOX, TOLERANCE
-from harness import load_average, scratch, stamp, uncommitted, wall_times, write_json
+from harness import PhaseClock, load_average, scratch, stamp, uncommitted, wall_times, write_json
 from targets import built_of
 
 from cgbuild.core.fs import write_atomic
@@ -113,14 +113,15 @@ def _steps(fn: Callable[[], Any], steps: int) -> list[float]:
 
 
 def child(path: str, arg: Mapping[str, Any]) -> dict[str, Any]:
-    t = time.perf_counter()
-    import torch
+    out: dict[str, Any] = {}
+    clock = PhaseClock(out, digits=None)
+    with clock.phase("import_torch"):
+        import torch
 
-    out: dict[str, Any] = {"import_torch": time.perf_counter() - t, "threads": torch.get_num_threads()}
-    t = time.perf_counter()
-    built = built_of(Path(arg["ws"]), arg["label"])
-    module, args = built.module, built.args
-    out["build_module"] = time.perf_counter() - t
+    out["threads"] = torch.get_num_threads()
+    with clock.phase("build_module"):
+        built = built_of(Path(arg["ws"]), arg["label"])
+        module, args = built.module, built.args
     out["fingerprint"] = _fingerprint(module, args)
     with torch.no_grad():
         if path == "adopt":
@@ -128,18 +129,15 @@ def child(path: str, arg: Mapping[str, Any]) -> dict[str, Any]:
 
             from cgbuild.store.local import Store
 
-            t = time.perf_counter()
-            served: Any = adopt(arg["key"], module, store=Store(arg["store"]), strict=True)
-            out["prepare"] = time.perf_counter() - t
+            with clock.phase("prepare"):
+                served: Any = adopt(arg["key"], module, store=Store(arg["store"]), strict=True)
         elif path == "torch_compile":
-            t = time.perf_counter()
-            served = torch.compile(module)
-            out["prepare"] = time.perf_counter() - t
+            with clock.phase("prepare"):
+                served = torch.compile(module)
         else:
             served, out["prepare"] = module, 0.0
-        t = time.perf_counter()
-        first = served(*args)
-        out["first_call"] = time.perf_counter() - t
+        with clock.phase("first_call"):
+            first = served(*args)
         out["first_output"] = out["prepare"] + out["first_call"]
         out["steps"] = _steps(lambda: served(*args), arg["steps"])
         if path != "eager":

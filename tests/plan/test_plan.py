@@ -523,17 +523,23 @@ def _why(ws: Path, label: str, capsys: pytest.CaptureFixture[str]) -> str:
     return capsys.readouterr().out.partition("propagated")[0]
 
 
+def _stored(ws: Path, tmp_path: Path, *selector: str) -> tuple[Store, Path]:
+    """Every key `plan(ws, *selector)` names admitted with one stand-in artifact: (the store, it)."""
+    artifact = tmp_path / "artifact.bin"
+    artifact.write_bytes(b"stand-in bytes: the mint tests admit real artifacts")
+    store = Store(ws / ".cgbuild" / "store")
+    for t in plan(ws, *selector)["targets"]:
+        store.admit(t["key"], artifact)
+    return store, artifact
+
+
 def test_root_causes_stay_until_fresh_and_only_plan_records(
     toy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from cgbuild.cli.main import main
     from cgbuild.plan.planner import record_minted
 
-    artifact = tmp_path / "artifact.bin"
-    artifact.write_bytes(b"stand-in bytes: the mint tests admit real artifacts")
-    store = Store(toy / ".cgbuild" / "store")
-    for t in plan(toy)["targets"]:
-        store.admit(t["key"], artifact)
+    store, artifact = _stored(toy, tmp_path)
     assert {t["status"] for t in plan(toy)["targets"]} == {"fresh"}  # every reference is now
     edit(toy / "toy_models.py", "self.act = nn.GELU()", "self.act = nn.GELU(approximate='tanh')")
     plan(toy)
@@ -569,11 +575,7 @@ def test_root_causes_name_the_config_key_and_group_per_family(
 ) -> None:
     from cgbuild.cli.plan import show
 
-    artifact = tmp_path / "artifact.bin"
-    artifact.write_bytes(b"stand-in bytes: the mint tests admit real artifacts")
-    store = Store(toy / ".cgbuild" / "store")
-    for t in plan(toy)["targets"]:
-        store.admit(t["key"], artifact)
+    _stored(toy, tmp_path)
     plan(toy)  # every reference is now
     # 8 chunks split the fp32 fc1 (128 rows) otherwise; every other chunked layer splits as before
     edit(
@@ -607,11 +609,7 @@ def test_plan_exit_code_for_ci_gates(toy: Path, tmp_path: Path, capsys: pytest.C
     edit(toy / "Cgfile", 'skus = ["cpu"]', 'skus = ["cpu", "h200"]')
     edit(toy / "Cgfile", "[layout.fp32]", '[sku.h200]\nsm = "sm_90"\nmemory_gib = 141\n\n[layout.fp32]')
     assert main(["-C", str(toy), "plan", "--exit-code"]) == 1  # nothing minted yet
-    artifact = tmp_path / "artifact.bin"
-    artifact.write_bytes(b"stand-in bytes: the mint tests admit real artifacts")
-    store = Store(toy / ".cgbuild" / "store")
-    for t in plan(toy, ":cpu")["targets"]:
-        store.admit(t["key"], artifact)
+    _stored(toy, tmp_path, ":cpu")
     # the CPU targets are fresh; the GPU ones are blocked by this machine's CPU-only torch only
     assert main(["-C", str(toy), "plan", "--exit-code", "--json"]) == 0
     assert main(["-C", str(toy), "plan"]) == 0  # without the flag: always 0
