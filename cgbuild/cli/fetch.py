@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     ws = workspace(args)
     shared = ws.require_shared("this workspace declares no shared store: nothing to fetch from")
+    ws.writable_store()  # what is pulled is admitted into it
     update, close = progress_bar("tracing")
     try:
         plan = make_plan(ws, parse_selector(args.label), progress=update)

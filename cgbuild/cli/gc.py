@@ -60,11 +60,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--root pins plans for the shared store's gc: it needs --remote", field="--root")
     from cgbuild.exec.mint import sweep_build
     from cgbuild.store.errors import StoreError
-    from cgbuild.store.local import Store
 
     ws = workspace(args)
     try:
-        report = Store(ws.cg.store_dir).gc(dry_run=args.dry_run)
+        report = ws.writable_store().gc(dry_run=args.dry_run)
     except StoreError as e:  # a store gc cannot lock or lay out: named, with what to do
         raise UserError(f"{e.code}: {e.detail}") from None
     build = sweep_build(ws.state, LOCAL_GRACE_S if args.grace is None else args.grace, dry_run=args.dry_run)

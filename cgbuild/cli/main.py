@@ -13,6 +13,7 @@ import argparse
 import importlib
 import sys
 import traceback
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,12 @@ from cgbuild.core.errors import UserError
 from cgbuild.protocol.spawn import Terminated, stop_children_on_signals
 
 if TYPE_CHECKING:
+    from cgbuild.config.cgfile import Cgfile
     from cgbuild.plan.workspace import Workspace
+
+_CGFILE: ContextVar[Cgfile | None] = ContextVar("cgfile", default=None)
+"""The Cgfile the running command loaded: a refusal of one of its fields raised where it is not
+known (the shared store's client names `workspace.remote`) is placed in it (`_placed`)."""
 
 DESCRIPTION = (
     "Build compiled PyTorch graphs: plan what a Cgfile declares, mint what is missing with "
@@ -90,6 +96,7 @@ def workspace(args: argparse.Namespace, *, writes_state: bool = True) -> Workspa
         raise UserError(f"not a folder: {args.directory!r}", field="-C")
     path = args.cgfile or find_cgfile(Path(args.directory or ".").resolve())
     ws = Workspace(cgfile.load(path), toolchain_lock=getattr(args, "toolchain", None))
+    _CGFILE.set(ws.cg)
     if writes_state and (why := ws.state.unwritable()) is not None:
         raise ws.cg.error(
             f"the state folder {ws.state.root} cannot be written ({why}): make it writable for this "
@@ -144,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"'{args.command}' is not available in this build")
     except SystemExit as exc:  # argparse has printed the usage line: a bad flag is bad input
         return exc.code if isinstance(exc.code, int) else 2
+    loaded = _CGFILE.set(None)
     try:
         with stop_children_on_signals():
             return int(module.run(args) or 0)  # type: ignore[attr-defined]
     except UserError as exc:
-        print(f"cgbuild: error: {exc}", file=sys.stderr)
+        print(f"cgbuild: error: {_placed(exc)}", file=sys.stderr)
         return exc.exit_code
     except Terminated:
         print("cgbuild: terminated", file=sys.stderr)
@@ -162,6 +170,19 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         print("cgbuild: internal error (a bug: please report the traceback above)", file=sys.stderr)
         return 3
+    finally:
+        _CGFILE.reset(loaded)
+
+
+def _placed(exc: UserError) -> UserError:
+    """`exc` with the loaded Cgfile's path and line where it names one of the Cgfile's fields
+    and no file: what the Cgfile set is refused at the line that set it."""
+    cg = _CGFILE.get()
+    if cg is not None and exc.file is None and exc.field:
+        line = cg.lines.line(*exc.field.split("."))
+        if line is not None:
+            exc.file, exc.line = str(cg.path), line
+    return exc
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from cgbuild.exec import fleet, mint
     from cgbuild.exec.held import HeldTraces
+    from cgbuild.plan.jobs import check_compiler
 
     if not args.label and not args.plan:
         raise UserError("name a label (e.g. //toy:cpu) or --plan PLAN.json", field="label")
@@ -66,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
     selector = parse_selector(args.label or "//...")
     recorded = mint.recorded_plan_keys(args.plan) if args.plan else None  # bad input fails before a trace
     ws = workspace(args)
+    if executor.kind == "local":  # the Cgfile's compiler and store, refused before a trace
+        check_compiler(ws)
+        ws.writable_store()
     jobs = args.jobs or mint.default_jobs()
     held = HeldTraces(ws, jobs) if executor.kind == "local" and not args.check else None
     try:

@@ -10,6 +10,7 @@ matched whole (`fullmatch`): `$` would let a final newline through.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -155,8 +156,17 @@ class Cgfile:
     trusted: dict[str, bytes] = field(default_factory=dict)
     """Publisher name → raw ed25519 public key whose signatures adopt and fetch accept."""
 
+    store_field: str = "state"
+    """The `[workspace]` key the store folder comes from: `store`, or `state` (its default)."""
+
     def error(self, message: str, *path: str) -> UserError:
         return UserError(message, file=str(self.path), line=self.lines.line(*path), field=".".join(path))
+
+    def error_in(self, exc: UserError, *path: str) -> UserError:
+        """`exc`, raised using what the field at `path` names (a lock, a compiler, a checkpoint),
+        as a refusal of that field: the Cgfile's line and field, then the file at fault and why."""
+        inner = None if exc.field in (None, "$", ".".join(path)) else exc.field
+        return self.error(str(UserError(exc.message, file=exc.file, line=exc.line, field=inner)), *path)
 
 
 MAX_BYTES = 16 * userfile.MIB
@@ -211,8 +221,8 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
     if lock is not None:
         r.pathname(lock, "toolchain", "lock")
     cxx = r.get(tc, ("toolchain",), "cxx", is_str, "a compiler path or name")
-    if cxx is not None:
-        r.pathname(cxx, "toolchain", "cxx")
+    if cxx is not None and os.sep in r.pathname(cxx, "toolchain", "cxx"):
+        cxx = str(root / cxx)  # a path is the Cgfile's, like every other; a bare name is looked up on PATH
 
     skus = _skus(r, data)
     layouts = _layouts(r, data, root)
@@ -237,6 +247,7 @@ def parse(data: dict[str, Any], path: Path, lines: KeyLines) -> Cgfile:
         lines=lines,
         remote=remote,
         trusted=trusted,
+        store_field="store" if store else "state",
     )
 
 

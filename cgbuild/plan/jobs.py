@@ -30,7 +30,33 @@ def resolve_toolchains(ws: Workspace) -> tuple[dict[str, Any], str]:
             lambda: toolchain.probe(cg.cxx, cache_path=str(ws.state.cache / "toolchain.json")),
         )
     except toolchain.ToolchainError as exc:
-        raise UserError(exc.message, file=exc.path, line=exc.line, field=exc.field) from None
+        raise _toolchain_refusal(ws, exc) from None
+
+
+def check_compiler(ws: Workspace) -> None:
+    """The Cgfile's `[toolchain] cxx`, identified here as the mint's worker will: a compiler that
+    is missing or fails is refused (exit 2) before anything is traced or compiled, even where a
+    lock keys the targets and nothing probed it."""
+    from cgbuild.identity import compiler
+
+    if ws.cg.cxx is None:
+        return
+    try:
+        compiler.cxx_component(compiler.choose_cxx(ws.cg.cxx))
+    except compiler.CompilerError as exc:
+        refused = toolchain.ToolchainError(exc.path, "toolchain.cxx", exc.message)
+        raise _toolchain_refusal(ws, refused) from None
+
+
+def _toolchain_refusal(ws: Workspace, exc: toolchain.ToolchainError) -> UserError:
+    """A toolchain input refused, named by the Cgfile field that set it where one did (its
+    `cxx`, its `lock`), else by the file at fault (a `--toolchain` lock, the default compiler)."""
+    cg = ws.cg
+    if exc.field == "toolchain.cxx" and cg.cxx is not None:
+        return cg.error_in(exc, "toolchain", "cxx")
+    if ws.toolchain_lock is None and cg.toolchain_lock is not None and exc.path == str(cg.toolchain_lock):
+        return cg.error_in(exc, "toolchain", "lock")
+    return UserError(exc.message, file=exc.path, line=exc.line, field=exc.field)
 
 
 def trace_job(ws: Workspace, target: Target | str, toolchains: Mapping[str, Any] | None = None) -> TraceJob:

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cgbuild.core import fs
-from cgbuild.core.errors import UserError
 from cgbuild.plan.workspace import StateDir
 from cgbuild.store import refs
 
@@ -353,11 +352,11 @@ def plan_output(
     to, it."""
     cg = ws.cg
     if verify and not cg.remote:
-        raise UserError(
+        raise cg.error(
             "--verify checks the signatures of keys a shared store lists, and this workspace "
             "declares no remote (its local store holds only what this machine admitted)",
-            file=str(cg.path),
-            field="workspace.remote",
+            "workspace",
+            "remote",
         )
     if verify:
         from cgbuild.plan.planner import PlanContext, plan_in_full

@@ -32,6 +32,7 @@ from cgbuild.config.labels import Selector
 from cgbuild.config.targets import Target, expand, select
 from cgbuild.core.canon import digest
 from cgbuild.core.codes import Code
+from cgbuild.core.errors import UserError
 from cgbuild.identity import layout, quantrule, toolchain, topology
 from cgbuild.identity.keys import Axis, graph_axis, key_of, sm_axis, toolchain_axis
 from cgbuild.plan import environment, laststate
@@ -422,7 +423,10 @@ def _layout_of(
     if lay.reference is not None:
         ref_key = (lay.name, component)
         if ref_key not in ctx.references:
-            topo = topology.topology_from_reference(lay.reference, component, lay.reading(component))
+            try:
+                topo = topology.topology_from_reference(lay.reference, component, lay.reading(component))
+            except UserError as exc:  # the checkpoint the layout's `reference` names is refused
+                raise ctx.cg.error_in(exc, "layout", lay.name, "reference") from None
             ctx.references[ref_key] = (topo, topology.topology_digest(topo))
         topo, topo_digest = ctx.references[ref_key]
         axis = layout.layout_axis(t.id.family, component, quant, topo_digest, "reference")

@@ -127,6 +127,18 @@ class Workspace:
 
         return Store(self.cg.store_dir)
 
+    def writable_store(self) -> Store:
+        """The local store, proven writable: one this user cannot lay out or lock is refused
+        (exit 2) naming the Cgfile field that put it there, and what to do."""
+        from cgbuild.store.errors import StoreError
+
+        store = self.store()
+        try:
+            store.prove_writable()
+        except StoreError as e:
+            raise self.cg.error(e.detail, "workspace", self.cg.store_field) from None
+        return store
+
     @functools.cached_property
     def remote(self) -> Backend | None:
         """The declared shared store's S3 side (one client per workspace), or None."""
@@ -151,9 +163,7 @@ class Workspace:
 
     def require_shared(self, why: str) -> SharedStore:
         """The shared store, for a command that means nothing without one (bad input: exit 2)."""
-        from cgbuild.core.errors import UserError
-
         shared = self.shared()
         if shared is None:
-            raise UserError(why, file=str(self.cg.path), field="workspace.remote")
+            raise self.cg.error(why, "workspace", "remote")
         return shared

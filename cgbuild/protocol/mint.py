@@ -21,6 +21,7 @@ the end of its input) on the same stdin. The plan's trace and the compile's are 
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
@@ -317,7 +318,17 @@ def run_worker(
                 detail = f"the mint worker's result line is not a mint result: {e} (log: {log})"
                 result = MintFailed(Code.MINT_ERROR, Phase.WORKER, detail)
 
-    ended = spawn("cgbuild_rules.mint", talk=Talk(request, take, channel, started), log=log, env=env)
+    pids: list[int] = []
+
+    def on_start(pid: int) -> None:
+        pids.append(pid)
+        if started is not None:
+            started(pid)
+
+    ended = spawn("cgbuild_rules.mint", talk=Talk(request, take, channel, on_start), log=log, env=env)
+    if ended.stopped:  # interrupted: the worker was killed in its group and cleaned up nothing
+        for work in Path(request["out"]).glob(f".mint-*-{pids[0]}"):
+            shutil.rmtree(work, ignore_errors=True)
     if result is not None:
         return result
     failed = MintFailed.ended(ended, "mint worker", Phase.WORKER)

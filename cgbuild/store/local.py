@@ -120,6 +120,11 @@ class Store:
         finally:
             os.close(fd)  # closing releases the flock; so does the death of the process
 
+    def prove_writable(self) -> None:
+        """Lay out and lock the store once, as a write does: `StoreError` where it cannot."""
+        with self._locked(exclusive=False):
+            pass
+
     def temp_dir(self) -> Path:
         """The store's own temp folder, for a writer that fills a file before admitting it (a
         pull): laid out on first use like every write."""

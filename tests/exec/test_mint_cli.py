@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -17,10 +18,12 @@ import pytest
 from support.cli import cli
 from support.toy import copy_toy
 
+from cgbuild.core.platform import host_name
 from cgbuild.store.local import Store
 from cgbuild.store.seal import read_metadata
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+README = EXAMPLES.parent / "README.md"
 MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
 
 pytestmark = pytest.mark.slow
@@ -379,3 +382,44 @@ def test_toy_lanes_each_match_eager_and_refit_reasons(minted_toy: Path, tmp_path
     served = adopt(edited, m, memory_bytes=4 << 30)
     with torch.no_grad():
         torch.testing.assert_close(served(x), m(x), rtol=1e-5, atol=1e-6)
+
+
+MACHINE = (
+    (re.compile(r"\bwait \d+(?:\.\d+)?s, "), ""),  # a wait for the sandbox another mint held
+    (re.compile(r"\b[0-9a-f]{12,64}\b"), "<hex>"),  # keys, digests, folds: this toolchain's
+    (re.compile(r"\b\d+(?:\.\d+)? ?(?:s|ms|KiB|MiB|GiB)\b"), "<n>"),  # timings and sizes
+    (re.compile(r"\b(gcc|clang|CXXABI|GLIBCXX|GLIBC) \d+(?:\.\d+)*"), r"\1 <version>"),
+    (re.compile(r"winner \w+|fallback \w+ > \w+"), "<verdict>"),  # measured: either lane may win
+)
+"""What differs between machines and runs, never between the code and the README."""
+
+
+def shown(after: str) -> str:
+    """The output block the README shows right after the text `after`."""
+    text = README.read_text()
+    start = text.index("```\n", text.index(after)) + 4
+    return text[start : text.index("```", start)]
+
+
+def masked(output: str, ws: Path | None = None) -> str:
+    """`output` as the README shows it (the workspace and host named as placeholders), with the
+    machine's values masked and whitespace collapsed (rich pads and wraps by the terminal)."""
+    if ws is not None:
+        output = output.replace(str(ws), "<workspace>").replace(f" {host_name()} (", " <host> (")
+    for pattern, replacement in MACHINE:
+        output = pattern.sub(replacement, output)
+    return " ".join(output.split())
+
+
+def test_readme_shows_what_the_minted_toy_prints(minted_toy: Path, tmp_path: Path) -> None:
+    """README's "What it prints": `inspect` of the minted MLP, and the plan after a config edit,
+    regenerated here from the minted toy and compared, the machine's values masked."""
+    ws = copy_ws(minted_toy, tmp_path / "toy")
+    env = {**os.environ, "COLUMNS": "100"}
+    proc = cli(ws, "inspect", MLP8, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert masked(proc.stdout, ws) == masked(shown(f"`cgbuild inspect {MLP8}`"))
+    edit(ws / "Cgfile", "out = 10 }", "out = 10, chunks = 8 }")
+    proc = cli(ws, "plan", "@fp32", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert masked(proc.stdout, ws) == masked(shown("`cgbuild plan @fp32` after adding `chunks = 8`"))

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from support.cgfiles import ONE_MODULE
 from support.procs import MARK, marked, wait_for
 from support.toy import copy_toy
 
@@ -39,10 +40,13 @@ def start_mint(ws: Path, token: str, err: Path, **env: str) -> subprocess.Popen[
         )
 
 
-def kill_during_compile(ws: Path, how: signal.Signals, err: Path, **env: str) -> tuple[int, str]:
+def kill_during_compile(
+    ws: Path, how: signal.Signals, err: Path, *, seen: list[str] | None = None, **env: str
+) -> tuple[int, str]:
     """Kill the mint once its compile stage runs (with `CGBUILD_MINT_FAULT=compile:hang`, once
     the stage waits on its never-ending child); every marked process must be gone within 10 s,
-    far less than a compile (the parent-death signals act at once)."""
+    far less than a compile (the parent-death signals act at once). `seen` gets what the build
+    folder held when the signal was sent."""
     token = uuid.uuid4().hex
     proc = start_mint(ws, token, err, **env)
     sign = "sleep 3600" if env else "--stage compile"
@@ -51,6 +55,8 @@ def kill_during_compile(ws: Path, how: signal.Signals, err: Path, **env: str) ->
     time.sleep(0.5)  # into the compile
     before = marked(token)
     assert any("cgbuild_rules.mint" in c and "--stage" not in c for c in before.values()), before
+    if seen is not None:
+        seen += leftovers(ws)
     proc.send_signal(how)
     rc = proc.wait(60)
     gone = wait_for(lambda: not marked(token), 10)
@@ -60,6 +66,12 @@ def kill_during_compile(ws: Path, how: signal.Signals, err: Path, **env: str) ->
             os.kill(pid, signal.SIGKILL)
     assert gone is True, f"outlived cgbuild ({how.name}): {survivors}"
     return rc, err.read_text()
+
+
+def leftovers(ws: Path) -> list[str]:
+    """What the workspace's build folder holds."""
+    build = ws / ".cgbuild" / "build"
+    return sorted(p.name for p in build.iterdir()) if build.is_dir() else []
 
 
 def gc(ws: Path, *args: str) -> dict:
@@ -100,6 +112,46 @@ def test_sigterm_of_mint_is_one_line_exit_143_and_no_process_survives(
     rc, err = kill_during_compile(ws, signal.SIGTERM, tmp_path / "err")
     assert rc == 143 and "Traceback" not in err
     assert [line for line in err.splitlines() if "terminated" in line] == ["cgbuild: terminated"]
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupted_mint_removes_its_build_folder(
+    tmp_path: Path, toy_reference: Path, how: signal.Signals
+) -> None:
+    """Ctrl-C or SIGTERM in the middle of a compile: the worker's work folder (its request, stage
+    logs, what it compiled so far) is gone when `cgbuild` exits, without waiting for a `gc`."""
+    ws = copy_toy(tmp_path / "toy", toy_reference)
+    seen: list[str] = []
+    rc, err = kill_during_compile(ws, how, tmp_path / "err", seen=seen)
+    assert rc == {signal.SIGTERM: 143, signal.SIGINT: 130}[how] and "Traceback" not in err, err
+    assert [n for n in seen if n.startswith(".mint-")], seen  # the folder was there when signalled
+    assert leftovers(ws) == []
+
+
+def test_gc_sweeps_a_dead_workers_folder_and_keeps_a_live_ones(tmp_path: Path) -> None:
+    """`cgbuild gc` past the grace period: the work folder of a worker that died (a process that
+    ran and exited) is removed, with the temporary archive in it; one whose worker still runs
+    (a process sleeping now) is kept, however old."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "Cgfile").write_text(ONE_MODULE.format(workspace=""))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        build = ws / ".cgbuild" / "build"
+        folders = {f".mint-{'a' * 16}-{int(dead.stdout)}": False, f".mint-{'b' * 16}-{live.pid}": True}
+        old = time.time() - 7200
+        for name in folders:
+            (build / name).mkdir(parents=True)
+            (build / name / f".{'a' * 64}.tar.gz.{int(dead.stdout)}.tmp").write_bytes(b"half an archive")
+            os.utime(build / name, (old, old))
+        assert gc(ws)["build_removed"] == [n for n, alive in folders.items() if not alive]
+        assert leftovers(ws) == [n for n, alive in folders.items() if alive]
+    finally:
+        live.kill()
+        live.wait()
+    assert gc(ws)["build_removed"] == [f".mint-{'b' * 16}-{live.pid}"]  # its worker is gone now
+    assert leftovers(ws) == []
 
 
 def test_gc_never_sweeps_a_live_mints_build_files(tmp_path: Path) -> None:

@@ -189,7 +189,8 @@ def test_mint_publishes_what_only_this_cache_holds(
         shedding.stop()
     assert down.returncode == 2 and "Traceback" not in down.stderr and not down.stdout, down.stderr
     error = down.stderr.strip().splitlines()[-1]
-    assert error.startswith("cgbuild: error: field 'workspace.remote': remote-unavailable: "), error
+    where = f"{moved / 'Cgfile'}:3: field 'workspace.remote'"  # the line that declares the store
+    assert error.startswith(f"cgbuild: error: {where}: remote-unavailable: "), error
     assert "SlowDown" in error and "reached max retries" in error
     assert cache.ref_state(key) == "fresh" and not seen_path(cache.root, url).exists()
     proc = cli(moved, "mint", MLP8, "--json", env=env)
