@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from support.s3 import BUCKET, S3, behind_proxy, child_env
-from support.shared import artifact, new_key, prefix_of, publish_one, shared_at
+from support.shared import artifact, new_key, overwrite_flipped, prefix_of, publish_one, shared_at
 
 from cgbuild.core.errors import UserError
 from cgbuild.store.local import Store
@@ -204,10 +204,7 @@ def test_an_object_overwritten_in_place_is_uploaded_again_not_trusted(
     s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], signing: None, request: pytest.FixtureRequest
 ) -> None:
     prefix, a, key, art = publish_one(tmp_path, keys, request)
-    sha = a.local.read_ref(key).object  # type: ignore[union-attr]
-    bad = bytearray(art.read_bytes())
-    bad[7] ^= 0xFF  # same size, other bytes, no sha256 tag: it must not pass for the object
-    s3.client().put_object(Bucket=BUCKET, Key=a.remote.object_name(sha), Body=bytes(bad))
+    sha = overwrite_flipped(s3, a, key, art, 7)  # it must not pass for the object
     assert not a.remote.has_object(sha, art.stat().st_size)
     other = new_key()
     assert shared_at(tmp_path / "b", prefix, keys).admit(other, art, metadata={}).status == "admitted"

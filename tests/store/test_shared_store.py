@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from support.artifacts import sealed_for
 from support.s3 import BUCKET, S3, behind_proxy
-from support.shared import artifact, forge, new_key, prefix_of, publish_one, shared_at
+from support.shared import artifact, forge, new_key, overwrite_flipped, prefix_of, publish_one, shared_at
 
 from cgbuild.core.canon import canonical_json
 from cgbuild.store.errors import Corrupt, StoreError
@@ -128,10 +128,7 @@ def test_corrupt_remote_object_is_retried_then_quarantined_and_repaired(
     s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], signing: None, request: pytest.FixtureRequest
 ) -> None:
     prefix, a, key, art = publish_one(tmp_path, keys, request)
-    sha = a.local.read_ref(key).object  # type: ignore[union-attr]
-    bad = bytearray(art.read_bytes())
-    bad[100] ^= 0xFF
-    s3.client().put_object(Bucket=BUCKET, Key=a.remote.object_name(sha), Body=bytes(bad))
+    sha = overwrite_flipped(s3, a, key, art, 100)
     b = shared_at(tmp_path / "b", prefix, keys, host="host-b")
     gets: list[str] = []
     b.remote.client.meta.events.register(
