@@ -8,6 +8,8 @@ values and, for the first C families, on the CPU.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import hashlib
 import io
 import json
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -169,6 +172,52 @@ def same_versions(before: dict[str, Any], code: Code) -> dict[str, Any]:
     if after != before:
         raise SystemExit(f"the measured code changed during the run: {before} -> {after}; run it again")
     return before
+
+
+def run_options(ap: argparse.ArgumentParser, result: Path) -> None:
+    """What `measured_run` reads: the code to measure, where its result goes, whether to keep its folder."""
+    ap.add_argument("--code", default="HEAD", help="commit to measure (exported), or 'worktree'")
+    ap.add_argument("--out", type=Path, default=result)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary workspace")
+
+
+@dataclass
+class Measured:
+    """One run of a benchmark on the code under test: its temporary folder, the code and its
+    children's environment; `write` records what it measured."""
+
+    tmp: Path
+    code: Code
+    env: dict[str, str]
+    out: Path
+    at_start: dict[str, Any]
+    load_before: list[float]
+    started: float
+
+    def profile(self, ws: Path, *args: str) -> dict[str, Any]:
+        return profile(ws, self.env, self.code, *args)
+
+    def write(self, benchmark: str, numbers: dict[str, Any]) -> dict[str, Any]:
+        """`numbers` written at --out with the load average before and after, the versions (checked
+        unchanged since the start) and the run's seconds; returns the document."""
+        done = {
+            **numbers,
+            "load_average": {"before": self.load_before, "after": harness.load_average()},
+            "versions": same_versions(self.at_start, self.code),
+            "benchmark_seconds": round(time.perf_counter() - self.started, 1),
+        }
+        return harness.write_result(self.out, benchmark, done, commit=self.code.commit)
+
+
+@contextlib.contextmanager
+def measured_run(args: argparse.Namespace, prefix: str) -> Iterator[Measured]:
+    """A run on the code `args.code` names, in a temporary folder (`prefix`, kept with --keep),
+    timed and its load average taken from here."""
+    started = time.perf_counter()
+    load_before = harness.load_average()
+    with harness.scratch(prefix, args.keep) as tmp:
+        code, env, at_start = measured_code(args.code, tmp)
+        yield Measured(tmp, code, env, args.out, at_start, load_before, started)
 
 
 # -- fresh processes ---------------------------------------------------------------------------------

@@ -42,18 +42,16 @@ from engine import (
     Code,
     Run,
     cgbuild_argv,
-    measured_code,
+    measured_run,
     median_walls,
     plan_json,
-    profile,
-    same_versions,
+    run_options,
     summarize,
     target_met,
     time_process,
     trace_count,
     write_workspace,
 )
-from harness import load_average, scratch, write_result
 
 HERE = Path(__file__).resolve().parent
 RESULT = HERE / "results" / "mint_noop.json"
@@ -130,16 +128,11 @@ def main() -> None:
     ap.add_argument("--families", type=int, default=10)
     ap.add_argument("--shapes", type=int, default=25, help="shapes per module")
     ap.add_argument("--reps", type=int, default=7, help="fresh processes per measurement")
-    ap.add_argument("--code", default="HEAD", help="commit to measure (exported), or 'worktree'")
-    ap.add_argument("--out", type=Path, default=RESULT)
-    ap.add_argument("--keep", action="store_true", help="keep the temporary workspace")
+    run_options(ap, RESULT)
     args = ap.parse_args()
 
-    started = time.perf_counter()
-    load_before = load_average()
-    with scratch("cgbuild-mint-noop-", args.keep) as tmp:
-        ws = tmp / "ws"
-        code, env, at_start = measured_code(args.code, tmp)
+    with measured_run(args, "cgbuild-mint-noop-") as bench:
+        ws, code, env = bench.tmp / "ws", bench.code, bench.env
         write_workspace(
             ws, code.toy, families=args.families, shapes=args.shapes, cpu_families=args.families, gpu=False
         )
@@ -157,11 +150,9 @@ def main() -> None:
         assert store_census(ws) == census, "a no-op mint changed the store"
         assert not (ws / ".cgbuild" / "mint").exists(), "a no-op mint wrote mint records"
         summary_line = runs["mint_noop"][-1].stdout.splitlines()[0]
-        prof = profile(ws, env, code, "-C", str(ws), "mint", "//...", "--json")
+        prof = bench.profile(ws, "-C", str(ws), "mint", "//...", "--json")
         numbers: dict[str, Any] = {
             "what": f"a second `cgbuild mint //...` over {n} fresh CPU targets: nothing to mint",
-            "load_average": {"before": load_before, "after": load_average()},
-            "versions": same_versions(at_start, code),
             **setting(args, keys),
             "targets": {"total": n, "fresh": statuses["fresh"], "distinct_keys": keys},
             "mint_summary_line": summary_line.split(" into ")[0],  # the store path is this machine's
@@ -183,9 +174,8 @@ def main() -> None:
             },
             **against_target(runs),
             "profile_mint_noop_json": prof,
-            "benchmark_seconds": round(time.perf_counter() - started, 1),
         }
-        result = write_result(args.out, "mint_noop", numbers, commit=code.commit)
+        result = bench.write("mint_noop", numbers)
         print(
             json.dumps({k: result[k] for k in ("targets", "ratios", "target", "mint_summary_line")}, indent=2)
         )

@@ -51,7 +51,6 @@ import sqlite3
 import statistics
 import subprocess
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,18 +62,16 @@ from engine import (
     Run,
     cgbuild_argv,
     family_name,
-    measured_code,
+    measured_run,
     median_walls,
     plan_json,
-    profile,
-    same_versions,
+    run_options,
     summarize,
     target_met,
     time_process,
     trace_count,
     write_workspace,
 )
-from harness import load_average, scratch, write_result
 
 HERE = Path(__file__).resolve().parent
 RESULT = HERE / "results" / "plan_scale.json"
@@ -213,18 +210,13 @@ def main() -> None:
     ap.add_argument("--cpu-families", type=int, default=2, help="families that also serve on the CPU")
     ap.add_argument("--reps", type=int, default=9, help="fresh processes per warm measurement")
     ap.add_argument("--full-reps", type=int, default=5, help="runs of the plan with its memo removed")
-    ap.add_argument("--code", default="HEAD", help="commit to measure (exported), or 'worktree'")
-    ap.add_argument("--out", type=Path, default=RESULT)
-    ap.add_argument("--keep", action="store_true", help="keep the temporary workspace")
+    run_options(ap, RESULT)
     args = ap.parse_args()
 
-    started = time.perf_counter()
-    load_before = load_average()
-    with scratch("cgbuild-plan-scale-", args.keep) as tmp:
-        ws, ws_mint = tmp / "ws", tmp / "ws-mint"
-        code, env, at_start = measured_code(args.code, tmp)
+    with measured_run(args, "cgbuild-plan-scale-") as bench:
+        ws, ws_mint, env = bench.tmp / "ws", bench.tmp / "ws-mint", bench.env
         write_workspace(
-            ws, code.toy, families=args.families, shapes=args.shapes, cpu_families=args.cpu_families
+            ws, bench.code.toy, families=args.families, shapes=args.shapes, cpu_families=args.cpu_families
         )
         state = keyed(ws, env, args.cpu_families)
         shutil.copytree(ws, ws_mint, symlinks=True)  # nothing moved, nothing stored: every key `mint`
@@ -242,13 +234,11 @@ def main() -> None:
         runs, memo_hits = timed_rounds(cases, env, memo, args.reps, args.full_reps)
 
         cold = state.cold_run
-        prof = profile(ws, env, code, "-C", str(ws), "plan", "--json")
+        prof = bench.profile(ws, "-C", str(ws), "plan", "--json")
         numbers: dict[str, Any] = {
             "what": f"cgbuild plan over a generated workspace of {n} keyed targets: warm no-op "
             "(--json and human, every key stored), warm with nothing stored, and the same no-op plan "
             "computed in full; fresh processes",
-            "load_average": {"before": load_before, "after": load_average()},
-            "versions": same_versions(at_start, code),
             "workspace": workspace_facts(args),
             "targets": {
                 "total": n,
@@ -268,9 +258,8 @@ def main() -> None:
             **against_target(runs, n),
             "torch_imported_by_engine": False,  # every timed cgbuild run exits 99 otherwise
             "profile_warm_plan_json": prof,
-            "benchmark_seconds": round(time.perf_counter() - started, 1),
         }
-        result = write_result(args.out, "plan_scale", numbers, commit=code.commit)
+        result = bench.write("plan_scale", numbers)
         print(json.dumps({k: result[k] for k in ("targets", "ratios", "target", "cost_split")}, indent=2))
         print(json.dumps(result["seconds"], indent=2))
 

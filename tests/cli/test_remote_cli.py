@@ -58,12 +58,9 @@ def test_mint_refuses_a_store_whose_concurrent_creates_both_win(
     endpoint and the missing feature, no traceback, nothing compiled, nothing remembered."""
     url = f"s3://{BUCKET}/{prefix_of(request)}"
     ws = toy_with_remote(tmp_path / "toy", toy_reference, url, [keys["ci"][1]])
-    proxy = Proxy(s3, racy_create=True).start()
-    try:
+    with Proxy(s3, racy_create=True) as proxy:
         env = child_env(s3, AWS_ENDPOINT_URL=proxy.url, **{SIGNING_KEY_ENV: str(keys["ci"][0])})
         proc = cli(ws, "mint", "//toy/mlp/8x64-b1@fp32:cpu", "--json", env=env)
-    finally:
-        proxy.stop()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("cgbuild: error:")]
     assert "field 'workspace.remote': racy-conditional-write" in line and proxy.url in line

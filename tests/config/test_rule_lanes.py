@@ -6,56 +6,28 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from support.cgfiles import error_of, write
+from support.cgfiles import KLEIN_ENTRY, KLEIN_LANES, error_of, klein, write
 
 from cgbuild.config import cgfile
 from cgbuild.config.targets import Target, expand
 from cgbuild.exec.mint import _lanes_request
 from cgbuild.protocol.trace import job_for, target_lanes
 
-BASE = """\
-[workspace]
-state = ".state"
-
-[sku.h200]
-sm = "sm_90"
-memory_gib = 141
-
-[layout.bf16]
-quant = "plain.bf16"
-
-[layout.fp8]
-quant = "fp8-rowwise"
-
-[family.klein]
-entry = "klein_entry:build"
-sources = ["*.py"]
-skus = ["h200"]
-layouts = ["bf16", "fp8"]
-
-[family.klein.module.transformer]
-shapes = ["64x64"]
-batch_sizes = [1]
-
-[family.klein.lanes]
-"""
-
-ENTRY_LANES = 'LANES = {"attention": {"flash": {}, "math": {}}}\n\n\ndef build(spec):\n    return None\n'
 ENTRY_PLAIN = "def build(spec):\n    return None\n"
 
-BOTH = 'attention = ["flash", "math"]\nfp8-gemm = ["scaled-mm", "triton"]\n'
 TRITON = {"triton": {"version": "3.6.0"}}
 
 
 def cgfile_text(lanes: str, layouts: str = '["bf16", "fp8"]') -> str:
-    return BASE.replace('layouts = ["bf16", "fp8"]', f"layouts = {layouts}") + lanes
+    """klein with both layouts declared, `layouts` of them served, and these lane axes."""
+    return klein(lanes, served=layouts)
 
 
 def line_of(text: str, start: str) -> int:
     return next(n for n, line in enumerate(text.splitlines(), 1) if line.startswith(start))
 
 
-def load(tmp_path: Path, lanes: str, entry: str = ENTRY_LANES) -> cgfile.Cgfile:
+def load(tmp_path: Path, lanes: str, entry: str = KLEIN_ENTRY) -> cgfile.Cgfile:
     (tmp_path / "klein_entry.py").write_text(entry)
     return cgfile.load(write(tmp_path, cgfile_text(lanes)))
 
@@ -67,7 +39,7 @@ def targets_by_layout(cg: cgfile.Cgfile) -> dict[str, Target]:
 
 
 def test_a_rule_axis_loads_beside_the_entrys_and_is_owned_by_its_rule(tmp_path: Path) -> None:
-    fam = load(tmp_path, BOTH).families["klein"]
+    fam = load(tmp_path, KLEIN_LANES).families["klein"]
     assert fam.lanes == (("attention", ("flash", "math")), ("fp8-gemm", ("scaled-mm", "triton")))
     assert fam.lane_rules == {"fp8-gemm": "fp8-rowwise"}
     assert fam.lane_table["fp8-gemm"]["scaled-mm"].to_json() == {}
@@ -77,8 +49,8 @@ def test_a_rule_axis_loads_beside_the_entrys_and_is_owned_by_its_rule(tmp_path: 
 
 
 def test_a_rule_axis_of_a_rule_no_layout_uses_is_refused_naming_the_rule(tmp_path: Path) -> None:
-    (tmp_path / "klein_entry.py").write_text(ENTRY_LANES)
-    text = cgfile_text(BOTH, layouts='["bf16"]')
+    (tmp_path / "klein_entry.py").write_text(KLEIN_ENTRY)
+    text = cgfile_text(KLEIN_LANES, layouts='["bf16"]')
     err = error_of(tmp_path, text)
     assert (err.line, err.field) == (line_of(text, "fp8-gemm"), "family.klein.lanes.fp8-gemm"), str(err)
     assert err.file == str(tmp_path / "Cgfile")
@@ -94,7 +66,7 @@ def test_an_unused_rules_axis_names_the_rule_when_the_entry_has_no_lanes_table(t
 
 
 def test_an_unknown_value_of_a_rule_axis_names_the_rule_as_provider(tmp_path: Path) -> None:
-    (tmp_path / "klein_entry.py").write_text(ENTRY_LANES)
+    (tmp_path / "klein_entry.py").write_text(KLEIN_ENTRY)
     text = cgfile_text('fp8-gemm = ["scaled-mm", "cutlass"]\n')
     err = error_of(tmp_path, text)
     assert (err.line, err.field) == (line_of(text, "fp8-gemm"), "family.klein.lanes.fp8-gemm"), str(err)
@@ -123,7 +95,7 @@ def test_only_rule_axes_need_no_entry_lanes_table(tmp_path: Path, entry: str | N
 
 def test_an_entry_axis_beside_a_rule_axis_still_needs_the_entrys_table(tmp_path: Path) -> None:
     (tmp_path / "klein_entry.py").write_text(ENTRY_PLAIN)
-    err = error_of(tmp_path, cgfile_text(BOTH))
+    err = error_of(tmp_path, cgfile_text(KLEIN_LANES))
     assert err.field == "family.klein.lanes", str(err)
     assert "entry 'klein_entry:build' declares no LANES table" in err.message
 
@@ -141,7 +113,7 @@ def test_an_entry_axis_named_like_a_rule_axis_is_refused_at_the_entry(tmp_path: 
 def test_the_fp8_target_carries_the_rule_axis_with_triton_only_when_its_toolchain_has_it(
     tmp_path: Path,
 ) -> None:
-    cg = load(tmp_path, BOTH)
+    cg = load(tmp_path, KLEIN_LANES)
     fp8 = targets_by_layout(cg)["fp8"]
     assert job_for(cg, fp8, TRITON).spec["lanes"] == {
         "attention": ["flash", "math"],
@@ -155,7 +127,7 @@ def test_the_fp8_target_carries_the_rule_axis_with_triton_only_when_its_toolchai
 
 
 def test_the_bf16_target_carries_the_entry_axis_but_not_the_rule_axis(tmp_path: Path) -> None:
-    cg = load(tmp_path, BOTH)
+    cg = load(tmp_path, KLEIN_LANES)
     bf16 = targets_by_layout(cg)["bf16"]
     assert job_for(cg, bf16, TRITON).spec["lanes"] == {"attention": ["flash", "math"]}
     assert target_lanes(bf16, "plain.bf16", TRITON) == {"attention": ["flash", "math"]}
@@ -170,12 +142,12 @@ def test_with_only_a_rule_axis_the_bf16_target_has_no_lanes_at_all(tmp_path: Pat
 
 
 def test_the_mint_request_carries_only_the_axes_of_the_targets_layout(tmp_path: Path) -> None:
-    cg = load(tmp_path, BOTH)
+    cg = load(tmp_path, KLEIN_LANES)
     by_layout = targets_by_layout(cg)
     ws = SimpleNamespace(cg=cg)
 
     def request(layout: str) -> dict | None:
-        mk = SimpleNamespace(target=by_layout[layout], entries=[{"skus": ["h200"]}])
+        mk = SimpleNamespace(target=by_layout[layout], entries=[SimpleNamespace(skus=["h200"])])
         return _lanes_request(ws, mk)  # type: ignore[arg-type]
 
     fp8 = request("fp8")

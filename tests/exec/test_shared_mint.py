@@ -16,6 +16,7 @@ import secrets
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +52,15 @@ def published(
     return ws, url, minted["key"]
 
 
+@pytest.fixture
+def clone_on(keys: dict[str, tuple[Path, str]], toy_reference: Path, tmp_path: Path) -> Callable[[str], Path]:
+    """A clean clone of the toy workspace (`tmp_path/clone`) on the store at a URL, trusting `ci`."""
+    return lambda url: toy_with_remote(tmp_path / "clone", toy_reference, url, [keys["ci"][1]])
+
+
 @pytest.mark.slow
 def test_mint_publishes_and_a_clean_clone_plans_fresh_without_tracing(
-    published: tuple[Path, str, str],
-    s3: S3,
-    keys: dict[str, tuple[Path, str]],
-    toy_reference: Path,
-    tmp_path: Path,
+    published: tuple[Path, str, str], s3: S3, clone_on: Callable[[str], Path]
 ) -> None:
     _, url, key = published
     remote = Remote(url)
@@ -65,9 +68,8 @@ def test_mint_publishes_and_a_clean_clone_plans_fresh_without_tracing(
     assert ref is not None and ref.doc["signature"]["key_id"] and ref.doc["metadata"]["labels"] == [MLP8]
     assert remote.has_object(ref.doc["object"], ref.doc["size"])
     assert list(remote.list_names(f"evidence/{key}")) and list(remote.list_names("facts"))
-    clone = toy_with_remote(tmp_path / "clone", toy_reference, url, [keys["ci"][1]])
-    proxy = Proxy(s3).start()
-    try:
+    clone = clone_on(url)
+    with Proxy(s3) as proxy:
         env = child_env(s3, AWS_ENDPOINT_URL=proxy.url, **{SIGNING_KEY_ENV: None})
         plan = cli(clone, "plan", MLP8, "--json", env=env)
         (target,) = last_json(plan)["targets"]
@@ -90,8 +92,6 @@ def test_mint_publishes_and_a_clean_clone_plans_fresh_without_tracing(
         (failed,) = last_json(proc)["failed"]
         assert proc.returncode == 1 and failed["code"] == "no-signing-key" and failed["phase"] == "publish"
         assert not (clone / ".cgbuild" / "mint" / f"{failed['key']}.log").exists()
-    finally:
-        proxy.stop()
 
 
 def _copy(source: Remote, prefix: str, subs: tuple[str, ...]) -> Remote:
@@ -114,7 +114,7 @@ def test_a_no_op_plan_the_remembered_listing_vouches_for_is_served_from_the_memo
     published: tuple[Path, str, str],
     s3: S3,
     keys: dict[str, tuple[Path, str]],
-    toy_reference: Path,
+    clone_on: Callable[[str], Path],
     tmp_path: Path,
 ) -> None:
     """With a shared store, a key fresh only by the remote is served from the memo at the cost of
@@ -123,9 +123,8 @@ def test_a_no_op_plan_the_remembered_listing_vouches_for_is_served_from_the_memo
     _, published_url, key = published
     prefix = f"memo-{secrets.token_hex(3)}"
     remote = _copy(Remote(published_url), prefix, ("refs", "objects", "facts"))  # this test quarantines
-    clone = toy_with_remote(tmp_path / "clone", toy_reference, remote.url, [keys["ci"][1]])
-    proxy = Proxy(s3).start()
-    try:
+    clone = clone_on(remote.url)
+    with Proxy(s3) as proxy:
         env = child_env(s3, AWS_ENDPOINT_URL=proxy.url, **{SIGNING_KEY_ENV: None})
 
         def plan() -> tuple[str, list[str]]:
@@ -159,8 +158,6 @@ def test_a_no_op_plan_the_remembered_listing_vouches_for_is_served_from_the_memo
         other.quarantine_remote(key, seen, "bad bytes")
         after, listed = plan()
         assert json.loads(after)["targets"][0]["status"] == "mint" and "refs" in listed
-    finally:
-        proxy.stop()
 
 
 @pytest.mark.slow
@@ -182,11 +179,8 @@ def test_mint_publishes_what_only_this_cache_holds(
     assert key not in remote.list_keys()
     env = child_env(s3, **{SIGNING_KEY_ENV: str(keys["ci"][0])})
     cache = Store(moved / ".cgbuild" / "store")
-    shedding = Proxy(s3, slow_down=10**6).start()
-    try:
+    with Proxy(s3, slow_down=10**6) as shedding:
         down = cli(moved, "mint", MLP8, "--json", env={**env, "AWS_ENDPOINT_URL": shedding.url})
-    finally:
-        shedding.stop()
     assert down.returncode == 2 and "Traceback" not in down.stderr and not down.stdout, down.stderr
     error = down.stderr.strip().splitlines()[-1]
     where = f"{moved / 'Cgfile'}:3: field 'workspace.remote'"  # the line that declares the store
@@ -202,13 +196,10 @@ def test_mint_publishes_what_only_this_cache_holds(
     assert ref is not None and local is not None
     assert (ref.doc["object"], ref.doc["signature"]) == (local.object, local.metadata["signature"])
     assert remote.has_object(local.object, local.size)
-    proxy = Proxy(s3).start()  # what this cache published it remembers: no listing of refs
-    try:
+    with Proxy(s3) as proxy:  # what this cache published it remembers: no listing of refs
         again = cli(moved, "mint", MLP8, "--json", env={**env, "AWS_ENDPOINT_URL": proxy.url})
         assert last_json(again)["published"] == []
         assert not [p for p in proxy.requests("GET", "list-type=2") if "refs" in p]
-    finally:
-        proxy.stop()
 
 
 @pytest.mark.slow
@@ -216,8 +207,7 @@ def test_a_key_published_elsewhere_after_the_listing_was_remembered_is_found_not
     published: tuple[Path, str, str],
     s3: S3,
     keys: dict[str, tuple[Path, str]],
-    toy_reference: Path,
-    tmp_path: Path,
+    clone_on: Callable[[str], Path],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The remembered listing vouches only for the keys it names (docs/store.md): a key it does not
@@ -228,9 +218,8 @@ def test_a_key_published_elsewhere_after_the_listing_was_remembered_is_found_not
     remote = _copy(Remote(published_url), f"later-{secrets.token_hex(3)}", ("facts",))  # no tracing
     named = "0" * 64  # a key the remembered listing names, so that it is no empty listing
     assert remote.create(remote.ref_name(named), b"{}")
-    clone = toy_with_remote(tmp_path / "clone", toy_reference, remote.url, [keys["ci"][1]])
-    proxy = Proxy(s3).start()
-    try:
+    clone = clone_on(remote.url)
+    with Proxy(s3) as proxy:
         env = child_env(s3, AWS_ENDPOINT_URL=proxy.url, **{SIGNING_KEY_ENV: None})
 
         def run(*args: str) -> tuple[dict[str, Any], list[str]]:
@@ -256,8 +245,6 @@ def test_a_key_published_elsewhere_after_the_listing_was_remembered_is_found_not
         assert plan["targets"][0]["status"] == "fresh" and listed == ["refs"]
         fetched, _ = run("fetch")
         assert [(p["key"], p["signer"]) for p in fetched["pulled"]] == [(key, "ci")]
-    finally:
-        proxy.stop()
 
 
 @pytest.mark.slow
@@ -276,19 +263,12 @@ def test_inspect_shows_every_cards_evidence_from_the_shared_store(
 
 @pytest.mark.slow
 def test_fetch_reports_a_key_the_store_refuses_and_goes_on(
-    published: tuple[Path, str, str],
-    s3: S3,
-    keys: dict[str, tuple[Path, str]],
-    toy_reference: Path,
-    tmp_path: Path,
+    published: tuple[Path, str, str], s3: S3, clone_on: Callable[[str], Path]
 ) -> None:
     _, url, key = published
-    clone = toy_with_remote(tmp_path / "clone", toy_reference, url, [keys["ci"][1]])
-    proxy = Proxy(s3, deny="/objects/").start()  # refs readable, objects forbidden
-    try:
+    clone = clone_on(url)
+    with Proxy(s3, deny="/objects/") as proxy:  # refs readable, objects forbidden
         proc = cli(clone, "fetch", MLP8, "--json", env=child_env(s3, AWS_ENDPOINT_URL=proxy.url))
-    finally:
-        proxy.stop()
     summary = last_json(proc)
     assert proc.returncode == 1 and summary["pulled"] == []
     (refused,) = summary["refused"]

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.jobs import make_job
 from torch import nn
 
 from cgbuild.config import cgfile
@@ -284,25 +285,7 @@ BANKED_INT8 = "18d88f8d5d0febc82dc72e2aa4c1f2b8a97a697eb34e04c62d5ee377e61f7e26"
 
 
 def _job(root: Path, quant: str, dtype: str = "float32") -> dict[str, Any]:
-    spec = {
-        "family": "q",
-        "module": "mlp",
-        "graph_class": "8x64-b1",
-        "height": 8,
-        "width": 64,
-        "text_len": None,
-        "batch": 1,
-        "dtype": dtype,
-        "device": "cpu",
-    }
-    return {
-        "id": quant,
-        "entry": "q_entry:build",
-        "root": str(root),
-        "config": {},
-        "spec": spec,
-        "quant": quant,
-    }
+    return make_job(dtype=dtype, entry="q_entry:build", root=root, family="q", job_id=quant, quant=quant)
 
 
 def test_quantized_graph_digests(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.cgfiles import KLEIN_ENTRY, KLEIN_LANES, klein
 
 from cgbuild.config import cgfile
 from cgbuild.config.labels import parse_selector
@@ -33,35 +34,9 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 MLP8 = "//toy/mlp/8x64-b1@fp32:cpu"
 FP8 = "//klein/transformer/64x64-b1@fp8:sm_90"
 
-KLEIN = """\
-[workspace]
-state = ".cgbuild"
-
-[toolchain]
-lock = "toolchain.lock"
-
-[sku.h200]
-sm = "sm_90"
-memory_gib = 141
-
-[layout.fp8]
-quant = "fp8-rowwise"
-
-[family.klein]
-entry = "klein_entry:build"
-sources = ["*.py"]
-skus = ["h200"]
-layouts = ["fp8"]
-
-[family.klein.module.transformer]
-shapes = ["64x64"]
-batch_sizes = [1]
-
-[family.klein.lanes]
-attention = ["flash", "math"]
-fp8-gemm = ["scaled-mm", "triton"]
-"""
-ENTRY = 'LANES = {"attention": {"flash": {}, "math": {}}}\n\n\ndef build(spec):\n    return None\n'
+KLEIN = klein(
+    KLEIN_LANES, workspace='state = ".cgbuild"\n\n[toolchain]\nlock = "toolchain.lock"', layouts=("fp8",)
+)
 TRITON = {"dist": "triton", "version": "3.6.0", "digest": "36" * 32}
 FACTS = {
     "graph_digest": "ab" * 32,
@@ -88,7 +63,7 @@ def mint_job(ws: Workspace, label: str, out: Path) -> TraceJob:
 def _klein(root: Path, triton: bool) -> Workspace:
     """The klein workspace, keyed by its Cgfile's lock: CUDA components with triton, or without."""
     root.mkdir()
-    (root / "klein_entry.py").write_text(ENTRY)
+    (root / "klein_entry.py").write_text(KLEIN_ENTRY)
     (root / "Cgfile").write_text(KLEIN)
     probed = toolchain.probe()
     probed["cuda"]["components"]["triton"] = TRITON if triton else {"absent": True}

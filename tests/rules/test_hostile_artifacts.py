@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from cgbuild_rules.adopt import AdoptRefused, adopt
+from cgbuild_rules.adopt import adopt
 from support.cli import cli
-from support.minted import tiny
+from support.minted import served_eager, tiny
 
 from cgbuild.cli import main
 from cgbuild.store.local import Store
@@ -66,20 +65,6 @@ def with_entry(pt2: Path, name: str, data: bytes = b"escaped") -> bytes:
 
 def members_of(files: dict[str, Path]) -> dict[str, bytes]:
     return {name: p.read_bytes() for name, p in files.items() if name != METADATA}
-
-
-def served_eager(art: Path, m: torch.nn.Module, code: str) -> None:
-    """adopt refuses with `code`, the call is served eager (no raise), strict raises AdoptRefused."""
-    served = adopt(art, m)
-    (refusal,) = served.refusals.values()
-    assert refusal.code == code, refusal
-    assert served.armed == []
-    x = torch.randn(1, 8, 64)
-    with torch.no_grad():
-        torch.testing.assert_close(served(x), m(x))
-    assert served.counters == {f"eager:{code}": 1}
-    with pytest.raises(AdoptRefused, match=code):
-        adopt(art, m, strict=True)
 
 
 def test_a_package_entry_that_climbs_out_is_refused_before_the_loader_unpacks_it(

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from support.artifacts import HOST_READS, compile_package, edited, host_read_ops, wrapper_source
+from support.jobs import make_job
 from support.minted import request_for, session_dirs
 from support.toy import copy_toy
 
@@ -65,25 +66,8 @@ def act_mint(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], 
     _, sandbox = session_dirs(tmp_path_factory)
     root = tmp_path_factory.mktemp("act-entry")
     (root / "act_entry.py").write_text(ENTRY)
-    job = {
-        "id": "act",
-        "entry": "act_entry:build",
-        "root": str(root),
-        "config": {},
-        "quant": "plain.fp32",
-        "spec": {
-            "family": "act",
-            "module": "net",
-            "graph_class": "8x64-b1",
-            "height": 8,
-            "width": 64,
-            "text_len": None,
-            "batch": 1,
-            "dtype": "float32",
-            "device": "cpu",
-            "lanes": {"act": ["gelu", "relu", "tanh"]},
-        },
-    }
+    program = {"act": ["gelu", "relu", "tanh"]}
+    job = make_job("net", entry="act_entry:build", root=root, family="act", job_id="act", lanes=program)
     lanes = {
         "axes": [["act", AXIS]],
         "needs": {"act": {"gelu": {}, "relu": {}, "tanh": {}}},
@@ -119,25 +103,36 @@ def _net(root: Path, seed: int = 5) -> torch.nn.Module:
     return act_entry.Net(64, {"act": ["gelu", "relu", "tanh"]}).eval()
 
 
-def test_one_artifact_runs_each_lane_it_is_bound_to(
-    act_mint: tuple[dict[str, Any], dict[str, Any], Path],
-) -> None:
+def _serve_each_lane(artifact: Path, m: torch.nn.Module, **adopt_kw: Any) -> dict[str, Any]:
+    """`artifact` adopted onto `m` once per lane, pinned to it, with `m` switched to the same lane:
+    every call runs compiled and matches eager, and the lanes compute different outputs. Returns
+    each lane's adopted module."""
     from cgbuild_rules.adopt import adopt
     from cgbuild_rules.lanes import set_lanes
 
-    _, result, root = act_mint
-    m = _net(root)
     x = torch.randn(1, 8, 64)
-    outs = {}
+    outs: dict[str, torch.Tensor] = {}
+    adopted: dict[str, Any] = {}
     for lane in ("gelu", "relu", "tanh"):
-        served = adopt(result["artifact"], m, lane=lane)
-        assert served.lanes[next(iter(served.lanes))].code == "lane-pinned"
+        served = adopted[lane] = adopt(artifact, m, lane=lane, **adopt_kw)
         set_lanes(m, {"act": lane})
         with torch.no_grad():
             outs[lane] = served(x)
             torch.testing.assert_close(outs[lane], m(x), rtol=1e-5, atol=1e-6)
         assert served.counters == {"compiled": 1}
     assert not torch.allclose(outs["gelu"], outs["relu"]) and not torch.allclose(outs["relu"], outs["tanh"])
+    return adopted
+
+
+def test_one_artifact_runs_each_lane_it_is_bound_to(
+    act_mint: tuple[dict[str, Any], dict[str, Any], Path],
+) -> None:
+    from cgbuild_rules.adopt import adopt
+
+    _, result, root = act_mint
+    m = _net(root)
+    for served in _serve_each_lane(result["artifact"], m).values():
+        assert served.lanes[next(iter(served.lanes))].code == "lane-pinned"
     with pytest.raises(ValueError, match="not in this artifact"):
         adopt(result["artifact"], m, lane="swish")
 
@@ -298,20 +293,10 @@ def test_an_artifact_sealed_with_one_hot_switches_serves_each_lane_it_is_bound_t
     """A serving process on this code adopts it with the entry's module of today (a switch with
     no one-hot): adopt binds the chosen one-hot by the table's FQN, and each lane runs."""
     from cgbuild_rules.adopt import adopt
-    from cgbuild_rules.lanes import set_lanes
 
     _, _, root = act_mint
     m = _net(root)
-    x = torch.randn(1, 8, 64)
-    outs = {}
-    for lane in ("gelu", "relu", "tanh"):
-        served = adopt(one_hot_artifact, m, lane=lane, strict=True)
-        set_lanes(m, {"act": lane})
-        with torch.no_grad():
-            outs[lane] = served(x)
-            torch.testing.assert_close(outs[lane], m(x), rtol=1e-5, atol=1e-6)
-        assert served.counters == {"compiled": 1}
-    assert not torch.allclose(outs["gelu"], outs["relu"]) and not torch.allclose(outs["relu"], outs["tanh"])
+    _serve_each_lane(one_hot_artifact, m, strict=True)
     (choice,) = adopt(one_hot_artifact, m).lanes.values()
     assert (choice.lane, choice.code) == ("gelu", "lane-unverified")
 

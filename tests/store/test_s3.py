@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from support.s3 import BUCKET, S3, Proxy, child_env
-from support.shared import artifact, new_key, prefix_of, publish_one, shared_at
+from support.s3 import BUCKET, S3, behind_proxy, child_env
+from support.shared import artifact, new_key, overwrite_flipped, prefix_of, publish_one, shared_at
 
 from cgbuild.core.errors import UserError
 from cgbuild.store.local import Store
@@ -66,7 +66,6 @@ def test_a_store_without_atomic_create_only_writes_is_refused(
     tmp_path: Path,
     keys: dict[str, tuple[Path, str]],
     signing: None,
-    monkeypatch: pytest.MonkeyPatch,
     request: pytest.FixtureRequest,
     mode: str,
     code: str,
@@ -75,9 +74,7 @@ def test_a_store_without_atomic_create_only_writes_is_refused(
     """The probe's sequential pair catches a store that ignores If-None-Match; only its concurrent
     pair catches one that checks it and then writes without a lock. Either is refused by name,
     with the endpoint, before anything is admitted, and leaves no scratch object and no memo."""
-    proxy = Proxy(s3, **{mode: True}).start()
-    try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    with behind_proxy(s3, **{mode: True}) as proxy:
         probes = tmp_path / "probes"
         shared = shared_at(tmp_path / "s", prefix_of(request), keys, probes=probes)
         with pytest.raises(RemoteError) as info:
@@ -88,17 +85,10 @@ def test_a_store_without_atomic_create_only_writes_is_refused(
         assert not list(shared.remote.list_names("refs")) and not list(shared.local.iter_refs())
         assert not list(shared.remote.list_names("probe"))  # the probe cleans up after itself
         assert not probes.exists()  # a failure is not remembered
-    finally:
-        proxy.stop()
 
 
 def test_a_passed_probe_is_remembered_per_endpoint_bucket_and_prefix(
-    s3: S3,
-    tmp_path: Path,
-    keys: dict[str, tuple[Path, str]],
-    signing: None,
-    monkeypatch: pytest.MonkeyPatch,
-    request: pytest.FixtureRequest,
+    s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], signing: None, request: pytest.FixtureRequest
 ) -> None:
     """A later process on the same store does not probe again within the TTL; another prefix,
     another bucket, another endpoint in front of the same bucket or a stale memo are probed afresh."""
@@ -125,13 +115,8 @@ def test_a_passed_probe_is_remembered_per_endpoint_bucket_and_prefix(
     doc = json.loads(memo.read_text())
     memo.write_text(json.dumps({**doc, "passed_at": time.time() - PROBE_TTL_S - 1}))
     assert probe_puts(url) == 4 and probe_puts(url) == 0
-    proxy = Proxy(s3, strip_if_none_match=True).start()
-    try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        with pytest.raises(RemoteError) as info:
-            probe_puts(url)
-    finally:
-        proxy.stop()
+    with behind_proxy(s3, strip_if_none_match=True), pytest.raises(RemoteError) as info:
+        probe_puts(url)
     assert info.value.code == "no-conditional-write" and len(list(probes.glob("*.json"))) == 3
 
 
@@ -185,24 +170,15 @@ def test_an_interrupted_upload_leaves_nothing_under_the_key(
 
 
 def test_a_connection_lost_mid_download_is_not_corruption(
-    s3: S3,
-    tmp_path: Path,
-    keys: dict[str, tuple[Path, str]],
-    signing: None,
-    monkeypatch: pytest.MonkeyPatch,
-    request: pytest.FixtureRequest,
+    s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], signing: None, request: pytest.FixtureRequest
 ) -> None:
     """Half a body then a dropped connection is the network, not the object: the pull fails as
     `remote-unavailable`, and the key is neither cached nor quarantined in the shared store."""
     prefix, a, key, _ = publish_one(tmp_path, keys, request)
-    proxy = Proxy(s3, cut="/objects/").start()
-    try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    with behind_proxy(s3, cut="/objects/"):
         b = shared_at(tmp_path / "b", prefix, keys)
         with pytest.raises(RemoteError) as info:
             b.pull(key)
-    finally:
-        proxy.stop()
     assert info.value.code == "remote-unavailable"
     assert b.local.read_ref(key) is None
     assert key in a.remote.list_keys() and not a.quarantine_records(key)
@@ -228,10 +204,7 @@ def test_an_object_overwritten_in_place_is_uploaded_again_not_trusted(
     s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], signing: None, request: pytest.FixtureRequest
 ) -> None:
     prefix, a, key, art = publish_one(tmp_path, keys, request)
-    sha = a.local.read_ref(key).object  # type: ignore[union-attr]
-    bad = bytearray(art.read_bytes())
-    bad[7] ^= 0xFF  # same size, other bytes, no sha256 tag: it must not pass for the object
-    s3.client().put_object(Bucket=BUCKET, Key=a.remote.object_name(sha), Body=bytes(bad))
+    sha = overwrite_flipped(s3, a, key, art, 7)  # it must not pass for the object
     assert not a.remote.has_object(sha, art.stat().st_size)
     other = new_key()
     assert shared_at(tmp_path / "b", prefix, keys).admit(other, art, metadata={}).status == "admitted"

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from support import seaweedfs
-from support.s3 import BUCKET, S3, Proxy, use_endpoint
+from support.s3 import BUCKET, S3, Proxy, behind_proxy, use_endpoint
 from support.shared import artifact, new_key, prefix_of, shared_at
 
 from cgbuild.core.canon import sha256_file
@@ -54,21 +54,12 @@ def _publisher(tmp_path: Path, keys: dict[str, tuple[Path, str]], prefix: str) -
 
 @pytest.fixture
 def proxied(
-    s3: S3,
-    tmp_path: Path,
-    keys: dict[str, tuple[Path, str]],
-    signing: None,
-    monkeypatch: pytest.MonkeyPatch,
-    request: pytest.FixtureRequest,
+    s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], signing: None, request: pytest.FixtureRequest
 ) -> Iterator[tuple[Proxy, SharedStore]]:
     """(a proxy in front of the store, no fault set yet; a publisher that has probed through it)."""
-    proxy = Proxy(s3).start()
-    try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        monkeypatch.setenv("AWS_RETRY_MODE", "legacy")  # cgbuild's client keeps standard mode's bound
+    legacy = {"AWS_RETRY_MODE": "legacy"}  # cgbuild's client keeps standard mode's bound
+    with behind_proxy(s3, legacy) as proxy:
         yield proxy, _publisher(tmp_path, keys, prefix_of(request))
-    finally:
-        proxy.stop()
 
 
 def _reader(tmp_path: Path, keys: dict[str, tuple[Path, str]], shared: SharedStore) -> SharedStore:

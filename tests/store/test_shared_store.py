@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 from support.artifacts import sealed_for
-from support.s3 import BUCKET, S3, Proxy
-from support.shared import artifact, forge, new_key, prefix_of, publish_one, shared_at
+from support.s3 import BUCKET, S3, behind_proxy
+from support.shared import artifact, forge, new_key, overwrite_flipped, prefix_of, publish_one, shared_at
 
 from cgbuild.core.canon import canonical_json
 from cgbuild.store.errors import Corrupt, StoreError
@@ -128,10 +128,7 @@ def test_corrupt_remote_object_is_retried_then_quarantined_and_repaired(
     s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], signing: None, request: pytest.FixtureRequest
 ) -> None:
     prefix, a, key, art = publish_one(tmp_path, keys, request)
-    sha = a.local.read_ref(key).object  # type: ignore[union-attr]
-    bad = bytearray(art.read_bytes())
-    bad[100] ^= 0xFF
-    s3.client().put_object(Bucket=BUCKET, Key=a.remote.object_name(sha), Body=bytes(bad))
+    sha = overwrite_flipped(s3, a, key, art, 100)
     b = shared_at(tmp_path / "b", prefix, keys, host="host-b")
     gets: list[str] = []
     b.remote.client.meta.events.register(
@@ -200,57 +197,41 @@ def test_concurrent_publishers_of_one_key_admit_exactly_one(
 
 
 def test_a_ref_that_exists_for_the_writer_but_never_for_a_reader_gives_up(
-    s3: S3,
-    tmp_path: Path,
-    keys: dict[str, tuple[Path, str]],
-    signing: None,
-    monkeypatch: pytest.MonkeyPatch,
-    request: pytest.FixtureRequest,
+    s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], signing: None, request: pytest.FixtureRequest
 ) -> None:
     """Each refused create reads the standing ref; one that keeps vanishing is an error after three
     tries, not a loop, and the key stays unpublished in the cache (the next mint republishes it)."""
-    proxy = Proxy(s3, refuse_create="/refs/").start()
-    try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    with behind_proxy(s3, refuse_create="/refs/") as proxy:
         shared = shared_at(tmp_path / "s", prefix_of(request), keys)
         key = new_key()
         with pytest.raises(RemoteError, match="ref kept vanishing"):
             shared.admit(key, artifact(tmp_path), metadata={})
         assert len(proxy.requests("PUT", f"/refs/{key}")) == 3
         assert shared.local.ref_state(key) == "fresh" and shared.unpublished({key}) == [key]
-    finally:
-        proxy.stop()
 
 
-def test_publishing_without_a_signing_key_is_refused(
+@pytest.mark.parametrize("key_file", [None, "not-a-key.pem"], ids=["no-signing-key", "bad-signing-key"])
+def test_publishing_without_a_usable_signing_key_is_refused(
     s3: S3,
     tmp_path: Path,
     keys: dict[str, tuple[Path, str]],
     monkeypatch: pytest.MonkeyPatch,
     request: pytest.FixtureRequest,
+    key_file: str | None,
 ) -> None:
-    monkeypatch.delenv(SIGNING_KEY_ENV, raising=False)
+    """No signing key set is refused naming the variable; a file that holds no key, naming the file."""
+    if key_file is None:
+        monkeypatch.delenv(SIGNING_KEY_ENV, raising=False)
+        code, named = "no-signing-key", SIGNING_KEY_ENV
+    else:
+        bogus = tmp_path / key_file
+        bogus.write_text("-----BEGIN NOTHING-----\n")
+        monkeypatch.setenv(SIGNING_KEY_ENV, str(bogus))
+        code, named = "bad-signing-key", str(bogus)
     shared = shared_at(tmp_path / "s", prefix_of(request), keys)
     with pytest.raises(PublishRefused) as info:
         shared.admit(new_key(), artifact(tmp_path), metadata={})
-    assert info.value.code == "no-signing-key" and SIGNING_KEY_ENV in info.value.detail
-    assert not list(shared.local.iter_refs())
-
-
-def test_publishing_with_a_key_file_that_is_no_key_is_refused(
-    s3: S3,
-    tmp_path: Path,
-    keys: dict[str, tuple[Path, str]],
-    monkeypatch: pytest.MonkeyPatch,
-    request: pytest.FixtureRequest,
-) -> None:
-    bogus = tmp_path / "not-a-key.pem"
-    bogus.write_text("-----BEGIN NOTHING-----\n")
-    monkeypatch.setenv(SIGNING_KEY_ENV, str(bogus))
-    shared = shared_at(tmp_path / "s", prefix_of(request), keys)
-    with pytest.raises(PublishRefused) as info:
-        shared.admit(new_key(), artifact(tmp_path), metadata={})
-    assert info.value.code == "bad-signing-key" and str(bogus) in info.value.detail
+    assert info.value.code == code and named in info.value.detail
     assert not list(shared.local.iter_refs()) and not shared.remote.list_keys()
 
 
@@ -278,16 +259,9 @@ def test_lane_evidence_from_two_cards_accumulates_beside_the_sealed_object(
 
 
 def test_evidence_the_store_refuses_stays_local_and_the_artifact_stands(
-    s3: S3,
-    tmp_path: Path,
-    keys: dict[str, tuple[Path, str]],
-    signing: None,
-    monkeypatch: pytest.MonkeyPatch,
-    request: pytest.FixtureRequest,
+    s3: S3, tmp_path: Path, keys: dict[str, tuple[Path, str]], signing: None, request: pytest.FixtureRequest
 ) -> None:
-    proxy = Proxy(s3, deny="/evidence/").start()
-    try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    with behind_proxy(s3, deny="/evidence/"):
         shared = shared_at(tmp_path / "s", prefix_of(request), keys)
         key = new_key()
         assert shared.admit(key, artifact(tmp_path), metadata={}).status == "admitted"
@@ -295,8 +269,6 @@ def test_evidence_the_store_refuses_stays_local_and_the_artifact_stands(
         assert why is not None and "AccessDenied" in why
         assert shared.local.read_evidence(key)[shared.host]["runs"] == [{"verdict": {"linear": "baseline"}}]
         assert key in shared.remote.list_keys()
-    finally:
-        proxy.stop()
 
 
 def test_trace_facts_are_shared_only_when_a_trusted_publisher_signed_them(

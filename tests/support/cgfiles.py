@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,46 @@ shapes = ["8x8"]
 """
 )
 """One module whose envelope comes last: a test appends the dimensions it declares."""
+
+KLEIN_ENTRY = 'LANES = {"attention": {"flash": {}, "math": {}}}\n\n\ndef build(spec):\n    return None\n'
+"""klein's entry module (`klein_entry.py`): it declares the attention lanes itself, builds nothing."""
+
+KLEIN_LANES = 'attention = ["flash", "math"]\nfp8-gemm = ["scaled-mm", "triton"]\n'
+"""Both lane axes a klein target can carry: its entry's `attention`, fp8-rowwise's `fp8-gemm`."""
+
+KLEIN_QUANTS = {"bf16": "plain.bf16", "fp8": "fp8-rowwise"}
+
+
+def klein(
+    lanes: str,
+    *,
+    workspace: str = 'state = ".state"',
+    layouts: tuple[str, ...] = ("bf16", "fp8"),
+    served: str | None = None,
+) -> str:
+    """A Cgfile of one family, klein: one transformer shape on an sm_90 sku, the `layouts` declared
+    (`KLEIN_QUANTS`) and served (or those of `served`, a TOML list), its `[family.klein.lanes]`
+    table last, holding `lanes`. `workspace` is the `[workspace]` body, and any table after it."""
+    declared = "".join(f'[layout.{name}]\nquant = "{KLEIN_QUANTS[name]}"\n\n' for name in layouts)
+    return f"""[workspace]
+{workspace}
+
+[sku.h200]
+sm = "sm_90"
+memory_gib = 141
+
+{declared}[family.klein]
+entry = "klein_entry:build"
+sources = ["*.py"]
+skus = ["h200"]
+layouts = {served or json.dumps(list(layouts))}
+
+[family.klein.module.transformer]
+shapes = ["64x64"]
+batch_sizes = [1]
+
+[family.klein.lanes]
+{lanes}"""
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -51,15 +51,18 @@ def make_job(
     root: Path = TOY,
     family: str = "toy",
     job_id: str = "job",
+    quant: str | None = None,
+    lanes: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
-    """A trace job exactly as the engine sends it."""
-    quant = {"float32": "plain.fp32", "bfloat16": "plain.bf16", "float16": "plain.fp16"}[dtype]
-    return {
+    """A trace job exactly as the engine sends it: of the plain layout of `dtype` unless `quant`
+    names another, with the `lanes` program given (none: no lane axes)."""
+    plain = {"float32": "plain.fp32", "bfloat16": "plain.bf16", "float16": "plain.fp16"}
+    job = {
         "id": job_id,
         "entry": entry,
         "root": str(root),
         "config": config if config is not None else {},
-        "quant": quant,
+        "quant": quant or plain[dtype],
         "spec": {
             "family": family,
             "module": module,
@@ -72,6 +75,9 @@ def make_job(
             "device": device,
         },
     }
+    if lanes is not None:
+        job["spec"]["lanes"] = lanes
+    return job
 
 
 def flux_job(height: int = 64, width: int = 48, text_len: int = 8, **kw: Any) -> dict[str, Any]:

@@ -175,3 +175,22 @@ def tiny(factory: pytest.TempPathFactory, seed: int = 1, **kw: Any) -> torch.nn.
     cls = tiny_class(factory)
     torch.manual_seed(seed)
     return cls(64, **kw).eval()
+
+
+def served_eager(art: Path, m: torch.nn.Module, code: str) -> Any:
+    """Adopting `art` onto `m` (a `tiny`) is refused with `code`, the call is served eager (no
+    raise), and strict adoption raises AdoptRefused; returns the refusal."""
+    import torch
+    from cgbuild_rules.adopt import AdoptRefused, adopt
+
+    served = adopt(art, m)
+    (refusal,) = served.refusals.values()
+    assert refusal.code == code, refusal
+    assert served.armed == []
+    x = torch.randn(1, 8, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(served(x), m(x))
+    assert served.counters == {f"eager:{code}": 1}
+    with pytest.raises(AdoptRefused, match=code):
+        adopt(art, m, strict=True)
+    return refusal

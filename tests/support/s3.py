@@ -27,7 +27,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -219,8 +219,25 @@ class Proxy:
             self.server.shutdown()
             self.server.server_close()
 
+    def __enter__(self) -> Proxy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def requests(self, method: str, path_part: str) -> list[str]:
         return [p for m, p in self.log if m == method and path_part in p]
+
+
+@contextlib.contextmanager
+def behind_proxy(s3: S3, env: Mapping[str, str] | None = None, **faults: Any) -> Iterator[Proxy]:
+    """A proxy in front of `s3` with `faults` set (`Proxy`'s fields), and this process's boto3
+    pointed at it (AWS_ENDPOINT_URL) with `env` set, while it runs; the environment is restored,
+    then the proxy stopped, on the way out."""
+    with Proxy(s3, **faults) as proxy, pytest.MonkeyPatch.context() as mp:
+        for k, v in {**(env or {}), "AWS_ENDPOINT_URL": proxy.url}.items():
+            mp.setenv(k, v)
+        yield proxy
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from cgbuild.store.local import Store
 from cgbuild.store.s3 import Remote
 from cgbuild.store.shared import SharedStore
 from support.publishers import trusted
-from support.s3 import BUCKET
+from support.s3 import BUCKET, S3
 
 
 def shared_at(
@@ -66,3 +66,13 @@ def forge(shared: SharedStore, key: str, art: Path, signature: Any, *, size: int
     if signature is not None:
         doc["signature"] = signature
     assert shared.remote.create(shared.remote.ref_name(key), canonical_json(doc).encode())
+
+
+def overwrite_flipped(s3: S3, shared: SharedStore, key: str, art: Path, at: int) -> str:
+    """Overwrite in the bucket, in place, the object `key`'s ref names with `art`'s bytes but the one
+    at `at` flipped: the same size, other bytes, no sha256 tag. Returns the object's sha256."""
+    sha = shared.local.read_ref(key).object  # type: ignore[union-attr]
+    bad = bytearray(art.read_bytes())
+    bad[at] ^= 0xFF
+    s3.client().put_object(Bucket=BUCKET, Key=shared.remote.object_name(sha), Body=bytes(bad))
+    return sha
