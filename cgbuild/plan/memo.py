@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cgbuild.core import fs
+from cgbuild.core.errors import UserError
 from cgbuild.plan.workspace import StateDir
 from cgbuild.store import refs
 
