@@ -98,7 +98,13 @@ PLAN: dict[str, Any] = {
         {
             "label": f"//toy/mlp/8x64-b1@{layout}:{sm}",
             "family": "toy",
+            "module": "mlp",
+            "graph_class": "8x64-b1",
+            "layout": layout,
+            "stamp": f"toy.mlp@1+plain.{layout}@1",
             "sm": sm,
+            "skus": ["cpu" if sm == "cpu" else "h200"],
+            "envelope": {"shape": "8x64", "batch": 1},
             "key": key,
             "status": status,
             "axes": {
@@ -108,6 +114,7 @@ PLAN: dict[str, Any] = {
                 "layout": {"topology": None, "quant": layout},
             },
             "reasons": [{"code": "missing-from-store", "detail": "", "root": True}],
+            "trace_inputs": "f" * 64,
         }
         for layout, sm, key, status in (
             ("fp32", "cpu", "d" * 64, "mint"),
