@@ -237,8 +237,9 @@ def test_killed_worker_is_a_typed_retryable_failure_and_rerun_resumes(
     assert rc == 0 and [m["labels"] for m in summary["minted"]] == [[label]]
 
 
-def test_mint_check_is_byte_identical(minted_toy: Path) -> None:
-    proc = cli(minted_toy, "mint", MLP8, "--check", "--json")
+def test_mint_check_is_byte_identical(minted_toy: Path, tmp_path: Path) -> None:
+    ws = copy_ws(minted_toy, tmp_path / "toy")  # a check records its own lane evidence: not in the shared toy
+    proc = cli(ws, "mint", MLP8, "--check", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     check = json.loads(proc.stdout)["checks"][0]
     assert check["reproducible"] is True

@@ -188,7 +188,9 @@ def test_gc_remote_cli_pins_plans_and_refuses_bad_input(s3: S3, tmp_path: Path, 
         'layouts = ["fp32"]\n[family.t.module.mlp]\nshapes = ["8x64"]\n'
     )
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"schema": "cgbuild.plan/1", "targets": []}))
+    plan.write_text(
+        json.dumps({"schema": "cgbuild.plan/1", "workspace": {"cgfile": "Cgfile"}, "toolchains": {}, "targets": []})
+    )
 
     def gc(*args: str) -> subprocess.CompletedProcess[str]:
         return cli(ws, "gc", *args, env={**os.environ, **s3.env})
