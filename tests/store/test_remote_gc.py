@@ -189,7 +189,9 @@ def test_gc_remote_cli_pins_plans_and_refuses_bad_input(s3: S3, tmp_path: Path, 
     )
     plan = tmp_path / "plan.json"
     plan.write_text(
-        json.dumps({"schema": "cgbuild.plan/1", "workspace": {"cgfile": "Cgfile"}, "toolchains": {}, "targets": []})
+        json.dumps(
+            {"schema": "cgbuild.plan/1", "workspace": {"cgfile": "Cgfile"}, "toolchains": {}, "targets": []}
+        )
     )
 
     def gc(*args: str) -> subprocess.CompletedProcess[str]:
