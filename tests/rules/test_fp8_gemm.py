@@ -1,7 +1,7 @@
 """The fp8-rowwise rule's `fp8-gemm` lane, on a machine without a GPU.
 
-Two real checks of the Triton value (`cgbuild_rules.fp8_gemm`), each in a child process because
-Triton reads `TRITON_INTERPRET` when a kernel is defined:
+Two real checks of the Triton value (`cgbuild_rules.fp8_gemm`), each in a child process
+(`support.triton_child`):
 
 - the kernel compiles for sm_90 with Triton's own compiler (no GPU needed): fp8 `wgmma`
   instructions in its PTX. A kernel that only the interpreter accepts (it reads a plain Python
@@ -15,13 +15,10 @@ Triton reads `TRITON_INTERPRET` when a kernel is defined:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from support.triton_child import run
 
 pytest.importorskip("triton")
 
@@ -87,24 +84,14 @@ INTERPRET = textwrap.dedent(
 )
 
 
-def _run(script: str, interpret: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    command = [sys.executable, "-c", script]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_kernel_compiles_for_sm90_with_fp8_tensor_core_instructions() -> None:
-    result = _run(COMPILE, interpret=False)
+    result = run(COMPILE, interpret=False)
     assert result["wgmma_e4m3"] > 0
     assert result["cubin"] > 0
 
 
 def test_kernel_and_lane_switch_compute_what_scaled_mm_computes() -> None:
-    result = _run(INTERPRET, interpret=True)
+    result = run(INTERPRET, interpret=True)
     for case in ("bias=True", "bias=False"):
         r = result[case]
         # fp32 accumulation in another order and one bf16 rounding of the output: ~1e-3
