@@ -8,16 +8,23 @@
   partial block, with two batches.
 - The kernel compiles for sm_90 with Triton's own compiler: both matmuls are fp8 `wgmma`.
 - `torch.export` keeps the op as one node, and refuses shapes the kernel is not built for.
+- benchmarks/attention_gpu.py's `--tiny` rehearsal runs.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from support.triton_child import run
 
 pytest.importorskip("triton")
+
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_gpu.py"
 
 ACCURACY = textwrap.dedent(
     """
@@ -148,3 +155,14 @@ def test_export_refuses_shapes_the_kernel_is_not_built_for(
 ) -> None:
     with pytest.raises(ValueError, match=words):
         _export(q_shape, kv_shape)
+
+
+def test_the_gpu_benchmark_rehearses_under_the_interpreter(tmp_path: Path) -> None:
+    out = tmp_path / "attention.json"
+    command = [sys.executable, str(BENCHMARK), "--tiny", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["impl"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"fp8_op", "fp8_quantize", "sdpa_math"}
+    assert rows["sdpa_math"]["rel_vs_fp32"] < 0.01
+    assert rows["fp8_op"]["rel_vs_fp32"] < 0.12  # the interpreter's own e4m3 rounding: larger than 0.09
