@@ -57,23 +57,23 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.label and not args.plan:
         raise UserError("name a label (e.g. //toy:cpu) or --plan PLAN.json", field="label")
-    executor = fleet.parse_executor(args.executor)
-    if executor.kind == "ray":
+    where = fleet.parse_executor(args.executor)
+    if where.kind == "ray":
         if args.check:
             raise UserError(
                 "--check compares bytes on this machine: run it without --executor", field="--check"
             )
-        fleet.connect(executor)  # before planning: an unreachable cluster fails at once
+        fleet.connect(where)  # before planning: an unreachable cluster fails at once
     selector = parse_selector(args.label or "//...")
     recorded = mint.recorded_plan_keys(args.plan) if args.plan else None  # bad input fails before a trace
     ws = workspace(args)
-    if executor.kind == "local":  # the Cgfile's compiler and store, refused before a trace
+    if where.kind == "local":  # the Cgfile's compiler and store, refused before a trace
         check_compiler(ws)
         ws.writable_store()
     jobs = args.jobs or mint.default_jobs()
-    held = HeldTraces(ws, jobs) if executor.kind == "local" and not args.check else None
+    held = HeldTraces(ws, jobs) if where.kind == "local" and not args.check else None
     try:
-        return _mint(args, ws, executor, selector, recorded, jobs, held)
+        return _mint(args, ws, where, selector, recorded, jobs, held)
     finally:
         if held is not None:
             held.close()
@@ -82,15 +82,16 @@ def run(args: argparse.Namespace) -> int:
 def _mint(
     args: argparse.Namespace,
     ws: Workspace,
-    executor: Executor,
+    where: Executor,
     selector: Selector,
     recorded: dict[str, str] | None,
     jobs: int,
     held: HeldTraces | None,
 ) -> int:
-    from cgbuild.exec import fleet, mint
+    from cgbuild.exec import fleet
+    from cgbuild.exec.executor import Local, build
     from cgbuild.plan.approval import approve
-    from cgbuild.plan.planner import make_plan, record_minted
+    from cgbuild.plan.planner import make_plan
 
     update, close = progress_bar("tracing")
     try:
@@ -100,70 +101,14 @@ def _mint(
     plan, refused = approve(plan, recorded)
     if args.check:
         return _check(args, ws, plan, refused)
-    keys = mint.approved(plan, ws)
-    if held is not None:
-        held.keep([mk.target for mk in keys])
-    fresh = sum(1 for t in plan.entries if t.status is Status.FRESH)
-    mint.prove_shared_store(ws, keys, plan)  # a store without atomic create-only writes: exit 2
-    started = time.perf_counter()
-    published = mint.publish_unpublished(ws, plan)
-    if executor.kind == "ray":
-        keys, blocked = fleet.admission(keys, fleet.offered())
-        refused.extend(blocked)
-        results = fleet.Fleet().mint_keys(ws, keys, on_event=_events(len(keys)))
-    else:
-        results = mint.mint_keys(ws, keys, jobs=jobs, on_event=_events(len(keys)), held=held)
-    shared = ws.shared()
-    if shared is not None:
-        shared.save_seen()  # the keys published here: the next plan need not list them
-    record_minted(ws, {mk.key for mk in results if mk.minted})
-    summary = _summary(results, refused, published, fresh, time.perf_counter() - started)
+    executor = fleet.Fleet() if where.kind == "ray" else Local(jobs, held)
+    summary = build(ws, plan, executor, refused, _events)
     if args.json:
         print_json(summary)
     else:
         _show(summary, ws)
-    unpublished = [p for p in published if p["publish"] in ("failed", "conflict")]
-    return 1 if summary["failed"] or refused or unpublished else 0
-
-
-def _summary(
-    results: list[MintKey],
-    refused: list[dict[str, Any]],
-    published: list[dict[str, Any]],
-    fresh: int,
-    seconds: float,
-) -> dict[str, Any]:
-    """The `cgbuild.mint-summary/1` document of one mint."""
-    return {
-        "schema": "cgbuild.mint-summary/1",
-        "minted": [
-            {
-                "key": mk.key,
-                "labels": mk.labels,
-                "admission": r.admission,
-                "phases": r.phases,
-                "device": r.device,
-            }
-            for mk in results
-            if isinstance(r := mk.result, Minted)
-        ],
-        "failed": [
-            {
-                "key": mk.key,
-                "labels": mk.labels,
-                "code": r.code,
-                "retryable": r.retryable,
-                "phase": r.phase,
-                "detail": r.detail,
-            }
-            for mk in results
-            if isinstance(r := mk.result, MintFailed)
-        ],
-        "refused": refused,
-        "published": published,
-        "fresh": fresh,
-        "seconds": round(seconds, 3),
-    }
+    unpublished = [p for p in summary["published"] if p["publish"] in ("failed", "conflict")]
+    return 1 if summary["failed"] or summary["refused"] or unpublished else 0
 
 
 STEPS = (*PHASES, "admitting", "done")

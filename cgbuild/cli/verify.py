@@ -27,10 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_artifact(ws: Any, key: str, path: Path, label: str, toolchains: dict[str, Any]) -> dict[str, Any]:
-    """The mint's serve check on a stored artifact (`cgbuild.protocol.mint.serve_check`), on
+    """The mint's serve check on a stored artifact (`cgbuild.protocol.stage.serve_check`), on
     the module the mint built: the label's job with the plan's toolchains (`trace_job`)."""
     from cgbuild.plan.jobs import trace_job
-    from cgbuild.protocol.mint import serve_check
+    from cgbuild.protocol.stage import serve_check
 
     return serve_check(trace_job(ws, label, toolchains).with_id(key), path)
 

@@ -26,7 +26,8 @@ refuses toolchain, graph and layout drift and a wrong device as it does locally.
 the node's store is crash-safe, so a node lost mid-mint leaves no partial state and Ray's retry
 re-runs the whole key elsewhere. The task is a streaming generator: it yields each phase as it
 starts and the result last, and the driver feeds them to the same progress board and writes the
-same durable record as a local mint.
+same durable record as a local mint. `Fleet` is a `MintExecutor` (`cgbuild.exec.executor`), as
+the local pool is: the CLI runs one `build` over either.
 """
 
 from __future__ import annotations
@@ -203,6 +204,10 @@ class Fleet:
 
     def __init__(self) -> None:
         self.placed: dict[str, str] = {}
+
+    def take(self, keys: list[MintKey]) -> tuple[list[MintKey], list[dict[str, Any]]]:
+        """The keys some live node can mint; the others refused now (`admission`)."""
+        return admission(keys, offered())
 
     def mint_keys(
         self, ws: Workspace, keys: list[MintKey], on_event: Callable[[MintKey, str], None] | None = None

@@ -333,25 +333,3 @@ def run_worker(
         return result
     failed = MintFailed.ended(ended, "mint worker", Phase.WORKER)
     return replace(failed, detail=f"{failed.detail} (log: {log})")
-
-
-def serve_check(job: TraceJob, artifact: Path) -> dict[str, Any]:
-    """The mint's serve check run on a stored artifact (`cgbuild verify --run`): the worker's
-    `serve` stage in a child of its own, adopting `artifact` strictly into the entry's live module
-    and comparing every lane it carries with eager. Its result (`{"ok", "errors", "served"}`),
-    or how the stage ended without one. The stage's files (`request.json` in, `serve.json` out)
-    are this protocol's: written and read here, and by the stage, nowhere else."""
-    import json
-    import os
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="cgbuild-verify-") as tmp:
-        work = Path(tmp)
-        (work / "request.json").write_text(json.dumps({"job": job.to_json()}))
-        ended = spawn(
-            "cgbuild_rules.mint",
-            ["--stage", "serve", str(work), str(artifact)],
-            env={**os.environ, "TMPDIR": str(work)},
-        )
-        result = work / "serve.json"
-        return dict(json.loads(result.read_text())) if result.exists() else ended.failure("serve stage")

@@ -3,7 +3,12 @@
 `python -m cgbuild_rules.mint` reads one JSON request on stdin and writes one JSON result line
 on stdout (torch's own prints go to stderr). The worker itself never imports torch: it runs two
 stage children and seals what they produced, so a segfault, an OOM kill or a hang in torch is a
-typed failure of a stage, never a lost result.
+typed failure of a stage, never a lost result. It talks to them as the engine talks to it
+(`cgbuild.protocol.stage`, docs/architecture.md): a `StageStart` line (the job, the stage's
+`StageEnv`, the key's `MintRequest` unless a hold started it), a `Go` line per part once its
+input exists, one typed answer per part back (`Traced`, `Compiled`, `Verified`, `Measured`,
+`Served`; a line that is none is `mint-error` naming the field) or a `MintFailed` with its
+phase; the worker blocks on the answer, the child's end or the part's deadline.
 
 1. `compile` stage, in a scrubbed, declared environment (`cgbuild.identity.policy`) with the chosen host
    compiler as `CXX` and the temp and Inductor cache folders inside a sandbox at a FIXED path:
@@ -19,10 +24,11 @@ typed failure of a stage, never a lost result.
    ...}` on its protocol stream) and reads the key's request as its next stdin line (`bad-request`
    unless it names the job traced and the folders the worker was started with, or is no JSON
    object); (a) and (c) follow, and the check stage starts only then. An empty line or the end
-   of its input ends a hold without a result. Each stage gets the key's request with its go.
+   of its input ends a hold without a result. The compile and verify parts get the key's
+   request with their go.
 2-5 run in ONE `check` stage child, started beside the compile: it imports torch and the entry
 and builds the module with its seed-0 random weights while the compile runs (about 20 s of a
-klein-4B mint that no longer waits on it), then runs each part when the worker hands it its input:
+klein-4B mint that no longer waits on it), then runs each part when the worker hands it its go:
 2. `verify`: loads the normalized package through the real loader, binds the module's weights by
    FQN (user-managed, never calling before binding: that segfaults), runs the entry's inputs and
    compares with eager (with the compile's literals) under a per-dtype tolerance, or the quant
@@ -80,7 +86,7 @@ codes from the serve stage (e.g. `weights-untied`, `literal-mismatch`), `mint-er
 its stage logs in `<out>/.mint-<key16>-<pid>/`.
 
 The rooms: `worker` (the request, the sandbox lock, the phases, the seal: no torch), `stages`
-(both sides of the go-file protocol between the worker and its stage children), `compile` (the
+(both sides of the conversation between the worker and its stage children), `compile` (the
 compile stage), `package` (normalization), `check` (the check stage: verify, lane measurement,
 the serve check; and the lane verdict the worker fits from it), `compare` (outputs against eager,
 tolerances), `failure` (the typed failure every room raises).

@@ -5,7 +5,6 @@ lane verdict the worker fits from its measurements.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -15,13 +14,11 @@ from typing import Any
 
 from cgbuild_rules.mint.compare import compare_outputs, tolerance_of
 from cgbuild_rules.mint.failure import MintFailure
-from cgbuild_rules.mint.stages import Stage, await_go, fault
+from cgbuild_rules.mint.stages import Conversation, Stage, fault
 
-from cgbuild.core import fs
 from cgbuild.core.codes import Code
-from cgbuild.protocol.mint import (
-    MintRequest,
-)
+from cgbuild.protocol.mint import MintRequest
+from cgbuild.protocol.stage import Compiled, Go, Measured, Served, Verified
 from cgbuild.store.seal import LITERALS, PACKAGE, read_metadata
 
 
@@ -42,10 +39,9 @@ class _Checked:
     """The switch table as verify found it on the module, with its selector (the sealed form)."""
 
 
-def _verify(req: Mapping[str, Any], work: Path, c: _Checked) -> dict[str, Any]:
+def _verify(req: MintRequest, work: Path, c: _Checked) -> Verified:
     """The compiled package through the real loader against the module's eager output (with the
     literals the compile wrote), and every lane of it when the request has lanes."""
-    fault("verify")
     import torch
     from cgbuild_rules import lanes as lane_rt
     from cgbuild_rules import trace
@@ -75,13 +71,13 @@ def _verify(req: Mapping[str, Any], work: Path, c: _Checked) -> dict[str, Any]:
     with torch.no_grad():
         got = c.package(*built.args, **built.kwargs, **lane_inputs)
     errors = compare_outputs(got, want, tolerance_of(job.quant))
-    result: dict[str, Any] = {"ok": True, "errors": errors, "device": _verified_on(job.device)}
-    if req.get("lanes"):
-        rows = _lane_rows(req, job, built.module)
-        c.block = {"axes": rows, "selector": lane_rt.selector_spec(rows)}
-        checks = _verify_lanes(job, built, c.package, c.block)
-        result["lanes"] = {"rows": rows, "selector": c.block["selector"], **checks}
-    return result
+    if not req.lanes:
+        return Verified(errors, _verified_on(job.device))
+    rows = _lane_rows(req, job, built.module)
+    c.block = {"axes": rows, "selector": lane_rt.selector_spec(rows)}
+    checks = _verify_lanes(job, built, c.package, c.block)
+    found = {"rows": rows, "selector": c.block["selector"], **checks}
+    return Verified(errors, _verified_on(job.device), found)
 
 
 def _verified_on(device: str) -> dict[str, Any]:
@@ -99,41 +95,43 @@ def _verified_on(device: str) -> dict[str, Any]:
     return seen
 
 
-def stage_check(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
+def stage_check(talk: Conversation) -> None:
     """verify, measure and serve in ONE process, started beside the compile.
 
     Importing torch and the entry and building the module with its seed-0 weights (about 20 s
-    for klein-4B) happen while the compile runs; each part then waits for its input from the
-    worker (`go-verify`, `go-measure` with the candidates, `go-serve` with the sealed artifact)
-    and writes `<part>.json`. A part that fails ends the stage with its failure (`check.json`).
+    for klein-4B) happen while the compile runs; each part then waits for its go from the
+    worker (`verify` with the key's request, `measure` with the candidates, `serve` with the
+    sealed artifact) and answers it. A part that fails ends the stage with its failure.
     """
     import torch
     from cgbuild_rules import lanes as lane_rt
     from cgbuild_rules import trace
 
-    job = trace.parse_job(req["job"])
+    fault("check")
+    job = trace.parse_job(talk.start.job.to_json())
     base = lane_rt.process_bytes()  # the bare process, before the module or package exist
     c = _Checked(job, trace.build(job, "real"), base)
-    req = await_go(work, "verify")["request"]  # a hold's key request is known only now
-    fs.write_atomic(work / "verify.json", json.dumps(_verify(req, work, c)))
-    candidates = await_go(work, "measure")["candidates"]
+    req = talk.go("verify").request  # a hold's key request is known only now
+    assert req is not None
+    talk.answer(_verify(req, talk.work, c))
+    candidates = talk.go("measure").candidates or ()
     if candidates:
         threads = torch.get_num_threads()
         try:
-            fs.write_atomic(work / "measure.json", json.dumps(_measure(req, c, candidates)))
+            talk.answer(_measure(c, candidates))
         finally:
             torch.set_num_threads(threads)
     else:
-        fs.write_atomic(work / "measure.json", json.dumps({"ok": True, "runs": {}}))
-    artifact = await_go(work, "serve")["artifact"]
+        talk.answer(Measured())
+    artifact = talk.go("serve").artifact
+    assert artifact is not None
     for fqn, value in c.own.items():
         if value is not None:
             trace._set_attribute(c.built.module, fqn, value)
-    fs.write_atomic(work / "serve.json", json.dumps(_serve(req, c.job, c.built, artifact)))
-    return {"ok": True}
+    talk.answer(_serve(c.job, c.built, artifact))
 
 
-def stage_serve(req: Mapping[str, Any], work: Path, artifact: str) -> dict[str, Any]:
+def stage_serve(talk: Conversation) -> None:
     """The sealed artifact as a serving process meets it (`cgbuild verify --run`'s own process;
     a mint's check stage runs the same `_serve` on the module it built): the live module
     from the entry (seed-0 weights, its own literals), `adopt` (strict: a refusal fails the mint
@@ -145,12 +143,14 @@ def stage_serve(req: Mapping[str, Any], work: Path, artifact: str) -> dict[str, 
     """
     from cgbuild_rules import trace
 
-    job = trace.parse_job(req["job"])
-    return _serve(req, job, trace.build(job, "real"), artifact)
+    job = trace.parse_job(talk.start.job.to_json())
+    built = trace.build(job, "real")
+    artifact = talk.go("serve").artifact
+    assert artifact is not None
+    talk.answer(_serve(job, built, artifact))
 
 
-def _serve(req: Mapping[str, Any], job: Any, built: Any, artifact: str) -> dict[str, Any]:
-    fault("serve")
+def _serve(job: Any, built: Any, artifact: str) -> Served:
     import torch
     from cgbuild_rules import lanes as lane_rt
     from cgbuild_rules import trace
@@ -186,7 +186,7 @@ def _serve(req: Mapping[str, Any], job: Any, built: Any, artifact: str) -> dict[
             errors += [{**e, **tag, **at} for e in _served_at(adopted, at, args, kwargs, want, job.quant)]
         counters = dict(adopted.counters)
         served.append({**tag, "counters": counters, "seconds": round(adopted.armed[0].seconds, 3)})
-    return {"ok": True, "errors": errors, "served": served}
+    return Served(errors, served)
 
 
 def _served_at(
@@ -216,10 +216,11 @@ def _served_at(
         raise MintFailure(e.code, f"{what}: {e.detail}") from None
 
 
-def _lane_rows(req: Mapping[str, Any], job: Any, module: Any) -> list[dict[str, Any]]:
+def _lane_rows(req: MintRequest, job: Any, module: Any) -> list[dict[str, Any]]:
     from cgbuild_rules import lanes as lane_rt
 
-    declared = [axis for axis, _ in req["lanes"]["axes"]]
+    assert req.lanes is not None
+    declared = [axis for axis, _ in req.lanes["axes"]]
     try:
         return lane_rt.lane_rows(module, declared, job.spec.get("lanes") or {})
     except ValueError as e:
@@ -246,13 +247,12 @@ def _verify_lanes(job: Any, built: Any, package: Any, block: Mapping[str, Any]) 
     return lane_rt.verify_lanes(block["axes"], eager, compiled, compare)
 
 
-def _measure(req: Mapping[str, Any], c: _Checked, candidates: Sequence[str]) -> dict[str, Any]:
+def _measure(c: _Checked, candidates: Sequence[str]) -> Measured:
     """Every candidate lane's benchmark, in turn, on the module and package this stage already
     holds (cgbuild_rules.lanes.measure): each lane's selector is passed to its own warm-ups, peak
     reset and timed calls. A lane measured later does not inherit an earlier one's peak: the
     GPU's counter and the CPU's resident high-water mark are reset per lane, after freed memory
     was returned."""
-    fault("measure")
     import gc
 
     import torch
@@ -278,13 +278,13 @@ def _measure(req: Mapping[str, Any], c: _Checked, candidates: Sequence[str]) -> 
         if device.type == "cuda":
             torch.cuda.empty_cache()
         runs[lane] = lane_rt.measure(call, device, c.base_bytes if device.type == "cpu" else 0)
-    return {"ok": True, "runs": runs, "device": lane_rt.device_facts(device)}
+    return Measured(runs, lane_rt.device_facts(device))
 
 
 def lane_verdict(
     req: MintRequest,
-    built: Mapping[str, Any],
-    checked: Mapping[str, Any],
+    built: Compiled,
+    checked: Verified,
     check: Stage,
     progress: Callable[[str], None] | None,
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
@@ -297,15 +297,16 @@ def lane_verdict(
 
     want = req.lanes
     if not want:
-        check.part("measure", {"candidates": []})
+        check.part(Measured, Go("measure", candidates=()))
         return None, None
-    rows = checked["lanes"]["rows"]
+    assert checked.lanes is not None  # verify found the rows of a request with lanes
+    rows = checked.lanes["rows"]
     used = {r["axis"] for r in rows}
     declared = [(axis, values) for axis, values in want["axes"] if axis in used]
     needs = {a: {v: lanes.Needs.from_json(n) for v, n in want["needs"][a].items()} for a, _ in want["axes"]}
-    triton = lanes.has_triton(built["toolchain"]["components"])
+    triton = lanes.has_triton(built.toolchain["components"])
     numerics = {
-        a: {v: bool(r["ok"]) for v, r in vals.items()} for a, vals in checked["lanes"]["numerics"].items()
+        a: {v: bool(r["ok"]) for v, r in vals.items()} for a, vals in checked.lanes["numerics"].items()
     }
     excluded = lanes.exclusions(want["axes"], needs, req.sm, triton)
     excluded.update(
@@ -315,9 +316,9 @@ def lane_verdict(
     runs: dict[str, Any] = {}
     if candidates and progress:
         progress(f"lanes: measuring {', '.join(candidates)}")
-    stage = check.part("measure", {"candidates": candidates})
+    stage = check.part(Measured, Go("measure", candidates=tuple(candidates)))
     if candidates:
-        runs = {lane: {"lane": lane, **stage["runs"][lane], "device": stage["device"]} for lane in candidates}
+        runs = {lane: {"lane": lane, **stage.runs[lane], "device": stage.device} for lane in candidates}
         sku = want["sku"]
         measured = [
             lanes.Measured(lane, runs[lane]["median_ns"], runs[lane]["peak_bytes"]) for lane in candidates
@@ -334,15 +335,15 @@ def lane_verdict(
         "excluded": excluded,
         "verdict": verdict,
     }
-    if checked["lanes"].get("selector"):
-        block["selector"] = checked["lanes"]["selector"]
+    if checked.lanes.get("selector"):
+        block["selector"] = checked.lanes["selector"]
     evidence = {
         "schema": "cgbuild.lane-evidence-run/1",
         "sm": req.sm,
         "sku": want["sku"],
         "candidates": candidates,
         "measured": runs,
-        "numerics": checked["lanes"]["numerics"],
+        "numerics": checked.lanes["numerics"],
         "excluded": excluded,
         "verdict": verdict,
     }

@@ -8,7 +8,6 @@ tensors and BatchNorm counters are not in it; tied tensors are one row with thei
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import platform
 import time
@@ -18,16 +17,14 @@ from typing import Any
 
 from cgbuild_rules.mint.failure import MintFailure
 from cgbuild_rules.mint.package import normalize_package
-from cgbuild_rules.mint.stages import await_go, fault
+from cgbuild_rules.mint.stages import Conversation, fault
 
-from cgbuild.core import fs
 from cgbuild.core.codes import Code
 from cgbuild.core.platform import normalize_arch
 from cgbuild.identity import compiler, policy
 from cgbuild.identity.toolchain import TRACE_ONLY
-from cgbuild.protocol.mint import (
-    HOLD_SCHEMA,
-)
+from cgbuild.protocol.mint import MintRequest
+from cgbuild.protocol.stage import Compiled, StageEnv, Traced
 from cgbuild.protocol.trace import FACT_KEYS
 from cgbuild.store.seal import LITERALS, PACKAGE
 
@@ -69,12 +66,12 @@ def _device_refusal(device: str, sm: str, here: str | None) -> None:
         )
 
 
-def _toolchain(req: Mapping[str, Any]) -> dict[str, Any]:
+def _toolchain(req: MintRequest) -> dict[str, Any]:
     from cgbuild.identity import toolchain, toolchain_changes
 
-    expected = req["toolchain"]
+    expected = req.toolchain
     plat = expected["platform"]
-    block = toolchain.probe(req.get("cxx"))[plat]
+    block = toolchain.probe(req.cxx)[plat]
     here = {"platform": plat, "fold": toolchain.fold(block["components"]), "components": block["components"]}
     if here["fold"] != expected["fold"]:
         changes = toolchain_changes.component_changes(expected.get("components") or {}, here["components"])
@@ -161,7 +158,7 @@ def _quant_floor(quant: str, device: str, sm: str) -> None:
             raise MintFailure(Code.LAYOUT_TOOLCHAIN_UNSUPPORTED, why)
 
 
-def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] | None:
+def _layout(req: MintRequest, traced: list[list[Any]]) -> dict[str, Any] | None:
     """Re-derive the layout axis here and return the sealed `layout` block (its tensor table is
     what adopt checks a live module against); refuse `layout-drift` when it differs from the key.
 
@@ -171,7 +168,7 @@ def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] |
     is readable, the refusal names the first tensor. Requests without a `layout` block
     (hand-made ones) seal none; adopt then checks weights only.
     """
-    want = req.get("layout")
+    want = req.layout
     if not want:
         return None
     from cgbuild.core.errors import UserError
@@ -203,55 +200,72 @@ def _layout(req: Mapping[str, Any], traced: list[list[Any]]) -> dict[str, Any] |
         )
     return {
         **here,
-        "stamp": req.get("stamp"),
+        "stamp": req.stamp,
         "rule": {"name": rule.name, "version": rule.version, "facts": rule.facts},
         "dtype": want.get("dtype"),
         "tensors": sorted(rows),
     }
 
 
-def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
-    """Trace (`trace.json`: the graph facts and this machine's sm), then, on the worker's go,
-    refuse drift and compile. A held stage (started by a `MintHold`) traces before any key
+def stage_compile(talk: Conversation) -> Compiled:
+    """Trace (answered as `Traced`: the graph facts and this machine's sm), then, on the worker's
+    go, refuse drift and compile. A held stage (started by a `MintHold`) traces before any key
     exists, on the device when this machine has it (else fake, for the plan alone), and reads
     the key's request at the go; an ordinary one refuses a wrong device before tracing."""
     import importlib.metadata as md
 
     import torch
     from cgbuild_rules import trace
-    from cgbuild_rules.loader import Package
 
-    job = trace.parse_job(req["job"])
-    held = req.get("schema") == HOLD_SCHEMA
+    start = talk.start
+    job = trace.parse_job(start.job.to_json())
     here = _sm_here(job.device)
-    if not held:
-        _device_refusal(job.device, req["sm"], here)
-        _quant_floor(job.quant, job.device, req["sm"])
+    if start.request is not None:
+        _device_refusal(job.device, start.request.sm, here)
+        _quant_floor(job.quant, job.device, start.request.sm)
     fault("trace")
     t = time.perf_counter()
     ep, facts = trace.export_job(job, "fake" if here is None else "empty")
     export_s = time.perf_counter() - t
-    fs.write_atomic(
-        work / "trace.json", json.dumps({"ok": True, **{k: facts[k] for k in FACT_KEYS}, "sm": here})
-    )
-    req = await_go(work, "compile")["request"]  # a hold's key request is known only now
-    fault("compile")
-    if held:
-        _device_refusal(job.device, req["sm"], here)
-        _quant_floor(job.quant, job.device, req["sm"])
+    talk.answer(Traced(**{k: facts[k] for k in FACT_KEYS}, sm=here))
+    req = talk.go("compile").request  # a hold's key request is known only now
+    assert req is not None
+    if start.held:
+        _device_refusal(job.device, req.sm, here)
+        _quant_floor(job.quant, job.device, req.sm)
     tc = _toolchain(req)
-    if facts["graph_digest"] != req["graph_digest"]:
+    if facts["graph_digest"] != req.graph_digest:
         raise MintFailure(
             Code.GRAPH_DRIFT,
-            f"graph digest {req['graph_digest'][:12]} → {facts['graph_digest'][:12]}: "
+            f"graph digest {req.graph_digest[:12]} → {facts['graph_digest'][:12]}: "
             "this machine traces a different program than the key was built for",
-            old=req["graph_digest"],
+            old=req.graph_digest,
             new=facts["graph_digest"],
         )
     layout_block = _layout(req, facts["topology"])
     t = time.perf_counter()
-    applied, aoti = _compile(ep, req, tc, work)
+    applied, aoti = _compile(ep, start.env, tc, talk.work)
     compile_s = time.perf_counter() - t
+    return Compiled(
+        graph_digest=facts["graph_digest"],
+        contract=facts["contract"],
+        nodes=facts["nodes"],
+        module=facts["module"],
+        toolchain=tc,
+        policy=applied,
+        constants=_sealed_constants(ep, talk.work),
+        layout=layout_block,
+        aoti=aoti,
+        torch=torch.__version__,
+        forensics=_forensics(md),
+        seconds={"export": round(export_s, 3), "compile": round(compile_s, 3)},
+    )
+
+
+def _sealed_constants(ep: Any, work: Path) -> dict[str, list[dict[str, Any]]]:
+    """The package's constant table; its literals written beside it for the seal."""
+    from cgbuild_rules.loader import Package
+
     # Loading never calls the package (calling it unbound would segfault); it names what it binds.
     table = _constants_table(ep, Package(work / PACKAGE).constant_fqns)
     if table["literal"]:
@@ -259,29 +273,20 @@ def stage_compile(req: Mapping[str, Any], work: Path) -> dict[str, Any]:
 
         values = {r["fqn"]: ep.constants[r["fqn"]].detach().contiguous().cpu() for r in table["literal"]}
         save_file(values, str(work / LITERALS))
+    return table
+
+
+def _forensics(md: Any) -> dict[str, str]:
+    """Python's and the trace-only distributions' versions (sealed for forensics, never keyed)."""
     forensics: dict[str, str] = {"python": ".".join(platform.python_version_tuple()[:2])}
     for dist in TRACE_ONLY:
         with contextlib.suppress(md.PackageNotFoundError):
             forensics[dist] = md.version(dist)
-    return {
-        "ok": True,
-        "graph_digest": facts["graph_digest"],
-        "contract": facts["contract"],
-        "nodes": facts["nodes"],
-        "module": facts["module"],
-        "toolchain": tc,
-        "policy": applied,
-        "constants": table,
-        "layout": layout_block,
-        "aoti": aoti,
-        "torch": torch.__version__,
-        "forensics": forensics,
-        "seconds": {"export": round(export_s, 3), "compile": round(compile_s, 3)},
-    }
+    return forensics
 
 
 def _compile(
-    ep: Any, req: Mapping[str, Any], tc: Mapping[str, Any], work: Path
+    ep: Any, env: StageEnv, tc: Mapping[str, Any], work: Path
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """AOTI-compile `ep` weightless under the one compile policy and normalize the package into
     `work`: (the policy's inductor configs as applied, the package's AOTI facts)."""
@@ -293,7 +298,7 @@ def _compile(
     clamps = tc["components"]["isa"].get("keyed") != "host"
     configs: dict[str, Any] = policy.inductor_configs(arch, clamps=clamps)
     applied = dict(configs)
-    configs["cpp.cxx"] = (None, req["cxx_path"])
+    configs["cpp.cxx"] = (None, env.cxx)
     raw = work / "raw" / PACKAGE
     raw.parent.mkdir(exist_ok=True)
     try:
@@ -304,4 +309,5 @@ def _compile(
         raise MintFailure(Code.COMPILE_FAILED, f"{type(e).__name__}: {trace._one_line(str(e))}") from None
     clamp = policy.isa_clamp(arch)
     march = str(clamp["march"]) if clamp and clamps else None
-    return applied, normalize_package(raw, work / PACKAGE, req["sandbox"], march)
+    assert env.sandbox is not None
+    return applied, normalize_package(raw, work / PACKAGE, env.sandbox, march)

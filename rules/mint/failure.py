@@ -15,13 +15,15 @@ from cgbuild.protocol.mint import (
 
 class MintFailure(Exception):
     """A typed mint failure raised where it is found; `extra` carries the facts its code names
-    (`old`/`new` of a drift, a `signal`)."""
+    (`old`/`new` of a drift, a `signal`); `phase` is the one a stage reported it in (None: the
+    phase the worker is in)."""
 
-    def __init__(self, code: Code, detail: str, **extra: Any) -> None:
+    def __init__(self, code: Code, detail: str, *, phase: Phase | None = None, **extra: Any) -> None:
         super().__init__(f"{code}: {detail}")
-        self.code = Code(code)  # a stage's code read back: an unregistered one is `mint-error`
+        self.code = Code(code)
         self.detail = detail
+        self.phase = phase
         self.extra = extra
 
     def result(self, job_id: str | None, phase: Phase) -> MintFailed:
-        return MintFailed(self.code, phase, self.detail, self.extra, job_id)
+        return MintFailed(self.code, self.phase or phase, self.detail, self.extra, job_id)

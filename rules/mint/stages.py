@@ -1,8 +1,9 @@
-"""Both sides of the go-file protocol between the worker and its stage children.
+"""Both sides of the conversation between the worker and its stage children
+(`cgbuild.protocol.stage`: a start line, then a go line per part in, one result line per part out).
 
-The worker starts a stage before its input exists (`Stage`), hands each part its input as
-`go-<part>.json` and waits for `<part>.json`; the stage waits for its go (`await_go`) and writes
-its result, or its failure as `<stage>.json` (`cgbuild_rules.mint.worker.stage_main`). A stage's
+The worker starts a stage before its input exists (`Stage`), so that its imports overlap what
+comes first; each `part` hands the stage its go and blocks until the stage's answer, its end or
+the part's deadline. The stage (`Conversation`) blocks on its next go and answers it. A stage's
 death, a failure it reports or a part past its time is that part's typed failure, never a hang.
 """
 
@@ -10,26 +11,27 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TypeVar
 
 from cgbuild_rules.mint.failure import MintFailure
 
-from cgbuild.core import fs
 from cgbuild.core.codes import Code
 from cgbuild.protocol import spawn
+from cgbuild.protocol.mint import BadResult, MintFailed, Phase, outcome_from_json
+from cgbuild.protocol.stage import PART_PHASE, Answer, BadMessage, Go, StageStart
 
-# test hook: "<stage>:<SIGNAL>" makes that stage kill itself; "<stage>:hang" makes it wait on a
-# child that never ends (a compiler that hangs)
+# test hook: "<part>:<SIGNAL>" makes the stage kill itself there; "<part>:hang" makes it wait on a
+# child that never ends (a compiler that hangs); "<part>:garble" makes it answer with a line that
+# is no result
 FAULT_ENV = "CGBUILD_MINT_FAULT"
-POLL_S = 0.05
-"""How often the check stage and the worker look for each other's files."""
+_A = TypeVar("_A", bound=Answer)
 
 
 def echo(log: Path, stage: str) -> None:
@@ -40,107 +42,159 @@ def echo(log: Path, stage: str) -> None:
     sys.stderr.flush()
 
 
-def stage_result(path: Path) -> dict[str, Any]:
-    """A stage's result file: the result, or the failure it reports raised as a MintFailure."""
-    result = json.loads(path.read_text())
-    if not result.get("ok"):
-        extra = {k: v for k, v in result.items() if k not in ("ok", "code", "detail")}
-        raise MintFailure(result["code"], result["detail"], **extra)
-    return dict(result)
-
-
-def ended_failure(ended: spawn.Ended, what: str, timeout_s: float) -> MintFailure:
-    """How a stage child that left no result ended, as the typed failure of `what`."""
-    failure = ended.failure(what, timeout_s)
-    extra = {"signal": failure["signal"]} if "signal" in failure else {}
-    return MintFailure(failure["code"], failure["detail"], **extra)
-
-
 class Stage:
-    """One stage child, started before its input exists so that its imports overlap what comes
-    first (the compile stage's trace, the check stage's module build beside the compile). Each
-    `part` hands the child its input (`go-<part>.json`) and waits for `<part>.json`; the child's
-    death, a failure it reports (`<stage>.json`) or `timeout_s` without a result is the part's
-    typed failure. A stage starts programs of its own (the compiler), so it dies by SIGTERM and
-    passes it on to its group (`spawn.die_with_group`)."""
+    """One stage child, as the worker sees it. Its answers arrive on the spawner's thread and
+    wait in a queue (None: the child ended); `part` blocks on it. A stage starts programs of its
+    own (the compiler), so it dies by SIGTERM and passes it on to its group
+    (`spawn.die_with_group`)."""
 
-    def __init__(self, name: str, work: Path, env: Mapping[str, str], timeout_s: float) -> None:
-        self.name, self.work, self.timeout_s = name, work, timeout_s
-        (work / f"{name}.json").unlink(missing_ok=True)
+    def __init__(
+        self, name: str, start: StageStart, env: Mapping[str, str], timeout_s: float, log: Path
+    ) -> None:
+        self.name, self.timeout_s, self.log = name, timeout_s, log
+        self.channel = spawn.Channel()
+        self.answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.running = threading.Event()
         self.pid: int | None = None
         self.ended: spawn.Ended | None = None
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(dict(env),), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(start.to_json(), dict(env)), daemon=True)
         self.thread.start()
 
-    def _run(self, env: dict[str, str]) -> None:
+    def _run(self, start: dict[str, Any], env: dict[str, str]) -> None:
         try:
             self.ended = spawn.spawn(
                 "cgbuild_rules.mint",
-                ["--stage", self.name, str(self.work)],
-                talk=spawn.Talk(started=self._started),
-                log=self.work / f"{self.name}.log",
+                ["--stage", self.name],
+                talk=spawn.Talk(start, self.answers.put, self.channel, self._started),
+                log=self.log,
                 env=env,
                 death_signal=signal.SIGTERM,
             )
         except BaseException as e:  # spawn refused to start (cgbuild is stopping): the part says so
             self.error = e
+        finally:
+            self.running.set()
+            self.answers.put(None)
 
     def _started(self, pid: int) -> None:
         self.pid = pid
+        self.running.set()
 
-    def part(self, name: str, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        fs.write_atomic(self.work / f"go-{name}.json", json.dumps(dict(given or {})))
-        result_path = self.work / f"{name}.json"
-        deadline = time.monotonic() + self.timeout_s
-        while not result_path.exists():
-            if not self.thread.is_alive() and not result_path.exists():
-                self._died(name)
-            if time.monotonic() > deadline:
-                self.stop()
-                raise MintFailure(Code.TIMEOUT, f"{name} stage: no result within {self.timeout_s:.0f} s")
-            time.sleep(POLL_S)
-        return stage_result(result_path)
+    def part(self, kind: type[_A], go: Go | None = None) -> _A:
+        """Hand the stage `go` (None: the part needs no input) and return its typed answer."""
+        name = kind.PART
+        if go is not None:
+            self.channel.send(go.to_json())
+        try:
+            answer = self.answers.get(timeout=self.timeout_s)
+        except queue.Empty:
+            self.stop()
+            detail = f"{name} stage: no result within {self.timeout_s:.0f} s"
+            raise MintFailure(Code.TIMEOUT, detail) from None
+        if answer is None:
+            self.answers.put(None)  # it stays ended for any later part
+            raise self._died(name)
+        if answer.get("ok") is False:
+            raise _reported(answer, name)
+        try:
+            return kind.from_json(answer)
+        except BadMessage as e:
+            detail = f"the {self.name} stage answered no {name} result: {e}"
+            raise MintFailure(Code.MINT_ERROR, detail) from None
 
-    def _died(self, name: str) -> None:
+    def _died(self, name: str) -> MintFailure:
         self.thread.join()
-        echo(self.work / f"{self.name}.log", self.name)
+        echo(self.log, self.name)
         if self.error is not None:
-            raise MintFailure(Code.WORKER_KILLED, f"{name} stage did not start: {self.error}")
-        if (self.work / f"{self.name}.json").exists():
-            stage_result(self.work / f"{self.name}.json")  # raises the failure the stage reported
+            return MintFailure(Code.WORKER_KILLED, f"{name} stage did not start: {self.error}")
         assert self.ended is not None
-        raise ended_failure(self.ended, f"{name} stage", self.timeout_s)
+        failed = MintFailed.ended(self.ended, f"{name} stage", PART_PHASE[name], self.timeout_s)
+        return MintFailure(failed.code, failed.detail, **failed.facts)
 
     def finish(self) -> None:
+        """The stage answered its last part: it ends now (else it is ended)."""
         self.thread.join(self.timeout_s)
         if self.thread.is_alive():
             self.stop()
-        echo(self.work / f"{self.name}.log", self.name)
+        echo(self.log, self.name)
 
     def stop(self) -> None:
         """End the child and its group now (the mint failed, or a part outlived its time); one
         still starting is waited for, so the kill cannot miss it."""
-        deadline = time.monotonic() + 30
-        while self.pid is None and self.thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(POLL_S)
+        self.running.wait(30)
         if self.pid is not None and self.thread.is_alive():
             spawn.kill_group(self.pid)
         self.thread.join(30)
 
 
+def _reported(answer: Mapping[str, Any], name: str) -> MintFailure:
+    """The failure a stage reported, raised with the phase it names."""
+    try:
+        failed = outcome_from_json(answer)
+    except BadResult as e:
+        return MintFailure(Code.MINT_ERROR, f"the {name} stage's failure is not a mint failure: {e}")
+    assert isinstance(failed, MintFailed)
+    return MintFailure(failed.code, failed.detail, phase=failed.phase, **failed.facts)
+
+
 # ---- stages (torch) ----------------------------------------------------------------------------
-def fault(stage: str) -> None:
+class Conversation:
+    """A stage's side: its start, each go awaited (blocking on stdin), each answer written as
+    one line on the protocol stream (the real stdout; torch's prints go to stderr), and the
+    phase a failure here happened in."""
+
+    def __init__(self, stage: str, stdin: IO[str], proto: IO[str]) -> None:
+        self.stdin, self.proto = stdin, proto
+        self.start = StageStart.from_json(json.loads(stdin.readline()))
+        self.pending = self.start.go
+        first = {"compile": "trace", "check": "verify", "serve": "serve"}[stage]
+        self.phase = Phase.TRACE if stage == "compile" and self.start.held else PART_PHASE[first]
+
+    @property
+    def work(self) -> Path:
+        return Path(self.start.env.work)
+
+    def go(self, part: str) -> Go:
+        """The worker's go for `part`: a hold's key request is known only now. The end of the
+        input (the worker stopped the stage) ends the stage without an answer."""
+        self.phase = PART_PHASE[part]
+        go = self.pending
+        self.pending = None
+        if go is None:
+            line = self.stdin.readline()
+            if not line:
+                raise SystemExit(0)
+            try:
+                go = Go.from_json(json.loads(line))
+            except ValueError as e:  # not JSON, or not a go (BadMessage)
+                raise MintFailure(Code.MINT_ERROR, f"the worker's {part} go is none: {e}") from None
+        if go.part != part:
+            raise MintFailure(Code.MINT_ERROR, f"the worker handed the {go.part} part's go, not {part}'s")
+        fault(part)
+        return go
+
+    def answer(self, result: Answer) -> None:
+        garbled = faulted(result.PART) == "garble"
+        line = {"part": result.PART, "ok": "garbled"} if garbled else result.to_json()
+        self.proto.write(json.dumps(line) + "\n")
+        self.proto.flush()
+
+    def fail(self, failure: MintFailure) -> None:
+        self.proto.write(json.dumps(failure.result(None, self.phase).to_json()) + "\n")
+        self.proto.flush()
+
+
+def faulted(part: str) -> str | None:
+    """What the test hook asks of `part` (None: nothing)."""
     spec = os.environ.get(FAULT_ENV, "")
-    if spec.partition(":")[0] == stage:
-        if spec.partition(":")[2] == "hang":
-            subprocess.run(["sleep", "3600"], check=False)
-        os.kill(os.getpid(), getattr(signal, spec.partition(":")[2] or "SIGKILL"))
+    return spec.partition(":")[2] or "SIGKILL" if spec.partition(":")[0] == part else None
 
 
-def await_go(work: Path, part: str) -> dict[str, Any]:
-    """Wait for the worker to hand this stage `part`'s input (`go-<part>.json`, written atomically)."""
-    go = work / f"go-{part}.json"
-    while not go.exists():
-        time.sleep(POLL_S)
-    return dict(json.loads(go.read_text()))
+def fault(part: str) -> None:
+    """The test hook's death or hang at `part` (its garbled answer is `Conversation.answer`'s)."""
+    how = faulted(part)
+    if how == "hang":
+        subprocess.run(["sleep", "3600"], check=False)
+    if how is not None and how != "garble":
+        os.kill(os.getpid(), getattr(signal, how))

@@ -14,7 +14,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +23,9 @@ from cgbuild_rules.mint.check import lane_verdict, stage_check, stage_serve
 from cgbuild_rules.mint.compare import TOLERANCE, rule_tolerance
 from cgbuild_rules.mint.compile import stage_compile
 from cgbuild_rules.mint.failure import MintFailure
-from cgbuild_rules.mint.stages import Stage
+from cgbuild_rules.mint.stages import Conversation, Stage
 
 import cgbuild
-from cgbuild.core import fs
 from cgbuild.core.codes import Code
 from cgbuild.identity import compiler, policy
 from cgbuild.protocol import spawn
@@ -39,6 +38,7 @@ from cgbuild.protocol.mint import (
     MintRequest,
     Phase,
 )
+from cgbuild.protocol.stage import Compiled, Go, Served, StageEnv, StageStart, Traced, Verified
 from cgbuild.store.seal import LITERALS, PACKAGE, compare_artifacts, member_digests, read_metadata, seal
 
 ARTIFACT_SCHEMA = "cgbuild.artifact/1"
@@ -102,11 +102,9 @@ def _sandbox(
         os.close(fd)
 
 
-def _metadata(
-    req: MintRequest, built: Mapping[str, Any], lanes_block: dict[str, Any] | None = None
-) -> dict[str, Any]:
+def _metadata(req: MintRequest, built: Compiled, lanes_block: dict[str, Any] | None = None) -> dict[str, Any]:
     """The sealed metadata: discrete facts only (no clocks, no paths, no measured errors)."""
-    components = built["toolchain"]["components"]
+    components = built.toolchain["components"]
     extra = {} if lanes_block is None else {"lanes": lanes_block}
     return {
         **extra,
@@ -114,26 +112,26 @@ def _metadata(
         "kind": ARTIFACT_KIND,
         "key": req.key,
         "axes": req.axes or {},
-        "graph": {"digest": built["graph_digest"], "contract": built["contract"], "nodes": built["nodes"]},
+        "graph": {"digest": built.graph_digest, "contract": built.contract, "nodes": built.nodes},
         "facets": req.facets or [],
         "stamp": req.stamp,
         "sm": req.sm,
         "device": req.job.spec["device"],
-        "toolchain": built["toolchain"],
-        "policy": built["policy"],
+        "toolchain": built.toolchain,
+        "policy": built.policy,
         "host": {
             "isa": components["isa"],
-            "aoti_cpu_isa": built["aoti"].get("AOTI_CPU_ISA", ""),
-            "runtime": built["aoti"]["runtime"],
+            "aoti_cpu_isa": built.aoti.get("AOTI_CPU_ISA", ""),
+            "runtime": built.aoti["runtime"],
             "cxx": {k: components["cxx"][k] for k in ("family", "version", "banner")},
         },
-        "torch": built["torch"],
+        "torch": built.torch,
         "cgbuild": cgbuild.__version__,
-        "constants": built["constants"],
-        "layout": built.get("layout"),
-        "module": built.get("module"),
+        "constants": built.constants,
+        "layout": built.layout,
+        "module": built.module,
         "verify": {"metric": "rel-rms", "tolerance": TOLERANCE, **rule_tolerance(req.job.quant)},
-        "forensics": built["forensics"],
+        "forensics": built.forensics,
     }
 
 
@@ -205,12 +203,10 @@ class _Clock:
 
 @dataclass
 class _Run:
-    """One mint's surroundings: its work folder, the sandbox, the stages' environments, its
-    clock, and its check stage once started."""
+    """One mint's surroundings: the stages' environment (its work folder, the compiler, the
+    sandbox), the stages' process environment, its clock, and its check stage once started."""
 
-    work: Path
-    sandbox: Path
-    cxx: str
+    stage_env: StageEnv
     env: dict[str, str]
     timeout: float
     clock: _Clock
@@ -222,19 +218,25 @@ class _Run:
         cxx = compiler.choose_cxx(asked.cxx)
         folders = {"TMPDIR": "tmp", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
         env = policy.mint_environment(os.environ, {k: str(sandbox / v) for k, v in folders.items()})
-        run = cls(work, sandbox, cxx, {**env, "CXX": cxx}, float(asked.timeout_s or 3600), clock)
-        (work / "request.json").write_text(json.dumps(run.staged(asked)))
         (work / "tmp").mkdir()
-        return run
+        stage_env = StageEnv(str(work), cxx, str(sandbox))
+        return cls(stage_env, {**env, "CXX": cxx}, float(asked.timeout_s or 3600), clock)
 
-    def staged(self, r: MintRequest | MintHold) -> dict[str, Any]:
-        """The request as the stages read it (`request.json`, and the go of each part)."""
-        return {**r.to_json(), "cxx_path": self.cxx, "sandbox": str(self.sandbox)}
+    @property
+    def work(self) -> Path:
+        return Path(self.stage_env.work)
 
-    def stage(self, name: str) -> Stage:
-        """A stage child; the check stage's temp folder is the mint's own, outside the sandbox."""
+    @property
+    def sandbox(self) -> Path:
+        return Path(self.stage_env.sandbox or DEFAULT_SANDBOX)
+
+    def stage(self, name: str, asked: MintRequest | MintHold) -> Stage:
+        """A stage child, started with the key's request (a hold's comes with its go); the check
+        stage's temp folder is the mint's own, outside the sandbox."""
         env = {**self.env, "TMPDIR": str(self.work / "tmp")} if name == "check" else self.env
-        return Stage(name, self.work, env, self.timeout)
+        request = asked if isinstance(asked, MintRequest) else None
+        start = StageStart(asked.job, self.stage_env, request)
+        return Stage(name, start, env, self.timeout, self.work / f"{name}.log")
 
 
 def _minted(
@@ -249,13 +251,13 @@ def _minted(
         req, built, waited = _compiled(run, asked, next_request)
         assert run.check is not None  # a hold starts its check stage with its key
         clock.enter(Phase.VERIFY)  # from the package's end: load, eager, compare
-        checked = run.check.part("verify", {"request": run.staged(req)})
+        checked = run.check.part(Verified, Go("verify", request=req))
         clock.enter(Phase.LANES, announce=False)
         lanes_block, evidence = lane_verdict(req, built, checked, run.check, clock.progress)
         clock.enter(Phase.SEAL)
         packed, sha = _sealed(work, req, built, lanes_block)
         clock.enter(Phase.SERVE)
-        served = run.check.part("serve", {"artifact": str(packed)})
+        served = run.check.part(Served, Go("serve", artifact=str(packed)))
         total = clock.total()
         run.check.finish()
     except BaseException:
@@ -272,40 +274,40 @@ def _minted(
         sha256=sha,
         size=artifact.stat().st_size,
         members=member_digests(artifact),
-        verify=served["errors"],
-        served=served["served"],
-        phases={**({"wait": waited} if waited else {}), **built["seconds"], **seconds, "total": total},
+        verify=list(served.errors),
+        served=list(served.served),
+        phases={**({"wait": waited} if waited else {}), **built.seconds, **seconds, "total": total},
         lane_evidence=evidence,
-        device=checked.get("device"),
+        device=checked.device,
         compared=compare_artifacts(req.compare_with, artifact) if req.compare_with else None,
     )
 
 
 def _compiled(
     run: _Run, asked: MintRequest | MintHold, next_request: Callable[[dict[str, Any]], Any] | None
-) -> tuple[MintRequest, dict[str, Any], float]:
+) -> tuple[MintRequest, Compiled, float]:
     """(the key's request, the compile stage's result, seconds waited for the sandbox): the
     trace and the compile, under the sandbox's lock. The check stage starts beside the compile;
     a hold's only once a key needs it (its module costs memory and time)."""
     clock = run.clock
     if isinstance(asked, MintRequest):
-        run.check = run.stage("check")
+        run.check = run.stage("check", asked)
     empty = isinstance(asked, MintRequest) and bool(asked.empty_sandbox)
     with _sandbox(run.sandbox, empty, clock.progress) as waited:
-        compiling = run.stage("compile")
+        compiling = run.stage("compile", asked)
         try:
             if isinstance(asked, MintHold):
                 clock.enter(Phase.TRACE, announce=False)
                 assert next_request is not None
                 req = _held_request(asked, compiling, next_request)
                 clock.restart()
-                run.check = run.stage("check")
+                run.check = run.stage("check", req)
                 clock.enter(Phase.COMPILE)
             else:
                 req = asked
                 clock.enter(Phase.COMPILE)  # the sandbox is held: the compile stage starts now
-                compiling.part("trace")  # the stage checks the digest against the key's
-            built = compiling.part("compile", {"request": run.staged(req)})
+                compiling.part(Traced)  # the stage checks the digest against the key's
+            built = compiling.part(Compiled, Go("compile", request=req))
             compiling.finish()
         except BaseException:
             compiling.stop()
@@ -314,7 +316,7 @@ def _compiled(
 
 
 def _sealed(
-    work: Path, req: MintRequest, built: Mapping[str, Any], lanes_block: dict[str, Any] | None
+    work: Path, req: MintRequest, built: Compiled, lanes_block: dict[str, Any] | None
 ) -> tuple[Path, str]:
     """The package (and literals) sealed with its metadata in the work folder: (path, sha256)."""
     members = {PACKAGE: work / PACKAGE}
@@ -333,31 +335,38 @@ def _held_request(
     """A hold's trace, handed to the engine; then the key's request it answers with (the
     stages get it with their go). A failed trace is the engine's to report, as the trace rule's."""
     try:
-        traced = compiling.part("trace")
+        traced = compiling.part(Traced)
     except MintFailure as e:
         next_request(e.result(hold.id, Phase.TRACE).to_json())
         raise _NotNeeded() from None
-    raw = next_request(traced)
+    raw = next_request(traced.facts())
     if raw is None:
         raise _NotNeeded()
     return _admitted(hold, raw)
 
 
-def stage_main(stage: str, work: Path, args: Sequence[str] = ()) -> int:
-    """A stage child's life: its request (`request.json`), its parts, its failure (`<stage>.json`)."""
-    req = json.loads((work / "request.json").read_text())
-    stages: dict[str, Callable[..., dict[str, Any]]] = {
-        "compile": stage_compile,
+def stage_main(stage: str) -> int:
+    """A stage child's life: its start line, its parts, and its failure as its last line."""
+    proto = os.fdopen(os.dup(1), "w", encoding="ascii")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        talk = Conversation(stage, sys.stdin, proto)
+    except ValueError as e:  # not JSON, or not a start (BadMessage): said on the stream, typed
+        refused = MintFailure(Code.MINT_ERROR, f"the {stage} stage's start is none: {e}")
+        proto.write(json.dumps(refused.result(None, Phase.REQUEST).to_json()) + "\n")
+        return 0
+    stages: dict[str, Callable[[Conversation], Any]] = {
+        "compile": lambda t: t.answer(stage_compile(t)),
         "check": stage_check,
         "serve": stage_serve,
     }
-    fn = stages[stage]
     try:
-        result = fn(req, work, *args)
+        stages[stage](talk)
     except MintFailure as e:
-        result = {"ok": False, "code": e.code, "detail": e.detail, **e.extra}
+        talk.fail(e)
     except MemoryError as e:
-        result = {"ok": False, "code": Code.OOM, "detail": f"{stage}: {e}"}
+        talk.fail(MintFailure(Code.OOM, f"{stage}: {e}"))
     except Exception as e:
         from cgbuild_rules.digest import TraceError
 
@@ -365,12 +374,7 @@ def stage_main(stage: str, work: Path, args: Sequence[str] = ()) -> int:
             stage
         ]
         code = getattr(e, "code", Code.TRACE_FAILED) if isinstance(e, TraceError) else failed
-        result = {
-            "ok": False,
-            "code": code,
-            "detail": f"{type(e).__name__}: {' '.join(str(e).split())[:600]}",
-        }
-    fs.write_atomic(work / f"{stage}.json", json.dumps(result))
+        talk.fail(MintFailure(code, f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"))
     return 0
 
 
@@ -379,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--stage"]:
         spawn.die_with_group()
-        return stage_main(args[1], Path(args[2]), args[3:])
+        return stage_main(args[1])
     proto = os.fdopen(os.dup(1), "w", encoding="ascii")
     os.dup2(2, 1)
     sys.stdout = sys.stderr

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.minted import ANNOUNCED, job_for, minted, request_for, run_worker, session_dirs
+from support.minted import ANNOUNCED, ENTRY, job_for, minted, request_for, run_worker, session_dirs
 
 from cgbuild.identity import toolchain
+from cgbuild.protocol.mint import Phase
 from cgbuild.store.seal import read_metadata, unseal
 
 
@@ -178,14 +179,62 @@ def test_a_stage_the_spawner_refuses_to_start_fails_its_first_part_typed(
     from cgbuild_rules.mint.stages import Stage
 
     from cgbuild.protocol import spawn
+    from cgbuild.protocol.stage import Verified
 
     monkeypatch.setattr(spawn, "_stopping", True)  # what stop_children() leaves behind
     started = time.monotonic()
-    stage = Stage("check", tmp_path, os.environ, timeout_s=600)
+    stage = Stage("check", stage_start(tmp_path), os.environ, timeout_s=600, log=tmp_path / "check.log")
     with pytest.raises(MintFailure) as failed:
-        stage.part("verify")
+        stage.part(Verified)
     assert failed.value.code == "worker-killed" and "verify stage did not start" in failed.value.detail
     assert time.monotonic() - started < 60 and stage.pid is None
+
+
+def stage_start(work: Path) -> Any:
+    """A check stage's start line for the tiny MLP's job, working in `work`."""
+    from cgbuild.protocol.stage import StageEnv, StageStart
+    from cgbuild.protocol.trace import TraceJob
+
+    root = work / "entry"
+    root.mkdir()
+    (root / "tiny_entry.py").write_text(ENTRY)
+    return StageStart(TraceJob.from_json(job_for(root, "A")), StageEnv(str(work)))
+
+
+def test_a_stage_that_dies_before_its_go_fails_the_part_waiting_on_it_with_its_phase(tmp_path: Path) -> None:
+    """The check stage is killed while it builds the module, before the worker hands it the
+    verify go: the part's wait ends at the stage's death (no timeout, no hang), typed as the
+    verify phase's `worker-killed`."""
+    import os
+    import time
+
+    from cgbuild_rules.mint import MintFailure
+    from cgbuild_rules.mint.stages import Stage
+
+    from cgbuild.protocol.stage import Verified
+
+    env = {**os.environ, "CGBUILD_MINT_FAULT": "check:SIGKILL"}
+    started = time.monotonic()
+    stage = Stage("check", stage_start(tmp_path), env, timeout_s=600, log=tmp_path / "check.log")
+    with pytest.raises(MintFailure) as failed:
+        stage.part(Verified)
+    result = failed.value.result("k", Phase.VERIFY).to_json()
+    assert result["code"] == "worker-killed" and result["phase"] == "verify" and result["signal"] == "SIGKILL"
+    assert "verify stage killed by SIGKILL" in result["detail"]
+    assert time.monotonic() - started < 60
+    with pytest.raises(MintFailure, match="worker-killed"):  # it stays ended for a later part
+        stage.part(Verified)
+
+
+def test_a_stage_answer_that_is_no_result_is_refused_by_name(cheap_request: dict[str, Any]) -> None:
+    """The compile stage answers its trace with a line that is not a `Traced`: the mint ends as
+    `mint-error` naming the part and what is wrong, not with a traceback or a dict passed on."""
+    import os
+
+    result = run_worker(cheap_request, env={**os.environ, "CGBUILD_MINT_FAULT": "trace:garble"})
+    assert result["ok"] is False and result["code"] == "mint-error" and result["phase"] == "compile"
+    assert result["detail"].startswith("the compile stage answered no trace result: the trace result:")
+    assert "Traceback" not in result["detail"]
 
 
 @pytest.mark.parametrize(("part", "phase"), [("verify", "verify"), ("serve", "serve")])

@@ -1,0 +1,128 @@
+"""The mint worker's lines with its stage children: each typed message reads back as itself,
+and a line that is not the message it must be is refused by name (`BadMessage`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.minted import job_for
+
+from cgbuild.protocol.mint import MintRequest
+from cgbuild.protocol.stage import (
+    BadMessage,
+    Compiled,
+    Go,
+    Measured,
+    Served,
+    StageEnv,
+    StageStart,
+    Traced,
+    Verified,
+)
+from cgbuild.protocol.trace import TraceJob
+
+JOB = TraceJob.from_json(job_for(Path("/src"), "A"))
+REQUEST = MintRequest(
+    id="A",
+    key="a" * 64,
+    job=JOB,
+    sm="cpu",
+    graph_digest="b" * 64,
+    toolchain={"platform": "cpu", "fold": "c" * 16, "components": {}},
+    out="/out",
+)
+ANSWERS = [
+    Traced("b" * 64, {"inputs": []}, [["fc1.weight", "F32", [4, 8]]], 18, "2.13.0", "cpu"),
+    Compiled(
+        graph_digest="b" * 64,
+        contract={"inputs": []},
+        nodes=18,
+        module=None,
+        toolchain={"platform": "cpu"},
+        policy={"cpp.threads": 8},
+        constants={"state": [], "literal": []},
+        layout=None,
+        aoti={"runtime": {}},
+        torch="2.13.0",
+        forensics={"python": "3.11"},
+        seconds={"export": 1.0, "compile": 2.0},
+    ),
+    Verified([{"output": 0, "rel_rms": 0.0}], {"type": "cpu", "visible": None}),
+    Measured(),
+    Served([{"output": 0}], [{"counters": {"compiled": 1}, "seconds": 0.1}]),
+]
+
+
+def wire(value: Any) -> Any:
+    return json.loads(json.dumps(value))
+
+
+@pytest.mark.parametrize("answer", ANSWERS, ids=lambda a: a.PART)
+def test_every_answer_reads_back_as_itself(answer: Any) -> None:
+    line = wire(answer.to_json())
+    assert line["part"] == answer.PART and line["ok"] is True
+    assert type(answer).from_json(line) == answer
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda line: {k: v for k, v in line.items() if k != "graph_digest"}, "missing graph_digest"),
+        (lambda line: {**line, "extra": 1}, "unknown field 'extra'"),
+        (lambda line: {**line, "part": "compile"}, "part 'compile'"),
+        (lambda line: {**line, "ok": "yes"}, "ok 'yes'"),
+        (lambda line: ["not", "an", "object"], "not a JSON object"),
+    ],
+)
+def test_a_malformed_answer_is_refused_by_name(edit: Any, message: str) -> None:
+    with pytest.raises(BadMessage, match=f"^the trace result: .*{message}"):
+        Traced.from_json(edit(wire(ANSWERS[0].to_json())))
+
+
+@pytest.mark.parametrize(
+    "go",
+    [
+        Go("compile", request=REQUEST),
+        Go("verify", request=REQUEST),
+        Go("measure", candidates=("baseline", "chunked")),
+        Go("serve", artifact="/out/a.tar.gz"),
+    ],
+    ids=lambda g: g.part,
+)
+def test_every_go_reads_back_as_itself(go: Go) -> None:
+    assert Go.from_json(wire(go.to_json())) == go
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ({"part": "seal", "artifact": "x"}, "part 'seal' takes exactly its input None"),
+        ({"part": "serve"}, "part 'serve' takes exactly its input 'artifact'"),
+        ({"part": "serve", "artifact": "x", "candidates": []}, "takes exactly its input 'artifact'"),
+        ({"part": "measure", "candidates": "baseline"}, "candidates must be a list"),
+        ({"part": "serve", "artifact": 3}, "artifact must be a path"),
+        ({"part": "verify", "request": {"schema": "nope"}}, "go verify: schema must be"),
+    ],
+)
+def test_a_malformed_go_is_refused_by_name(line: dict[str, Any], message: str) -> None:
+    with pytest.raises(BadMessage, match=message):
+        Go.from_json(line)
+
+
+def test_a_start_reads_back_held_or_with_its_request_and_refuses_what_it_lacks() -> None:
+    env = StageEnv("/out/.mint-k", "/usr/bin/g++", "/tmp/sb")
+    held = StageStart(JOB, env)
+    keyed = StageStart(JOB, env, REQUEST)
+    alone = StageStart(JOB, StageEnv("/tmp/v"), go=Go("serve", artifact="/a.tar.gz"))
+    for start in (held, keyed, alone):
+        assert StageStart.from_json(wire(start.to_json())) == start
+    assert held.held and not keyed.held
+    with pytest.raises(BadMessage, match="stage start: missing env"):
+        StageStart.from_json({"job": JOB.to_json()})
+    with pytest.raises(BadMessage, match="stage start env: unknown field 'device'"):
+        StageStart.from_json({"job": JOB.to_json(), "env": {"work": "/w", "device": "cuda"}})
+    with pytest.raises(BadMessage, match="stage start: bad job"):
+        StageStart.from_json({"job": {"spec": {}}, "env": {"work": "/w"}})
