@@ -15,11 +15,16 @@
   so its mean square is of eps's order.
 - The kernel compiles for sm_90 with Triton's own compiler, both variants, without spills.
 - `torch.export` keeps the op as one node, and the op refuses inputs the kernel is not built for.
+- benchmarks/attention_gpu.py's `--tiny --only qk_rope` rehearsal runs.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +34,8 @@ from support.triton_child import run
 
 pytest.importorskip("triton")
 pytest.importorskip("diffusers")
+
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_gpu.py"
 
 ACCURACY = textwrap.dedent(
     """
@@ -233,3 +240,14 @@ def test_the_norms_must_share_one_eps() -> None:
     q, cos = _bf16(1, 40, 2, 128), torch.randn(40, 128)
     with pytest.raises(ValueError, match="share one eps"):
         qk_rope.apply(Norms(eps_k=1e-5), q, q, (cos, cos))
+
+
+def test_the_gpu_benchmark_rehearses_under_the_interpreter(tmp_path: Path) -> None:
+    out = tmp_path / "qk_rope.json"
+    command = [sys.executable, str(BENCHMARK), "--tiny", "--only", "qk_rope", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {(row["block"], row["impl"]): row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(b, i) for b in ("single", "joint") for i in ("qk_rope_op", "qk_rope_eager")}
+    # the interpreter truncates to bf16 where the GPU rounds: about one ulp of error, not zero
+    assert all(row["rel_vs_eager"] < 0.01 for row in rows.values()), rows
