@@ -132,23 +132,23 @@ def op() -> QKNormRope:
     def qk_norm_rope(
         q: torch.Tensor,
         k: torch.Tensor,
-        q_weight: torch.Tensor,
-        k_weight: torch.Tensor,
+        text: list[torch.Tensor],
+        weights: list[torch.Tensor],
         cos: torch.Tensor,
         sin: torch.Tensor,
         eps: float,
-        text: list[torch.Tensor],
     ) -> Pair:
-        """q, k [B, S, H, D] bf16 (D = 128), their norms' weights [D], cos and sin [T + S, D] →
-        RMSNorm then rotary embedding of q and of k, each [B, H, T + S, D] bf16. `text` is empty
-        or [q_text, k_text, q_text_weight, k_text_weight]: T text tokens [B, T, H, D] that come
-        first, normalized with their own weights."""
+        """q, k [B, S, H, D] bf16 (D = 128), cos and sin [T + S, D] → RMSNorm then rotary
+        embedding of q and of k, each [B, H, T + S, D] bf16. `text` is empty or [q_text, k_text]:
+        T text tokens [B, T, H, D] that come first. `weights` are the norms' [D] weights: q's,
+        k's, then with text q_text's and k_text's."""
         b, n_image, h, d = q.shape
         if d != HEAD_DIM:
             raise ValueError(f"the qk norm + rope kernel is built for head dim {HEAD_DIM}, not {d}")
         if k.shape != q.shape:
             raise ValueError(f"q and k must share one shape: {q.shape}, {k.shape}")
-        q_text, k_text, q_text_weight, k_text_weight = text or (q, k, q_weight, k_weight)
+        q_weight, k_weight, q_text_weight, k_text_weight = weights if text else weights * 2
+        q_text, k_text = text or (q, k)
         n_text = q_text.shape[1] if text else 0
         if text and (q_text.shape != (b, n_text, h, d) or k_text.shape != q_text.shape):
             raise ValueError(f"text q and k must be [{b}, T, {h}, {d}]: {q_text.shape}, {k_text.shape}")
@@ -199,9 +199,7 @@ def apply(attn: Any, q: torch.Tensor, k: torch.Tensor, rotary: Pair, text: Pair 
     weights = [norm.weight for norm in norms]
     if len(eps) != 1 or None in eps:
         raise ValueError(f"the norms must share one eps: {[norm.eps for norm in norms]}")
-    cos, sin = rotary
-    extra = [*text, *weights[2:]] if text else []
-    return op()(q, k, *weights[:2], cos, sin, eps.pop(), extra)
+    return op()(q, k, list(text or ()), weights, *rotary, eps.pop())
 
 
 def reference(attn: Any, q: torch.Tensor, k: torch.Tensor, rotary: Pair, text: Pair | None = None) -> Pair:
