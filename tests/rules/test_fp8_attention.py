@@ -1,6 +1,6 @@
 """The fp8 attention op (`cgbuild_rules.fp8_attention`), on a machine without a GPU.
 
-- Under Triton's CPU interpreter (with the GPU's fp32 → e4m3 rounding, `support.triton_child`)
+- Under Triton's CPU interpreter (with the GPU's fp32 → e4m3 and bf16 rounding, `support.triton_child`)
   the kernel's output is held to fp64 attention of the same bf16 inputs. Each head carries its
   own magnitudes: q × c, k × t / c and v × c, for c = 16, 1, 1/16 (the inputs' scales) and
   t = 2, 1, 1/2 (the scores' spread), so a scale taken from the wrong head, or one left out,
@@ -30,8 +30,8 @@ ACCURACY = textwrap.dedent(
     """
     import json, math
     import torch
-    from support.triton_child import gpu_fp8_rounding
-    gpu_fp8_rounding()
+    from support.triton_child import gpu_rounding
+    gpu_rounding()
     from cgbuild_rules import fp8_attention
 
     torch.manual_seed(0)
@@ -76,21 +76,23 @@ ROUNDING = textwrap.dedent(
     """
     import json
     import torch, triton, triton.language as tl
-    from support.triton_child import gpu_fp8_rounding
+    from support.triton_child import gpu_rounding
 
     @triton.jit
-    def cast(x, y):
+    def cast(x, y, z):
         r = tl.arange(0, 4)
         tl.store(y + r, tl.load(x + r).to(tl.float8e4nv))
+        tl.store(z + r, tl.load(x + r).to(tl.bfloat16))
 
-    x = torch.tensor([126.24, 31.98, 0.97, 500.0])
+    x = torch.tensor([126.24, 31.98, 500.0, 1 + 3 * 2**-9])
     out = {}
     for name in ("interpreter", "gpu"):
         if name == "gpu":
-            gpu_fp8_rounding()
+            gpu_rounding()
         y = torch.empty(4, dtype=torch.float8_e4m3fn)
-        cast[(1,)](x, y)
-        out[name] = y.float().tolist()
+        z = torch.empty(4, dtype=torch.bfloat16)
+        cast[(1,)](x, y, z)
+        out[name] = {"e4m3": y.float().tolist(), "bf16": z.float().tolist()}
     print(json.dumps(out))
     """
 )
@@ -113,11 +115,13 @@ def test_kernel_compiles_for_sm90_with_both_matmuls_on_fp8_tensor_cores() -> Non
         assert r["count"] == 8, r
 
 
-def test_the_interpreter_still_needs_the_gpus_fp8_rounding() -> None:
-    """When Triton's interpreter rounds like the GPU, this fails: drop `gpu_fp8_rounding`."""
+def test_the_interpreter_still_needs_the_gpus_rounding() -> None:
+    """When Triton's interpreter rounds like the GPU, this fails: drop `gpu_rounding`."""
     result = run(ROUNDING, interpret=True)
-    assert result["gpu"] == [128.0, 32.0, 1.0, 448.0]
-    assert result["interpreter"][:2] == [64.0, 16.0], result  # the carry into the exponent is lost
+    assert result["gpu"]["e4m3"] == [128.0, 32.0, 448.0, 1.0]
+    assert result["interpreter"]["e4m3"][:2] == [64.0, 16.0], result  # the carry into the exponent is lost
+    assert result["gpu"]["bf16"][3] == 1 + 2**-7
+    assert result["interpreter"]["bf16"][3] == 1.0, result  # truncated
 
 
 def _export(q_shape: tuple[int, ...], kv_shape: tuple[int, ...]) -> object:
@@ -159,7 +163,7 @@ def test_export_refuses_shapes_the_kernel_is_not_built_for(
 
 def test_the_gpu_benchmark_rehearses_under_the_interpreter(tmp_path: Path) -> None:
     out = tmp_path / "attention.json"
-    command = [sys.executable, str(BENCHMARK), "--tiny", "--out", str(out)]
+    command = [sys.executable, str(BENCHMARK), "--tiny", "--only", "attention", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {row["impl"]: row for row in json.loads(out.read_text())["rows"]}

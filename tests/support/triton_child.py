@@ -3,10 +3,12 @@ kernel is defined, so one process cannot hold both the interpreter's kernel and 
 
 Triton 3.6's interpreter casts fp32 to float8_e4m3fn wrongly where rounding up carries into the
 exponent: the carry is OR'd into the exponent field, so 126.24 becomes 64, not 128 (31.98 → 16),
-and ties round away from zero (triton-lang/triton#8322). The GPU rounds to nearest even and
-saturates (`cvt.rn.satfinite.e4m3x2.f32`). A kernel that casts in registers (an attention's P)
-would show errors the GPU never makes, so a child can swap in the GPU's rounding
-(`gpu_fp8_rounding`); tests/rules/test_fp8_attention.py checks that the interpreter still needs it.
+and ties round away from zero (triton-lang/triton#8322). It casts fp32 to bf16 by truncation
+(1 + 3·2⁻⁹ becomes 1, not 1 + 2⁻⁷). The GPU rounds both to nearest even, e4m3 saturating
+(`cvt.rn.satfinite.e4m3x2.f32`, `cvt.rn.bf16.f32`), as torch's casts do. A kernel that casts in
+registers (an attention's P, a norm's bf16 output) would show errors the GPU never makes, so a
+child can swap in the GPU's rounding (`gpu_rounding`); tests/rules/test_fp8_attention.py checks
+that the interpreter still needs it.
 """
 
 from __future__ import annotations
@@ -34,20 +36,25 @@ def run(script: str, *, interpret: bool) -> Any:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def gpu_fp8_rounding() -> None:
-    """Make this process's interpreter cast fp32 → float8_e4m3fn as the GPU does: saturate to
-    ±448, then round to nearest even (torch's cast). Every other conversion stays Triton's."""
+def gpu_rounding() -> None:
+    """Make this process's interpreter cast fp32 → float8_e4m3fn and fp32 → bf16 as the GPU does:
+    round to nearest even (torch's casts), e4m3 saturating to ±448. Every other conversion stays
+    Triton's."""
     import numpy as np
     import torch
     import triton.language as tl
     from triton.runtime import interpreter
 
     triton_cast = interpreter._convert_float
+    torch_dtypes = {tl.float8e4nv: torch.float8_e4m3fn, tl.bfloat16: torch.bfloat16}
 
     def convert(data: Any, src: Any, dst: Any, rounding: Any) -> Any:
-        if src != tl.float32 or dst != tl.float8e4nv:
+        if src != tl.float32 or dst not in torch_dtypes:
             return triton_cast(data, src, dst, rounding)
-        values = torch.from_numpy(np.ascontiguousarray(data).view(np.float32)).clamp(-448.0, 448.0)
-        return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        values = torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
+        if dst == tl.float8e4nv:
+            values = values.clamp(-448.0, 448.0)
+        bits = torch.uint8 if dst == tl.float8e4nv else torch.uint16
+        return values.to(torch_dtypes[dst]).view(bits).numpy()
 
     interpreter._convert_float = convert
