@@ -11,8 +11,9 @@ module the mint built (seed-0 weights, on the target's device):
   check_us     median of 2,000 `moved()` calls (perf_counter), and what it walks
   fit_us       median of 2,000 `fit()` calls on the step's inputs
   step_ms      the served step: 3 warm-up calls, median of 15 (CUDA events on a GPU)
-  side_by_side rounds alternating 15 served steps with the watch and 15 with it removed
-               (the pre-guard path), medians of each: the check's cost as the step sees it
+  side_by_side rounds alternating 15 served steps with the watch and 15 with its check
+               replaced by one that proves nothing (the pre-guard path), medians of each: the
+               check's cost as the step sees it
   restrided    per tensor input, the step with that input handed as a view of other strides
                (the same values; what `t.expand(b)` or a transposed buffer hands adopt): the
                copy into the traced layout, against the contiguous step
@@ -78,6 +79,11 @@ def _other_strides(x: Any) -> Any:
     return torch.stack([x, x], -1)[..., 0]
 
 
+def _unmoved() -> None:
+    """What the watch answers on the path before the guard: nothing proved before the call."""
+    return None
+
+
 def measure(ws: Path, label: str, artifact: Path, rounds: int) -> dict[str, Any]:
     import torch
     from cgbuild_rules.adopt import adopt, fit
@@ -105,11 +111,10 @@ def measure(ws: Path, label: str, artifact: Path, rounds: int) -> dict[str, Any]
         rec["fit_us"] = _median_us(lambda: fit(art.contract, args, kwargs))
         with_watch, without = [], []
         for _ in range(rounds):
-            art.watch = watch
             with_watch.append(_step_ms(step, cuda, warm=1))
-            art.watch = None  # the path before the guard: nothing proved before the call
+            watch.moved = _unmoved  # type: ignore[method-assign]  # the path before the guard
             without.append(_step_ms(step, cuda, warm=1))
-        art.watch = watch
+            del watch.moved
         rec["side_by_side"] = {
             "rounds": rounds,
             "with_check_ms": round(statistics.median(with_watch), 4),

@@ -21,7 +21,6 @@ mistake (`AttachError`: an attribute the pipeline lacks, a manifest of another f
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import sys
@@ -32,17 +31,17 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn, SupportsIndex
 
 import torch
-from cgbuild_rules.adopt.artifact import PLAIN, Artifact, ConfigCheck
+from cgbuild_rules.adopt.bind import PLAIN, ConfigCheck
 from cgbuild_rules.adopt.copies import Unserved
 from cgbuild_rules.adopt.host import module_device
 from cgbuild_rules.adopt.manifest import manifest_artifacts
-from cgbuild_rules.adopt.refusal import AdoptRefused, CompiledRequired, Refusal, log
+from cgbuild_rules.adopt.refusal import AdoptRefused, CompiledRequired, log
 from cgbuild_rules.adopt.router import Adopted
+from cgbuild_rules.adopt.state import Artifact, Replaced, annotate, hand_over, replace, restore
 from torch import nn
 
 from cgbuild.config.calls import CallAdapter
 from cgbuild.core import jsonfile
-from cgbuild.core.codes import Code
 from cgbuild.protocol.manifest import read_modules
 from cgbuild.store.local import Store
 from cgbuild.store.shared import SharedStore
@@ -200,21 +199,20 @@ class ServedPipeline:
             log.warning("pipe.%s: the torch.compile wrapper set after adopt is taken off", c.serves)
             return c
         old = c.adopted
-        arts = [dataclasses.replace(a) for a in old.artifacts]  # the packages move to the new module
-        for a in old.artifacts:  # the replaced module's router keeps none: it never computes with them
-            a.package, a.refusal = None, Refusal(Code.MODULE_REPLACED, f"pipe.{c.serves} was replaced")
+        # the packages move to the new module; the replaced module's router keeps none
+        arts = [hand_over(a, f"pipe.{c.serves} was replaced") for a in old.artifacts]
         c.detach()
         adopted_cls = c.adopted_as or type(old.module)
         new = at.live
         if type(new) is adopted_cls:
             for a in arts:
-                if a.refusal is not None and a.refusal.code == Code.MODULE_REPLACED:
-                    a.refusal = None  # held back only because another class was there
+                if isinstance(a.state, Replaced):
+                    restore(a)  # held back only because another class was there
             undo = report_compute_dtype(new, arts) if at.attr is None else None
         else:
             why = f"pipe.{c.serves} is now a {type(new).__name__}, adopted as a {adopted_cls.__name__}"
             for a in arts:
-                a.refusal = Refusal(Code.MODULE_REPLACED, why)
+                replace(a, why)
             undo = None
         adopted = _serve(at, arts, c.label, old.compiled_only is not None, old.call)
         adopted.counters.update(old.counters)
@@ -222,9 +220,8 @@ class ServedPipeline:
         if type(new) is adopted_cls:
             adopted.rebind()
             for a in adopted.artifacts:
-                if a.refusal is not None and a.refusal.code != Code.MODULE_REPLACED:
-                    detail = f"pipe.{c.serves} was replaced after adopt_pipeline: {a.refusal.detail}"
-                    a.refusal = Refusal(a.refusal.code, detail)
+                if a.refusal is not None:
+                    annotate(a, f"pipe.{c.serves} was replaced after adopt_pipeline: ")
         if adopted.armed:
             log.info("pipe.%s was replaced after adopt_pipeline: re-armed on the new module", c.serves)
         else:

@@ -16,17 +16,19 @@ call and routes each call to the artifact whose contract fits.
 
 The rooms: `host` (this host's facts against the artifact's), `contract` (a call against the
 traced contract: `fit`), `bind` (weights, literals, configuration and layout bound and watched),
-`artifact` (one artifact loaded and armed, its lane chosen), `router` (`Adopted`: each call routed
-to the artifact that fits, or served eager and named), `manifest` (a serving manifest adopted),
-`refusal` (the typed reason a call or an artifact is served eager), `copies` (what a copy of a
-served module holds where its router was).
+`artifact` (one artifact loaded and armed, its lane chosen), `state` (an adopted artifact's
+states, armed, held, unloaded or replaced, and the transitions between them), `router`
+(`Adopted`: each call routed to the artifact that fits, or served eager and named), `manifest`
+(a serving manifest adopted), `refusal` (the typed reason a call or an artifact is served
+eager), `copies` (what a copy of a served module holds where its router was).
 """
 
-from cgbuild_rules.adopt.artifact import Artifact, load_artifact
+from cgbuild_rules.adopt.artifact import load_artifact
 from cgbuild_rules.adopt.contract import fit
 from cgbuild_rules.adopt.manifest import adopt_manifest
 from cgbuild_rules.adopt.refusal import AdoptRefused, Refusal
 from cgbuild_rules.adopt.router import Adopted, adopt, serve_checkpoint
+from cgbuild_rules.adopt.state import Artifact
 
 __all__ = [
     "AdoptRefused",

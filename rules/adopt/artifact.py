@@ -1,26 +1,26 @@
 """One artifact read, checked against this host, loaded through the package's C++ loader and
-armed (bound, its lane chosen), or refused with its reason.
+armed (bound, its lane chosen), or refused with its reason: its first state (`state`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from cgbuild_rules import traced
-from cgbuild_rules.adopt.bind import adapter_hint, config_refusal, layout_refusal, literals_of, weights_of
+from cgbuild_rules.adopt.bind import PLAIN, ConfigCheck, adapter_hint, layout_refusal
 from cgbuild_rules.adopt.contract import supplied_positions, supplied_refusal
 from cgbuild_rules.adopt.host import host_refusal, module_device
 from cgbuild_rules.adopt.refusal import REARMABLE, Refusal, log
-from cgbuild_rules.bound import Watch
+from cgbuild_rules.adopt.state import Armed, Artifact, Identity, Loaded, State, Unloaded, arm
 from cgbuild_rules.lanes import device_memory_bytes, switch_inputs
 from cgbuild_rules.loader import Package
 from torch import nn
@@ -35,70 +35,6 @@ from cgbuild.store.s3 import RemoteError
 from cgbuild.store.seal import LITERALS, PACKAGE, SealError, read_metadata, unseal
 from cgbuild.store.sealed import Sealed, parse
 from cgbuild.store.shared import SharedStore
-
-
-# ---- artifacts ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ConfigCheck:
-    """How the live module's configuration is held against the artifact's record."""
-
-    enabled: bool = True
-    """False for a checkpoint's tensors: no model code, so no configuration beside the program's."""
-    traced_as: str | None = None
-    """The root class a call adapter says the program was traced as (`cgbuild.config.calls`): not
-    held against the live module's own class."""
-    substitutes: Mapping[str, str] = field(default_factory=dict)
-    """Entry class → the stock class it stands for (a call adapter's `substitutes`): the stock
-    class is accepted where the record names the entry's."""
-
-
-@dataclass
-class Artifact:
-    """One sealed artifact as adopted for a module: armed (`package` set) or refused."""
-
-    key: str
-    label: str
-    sealed: Sealed | None
-    """What the artifact says of itself; None when it could not be read."""
-    package: Package | None = None
-    refusal: Refusal | None = None
-    literals: dict[str, torch.Tensor] = field(default_factory=dict)
-    seconds: float = 0.0
-    lane: Refit | None = None
-    """The kernel lane bound before the first call and why (None: the artifact has no lanes)."""
-    supplied: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    """(leaf index, tensor) of the inputs adopt passes with every call: the lane selector."""
-    call_contract: dict[str, Any] | None = None
-    watch: Watch | None = None
-    """What the package is bound to; while refused for a binding reason, the module as refused
-    (nothing is retried until something in it moves)."""
-    baseline: traced.Traced | None = None
-    """The module as traced (`cgbuild_rules.traced`): adopt and every re-arm hold the live
-    module to it. For an artifact sealed before the record carried it: the module as first bound."""
-    unverified: tuple[str, ...] = ()
-    """Checks this artifact cannot support (`config`: sealed before the configuration record;
-    `structure`: sealed before the record carried the traced structure)."""
-    config: ConfigCheck = field(default_factory=ConfigCheck)
-    reload: Callable[[nn.Module], Artifact] | None = None
-    """Load it again (an artifact refused before its package was loaded is re-armed so)."""
-
-    @property
-    def sealed_contract(self) -> Mapping[str, Any]:
-        """The program's call contract as sealed, the lane selector included."""
-        return self.sealed.contract if self.sealed is not None else {}
-
-    @property
-    def contract(self) -> Mapping[str, Any]:
-        """What a caller's call must fit: once armed, the sealed contract without the lane selector."""
-        return self.call_contract if self.call_contract is not None else self.sealed_contract
-
-    @property
-    def dynamic(self) -> bool:
-        return bool(self.contract.get("symbols"))
-
-
-PLAIN = ConfigCheck()
-"""The configuration check of a module served as the entry built it (no adapter)."""
 
 
 def choose_lane(
@@ -132,62 +68,54 @@ def choose_lane(
 
 
 def _arm(
-    art: Artifact,
+    identity: Identity,
     files: Mapping[str, Path],
     module: nn.Module,
     device: torch.device,
     memory_bytes: int | None = None,
     pin: str | None = None,
-) -> None:
+) -> Armed | Unloaded:
+    """Load the package with its literals and lane, and bind it to the live module (`arm`)."""
+    literals: dict[str, torch.Tensor] = {}
     if LITERALS in files:
         from safetensors.torch import load_file
 
         try:
-            art.literals = {k: v.to(device) for k, v in load_file(str(files[LITERALS])).items()}
+            literals = {k: v.to(device) for k, v in load_file(str(files[LITERALS])).items()}
         except Exception as e:  # safetensors' own error type: the literals file is not one
-            art.refusal = Refusal(Code.BAD_LITERALS, f"{LITERALS}: {type(e).__name__}: {e}")
-            return
-    assert art.sealed is not None  # only a read artifact is armed
-    art.lane, switch, inputs = choose_lane(art.sealed.lanes, device, memory_bytes=memory_bytes, pin=pin)
-    art.literals.update(switch)  # bound with the rest below: before the first call, kept by rebind
-    if refusal := supplied_refusal(art.sealed_contract, inputs):
-        art.refusal = refusal
-        return
-    art.supplied = supplied_positions(art.sealed_contract, inputs)
-    art.call_contract = lanes.caller_contract(art.sealed_contract, inputs)
-    if art.lane is not None:
-        log.info("%s: lane %s (%s: %s)", art.label, art.lane.lane, art.lane.code, art.lane.detail)
+            return Unloaded(Refusal(Code.BAD_LITERALS, f"{LITERALS}: {type(e).__name__}: {e}"))
+    sealed = identity.sealed
+    assert sealed is not None  # only a read artifact is armed
+    lane, switch, inputs = choose_lane(sealed.lanes, device, memory_bytes=memory_bytes, pin=pin)
+    literals.update(switch)  # bound with the rest: before the first call, kept by rebind
+    if refusal := supplied_refusal(sealed.contract, inputs):
+        return Unloaded(refusal)
+    supplied = tuple(supplied_positions(sealed.contract, inputs))
+    if lane is not None:
+        log.info("%s: lane %s (%s: %s)", identity.label, lane.lane, lane.code, lane.detail)
     try:
         package = Package(files[PACKAGE], device_index=device.index if device.index is not None else -1)
     except Exception as e:
-        art.refusal = Refusal(Code.LOAD_FAILED, f"{type(e).__name__}: {e}")
-        return
-    table = art.sealed.constant_fqns
+        return Unloaded(Refusal(Code.LOAD_FAILED, f"{type(e).__name__}: {e}"))
     # The package's list is the truth of what it binds; the sealed table must describe each
     # (dtype, shape, stride to check). A table naming more is an artifact sealed before the
     # table was cut to the package's list: the extra rows are never bound.
-    extra = sorted(set(package.constant_fqns) - table)
+    extra = sorted(set(package.constant_fqns) - sealed.constant_fqns)
     if extra:
-        art.refusal = Refusal(
-            Code.CONSTANT_TABLE_MISMATCH, f"package binds {extra[:3]} that the sealed table does not describe"
+        return Unloaded(
+            Refusal(
+                Code.CONSTANT_TABLE_MISMATCH,
+                f"package binds {extra[:3]} that the sealed table does not describe",
+            )
         )
-        return
-    if art.baseline is None:  # sealed without the traced structure: the module as first bound
-        art.baseline = traced.snapshot(module)
-    if refusal := bind_live(art, package, module, device):
-        art.refusal = refusal
-        return
-    art.package = package
+    return arm(identity, Loaded(package, literals, lane, supplied), module, device)
 
 
-def structure_refusal(art: Artifact, module: nn.Module) -> Refusal | None:
-    """`module-changed` naming the first way the live module differs from the module as traced
-    (a hook, an override, a shadowing attribute, a patched class, train mode, a submodule added
-    or gone), with its fix; None when it is structured as traced."""
-    if art.baseline is None:
-        return None
-    moved = traced.changed(art.baseline, module, art.config.traced_as, art.config.substitutes)
-    return None if moved is None else Refusal(Code.MODULE_CHANGED, f"{moved}{adapter_hint(module)}")
+def caller_contract(sealed: Sealed) -> dict[str, Any]:
+    """What a caller's call must fit: the sealed contract without the lane selector adopt passes."""
+    block = sealed.lanes
+    selector = block.get("selector") if block and block.get("axes") else None
+    return lanes.caller_contract(sealed.contract, [selector["input"]] if selector else [])
 
 
 def load_artifact(
@@ -221,84 +149,59 @@ def load_artifact(
     except (StoreError, RemoteError, SealError, OSError, ValueError) as e:  # Malformed too
         code = Code.BAD_METADATA if isinstance(e, Malformed) else getattr(e, "code", Code.BAD_ARTIFACT)
         detail = f"{path}: {e}" if isinstance(e, Malformed) else str(e)
-        return Artifact(
-            key, label or key[:12], None, refusal=Refusal(code, detail), seconds=time.perf_counter() - t
-        )
-    art = Artifact(sealed.key, label or sealed.key[:12], sealed)
-    if store is not None and art.key != key:
-        art.refusal = Refusal(
-            Code.KEY_MISMATCH, f"store key {key[:12]} holds an artifact that says {art.key[:12]}"
+        unread = Identity(key, label or key[:12], None, seconds=time.perf_counter() - t)
+        return Artifact(unread, Unloaded(Refusal(code, detail)))
+    name = label or sealed.key[:12]
+    refusal: Refusal | None
+    if store is not None and sealed.key != key:
+        refusal = Refusal(
+            Code.KEY_MISMATCH, f"store key {key[:12]} holds an artifact that says {sealed.key[:12]}"
         )
     else:
-        art.refusal = host_refusal(sealed, device) or layout_refusal(sealed.layout, module)
-        if art.refusal is not None and art.refusal.code in REARMABLE:
-            art.refusal = Refusal(art.refusal.code, f"{art.refusal.detail}{adapter_hint(module)}")
-    art.config = config
-    record = sealed.module
-    if config.enabled and record is None:
-        art.unverified = ("config", "structure")
-        log.info("%s: sealed without a configuration record: its configuration is unverified", art.label)
-    elif config.enabled and record is not None:
-        art.baseline = traced.from_record(record)
-        if art.baseline is None:
-            art.unverified = ("structure",)
-            log.info("%s: sealed without the traced structure: held to the module as adopted", art.label)
-    art.reload = functools.partial(
-        load_artifact,
-        source,
-        store=store,
-        label=label,
-        memory_bytes=memory_bytes,
-        lane=lane,
-        config=config,
+        refusal = host_refusal(sealed, device) or layout_refusal(sealed.layout, module)
+        if refusal is not None and refusal.code in REARMABLE:
+            refusal = Refusal(refusal.code, f"{refusal.detail}{adapter_hint(module)}")
+    unverified: tuple[str, ...] = ()
+    baseline = None
+    if config.enabled and sealed.module is None:
+        unverified = ("config", "structure")
+        log.info("%s: sealed without a configuration record: its configuration is unverified", name)
+    elif config.enabled and sealed.module is not None:
+        baseline = traced.from_record(sealed.module)
+        if baseline is None:
+            unverified = ("structure",)
+            log.info("%s: sealed without the traced structure: held to the module as adopted", name)
+    if refusal is None and baseline is None:  # the module as first bound stands for it
+        baseline = traced.snapshot(module)
+    reload = functools.partial(
+        load_artifact, source, store=store, label=label, memory_bytes=memory_bytes, lane=lane, config=config
     )
-    if art.refusal is None:
-        scratch = Path(tempfile.mkdtemp(prefix="cgbuild-adopt-"))
-        try:
-            _arm(art, unseal(path, scratch), module, device, memory_bytes, lane)
-        except SealError as e:  # a member, or an entry of the package, that must not be unpacked
-            art.refusal = Refusal(e.code, str(e))
-        except (RuntimeError, OSError) as e:  # constants the package would not take
-            art.refusal = Refusal(Code.LOAD_FAILED, f"{type(e).__name__}: {e}")
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)  # the loader has its own copy by now
-    art.seconds = time.perf_counter() - t
-    return art
+    identity = Identity(
+        sealed.key, name, sealed, caller_contract(sealed), baseline, unverified, config, reload
+    )
+    state: State = (
+        Unloaded(refusal)
+        if refusal is not None
+        else _loaded(identity, path, module, device, memory_bytes, lane)
+    )
+    return Artifact(dataclasses.replace(identity, seconds=time.perf_counter() - t), state)
 
 
-def _bindings(
-    art: Artifact, package: Package, module: nn.Module, device: torch.device
-) -> tuple[dict[str, torch.Tensor], Refusal | None]:
-    """Everything the package binds, by FQN: live weights and literals, checked; no copies."""
-    assert art.sealed is not None
-    names = set(package.constant_fqns)
-    weights, refusal = weights_of(module, art.sealed.state, device, names)
-    if refusal:
-        return {}, refusal
-    literals, refusal = literals_of(module, art.sealed.lane_switches, art.literals, names)
-    return ({}, refusal) if refusal else ({**weights, **literals}, None)
-
-
-def bind_live(art: Artifact, package: Package, module: nn.Module, device: torch.device) -> Refusal | None:
-    """Bind `package` to the live module's tensors and watch them, when they, the module's
-    configuration and its structure match the artifact; else the first reason they do not (an
-    unfused adapter named)."""
-    bound, refusal = _bindings(art, package, module, device)
-    if refusal is None and art.config.enabled and art.sealed is not None:
-        refusal = config_refusal(art.sealed.module, module, art.config.traced_as, art.config.substitutes)
-    if refusal is None and (refusal := structure_refusal(art, module)):
-        return refusal  # names its own fix
-    if refusal is not None:
-        return Refusal(refusal.code, f"{refusal.detail}{adapter_hint(module)}")
-    package.bind(bound)
-    art.watch = _watch(art, module, bound)
-    return None
-
-
-def _watch(art: Artifact, module: nn.Module, bound: Collection[str]) -> Watch:
-    """A watch over the bound names and every alias the table records for them."""
-    names = set(bound)
-    for row in art.sealed.state if art.sealed is not None else ():
-        if row.fqn in names:
-            names.update(row.aliases)
-    return Watch(module, names)
+def _loaded(
+    identity: Identity,
+    path: Path,
+    module: nn.Module,
+    device: torch.device,
+    memory_bytes: int | None,
+    pin: str | None,
+) -> Armed | Unloaded:
+    """The artifact unpacked to a scratch directory and armed from it (`_arm`), or refused."""
+    scratch = Path(tempfile.mkdtemp(prefix="cgbuild-adopt-"))
+    try:
+        return _arm(identity, unseal(path, scratch), module, device, memory_bytes, pin)
+    except SealError as e:  # a member, or an entry of the package, that must not be unpacked
+        return Unloaded(Refusal(e.code, str(e)))
+    except (RuntimeError, OSError) as e:  # constants the package would not take
+        return Unloaded(Refusal(Code.LOAD_FAILED, f"{type(e).__name__}: {e}"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # the loader has its own copy by now

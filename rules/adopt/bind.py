@@ -6,6 +6,7 @@ the next call.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +22,24 @@ from torch import nn
 from cgbuild.core.codes import Code
 from cgbuild.identity.topology import safetensors_dtype
 from cgbuild.store.sealed import Constant, Layout
+
+
+@dataclass(frozen=True)
+class ConfigCheck:
+    """How the live module's configuration is held against the artifact's record."""
+
+    enabled: bool = True
+    """False for a checkpoint's tensors: no model code, so no configuration beside the program's."""
+    traced_as: str | None = None
+    """The root class a call adapter says the program was traced as (`cgbuild.config.calls`): not
+    held against the live module's own class."""
+    substitutes: Mapping[str, str] = field(default_factory=dict)
+    """Entry class → the stock class it stands for (a call adapter's `substitutes`): the stock
+    class is accepted where the record names the entry's."""
+
+
+PLAIN = ConfigCheck()
+"""The configuration check of a module served as the entry built it (no adapter)."""
 
 
 def weights_of(

@@ -7,11 +7,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from cgbuild_rules.adopt.artifact import PLAIN, Artifact, ConfigCheck, load_artifact
-from cgbuild_rules.adopt.bind import layout_refusal
+from cgbuild_rules.adopt.artifact import load_artifact
+from cgbuild_rules.adopt.bind import PLAIN, ConfigCheck, layout_refusal
 from cgbuild_rules.adopt.host import device_sm, module_device
 from cgbuild_rules.adopt.refusal import Refusal
 from cgbuild_rules.adopt.router import Adopted
+from cgbuild_rules.adopt.state import Artifact, Identity, Unloaded
 from torch import nn
 
 from cgbuild.core.codes import Code
@@ -141,4 +142,4 @@ def _layout_misfit(arts: list[Artifact], module: nn.Module) -> str | None:
 
 def _refused(name: str, code: Code, detail: str) -> Artifact:
     """A stand-in for a module the manifest cannot serve here: the module serves eager, named."""
-    return Artifact("", name, None, refusal=Refusal(code, detail))
+    return Artifact(Identity("", name, None), Unloaded(Refusal(code, detail)))

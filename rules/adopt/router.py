@@ -14,14 +14,15 @@ from pathlib import Path
 from typing import Any, SupportsIndex
 
 import torch
-from cgbuild_rules.adopt.artifact import Artifact, ConfigCheck, bind_live, load_artifact, structure_refusal
-from cgbuild_rules.adopt.bind import CheckpointTensors, adapter_hint, layout_refusal, tie_aliases
+from cgbuild_rules.adopt.artifact import load_artifact
+from cgbuild_rules.adopt.bind import CheckpointTensors, ConfigCheck, tie_aliases
 from cgbuild_rules.adopt.calls import adapted, passed, wrapped
 from cgbuild_rules.adopt.contract import conform, distance, fit
 from cgbuild_rules.adopt.copies import Unserved, served_name
 from cgbuild_rules.adopt.host import module_device
-from cgbuild_rules.adopt.refusal import REARMABLE, AdoptRefused, CompiledRequired, Refusal, log
-from cgbuild_rules.bound import Attached, Moved, Watch
+from cgbuild_rules.adopt.refusal import AdoptRefused, CompiledRequired, Refusal, log
+from cgbuild_rules.adopt.state import Armed, Artifact, Held, fail_call, rearm, rebound
+from cgbuild_rules.bound import Attached
 from torch import nn
 
 from cgbuild.config.calls import CallAdapter
@@ -80,7 +81,7 @@ class Adopted(Attached):
 
     @property
     def armed(self) -> list[Artifact]:
-        return [a for a in self.artifacts if a.package is not None and a.refusal is None]
+        return [a for a in self.artifacts if a.armed]
 
     @property
     def refusals(self) -> dict[str, Refusal]:
@@ -174,23 +175,22 @@ class Adopted(Attached):
             art, leaves, why = None, [], self.replaced
         else:
             art, leaves, why = self.route(args, kwargs, restrided)
-        if art is not None and art.watch is not None and (moved := art.watch.moved()) is not None:
-            refusal = self._rearm(art)
-            if refusal is None:
+        state = art.state if art is not None else None
+        if art is not None and isinstance(state, Armed) and (moved := state.watch.moved()) is not None:
+            state = rearm(art, self.module, moved)
+            if isinstance(state, Armed):
                 self.counters["rebound"] += 1
             else:
-                why = self._hold(art, moved, refusal)
-        if art is not None and art.package is not None and art.refusal is None:
+                why = state.refusal
+        if art is not None and isinstance(state, Armed):
             try:
-                out = art.package.run_flat([x for x in leaves if isinstance(x, torch.Tensor)])
+                out = state.loaded.package.run_flat([x for x in leaves if isinstance(x, torch.Tensor)])
                 self.counters["compiled"] += 1
                 if restrided:
                     self.counters["restrided"] += 1
                 return wrapped(self.call, out)
             except Exception as e:  # a compiled failure disarms the artifact and serves eager
-                art.refusal = Refusal(Code.COMPILED_ERROR, f"{type(e).__name__}: {e}")
-                art.package = None
-                why = art.refusal
+                why = fail_call(art, e).refusal
         assert why is not None  # no artifact, or one refused on the way: each says why
         if self.compiled_only is not None:
             self.counters[f"refused:{why.code}"] += 1
@@ -204,63 +204,20 @@ class Adopted(Attached):
             log.warning("serving %s eager: %s (%s)", type(self.module).__name__, why.code, why.detail)
         return self._eager(*args, **kwargs)
 
-    def _rearm(self, art: Artifact) -> Refusal | None:
-        """Bind `art` to the live module again if it matches it (tree as first bound, configuration,
-        layout, every bound tensor); else the first reason it does not."""
-        assert art.package is not None
-        module = self.module
-        if refusal := structure_refusal(art, module):
-            return refusal
-        refusal = layout_refusal(art.sealed.layout if art.sealed else None, module)
-        if refusal is not None:
-            return Refusal(refusal.code, f"{refusal.detail}{adapter_hint(module)}")
-        if refusal := bind_live(art, art.package, module, module_device(module)):
-            return refusal
-        art.refusal = None
-        return None
-
     def _retry_refused(self) -> None:
-        """Re-arm a loaded artifact refused for what the module held, once the module moved."""
+        """Re-arm a held artifact once something in the module moved, if it matches it now."""
         for art in self.artifacts:
-            if art.package is None or art.refusal is None or art.refusal.code not in REARMABLE:
-                continue
-            moved = art.watch.moved() if art.watch is not None else None
-            if art.watch is not None and moved is None:
-                continue
-            refusal = self._rearm(art)
-            if refusal is None:
+            state = art.state
+            moved = state.watch.moved() if isinstance(state, Held) else None
+            if moved is not None and isinstance(rearm(art, self.module, moved), Armed):
                 self.counters["rebound"] += 1
-            else:
-                self._hold(art, moved, refusal)
-
-    def _hold(self, art: Artifact, moved: Moved | None, refusal: Refusal) -> Refusal:
-        """Refuse `art` for what the module holds now, and watch the module as it is refused (it
-        is not retried until something in it moves). Returns the refusal it sets."""
-        said = refusal.code == Code.MODULE_CHANGED  # the structure check named what moved, and the fix
-        detail = (
-            f"{moved}; not re-bound: {refusal.code}: {refusal.detail}"
-            if moved and not said
-            else refusal.detail
-        )
-        art.refusal = held = Refusal(Code.MODULE_CHANGED, detail) if moved else refusal
-        art.watch = Watch(self.module, art.watch.names if art.watch else ())
-        return held
 
     def rebind(self) -> None:
         """Bind every artifact to the module's tensors again, re-arming those refused for what the
         module held once it matches them. Calls re-bind by themselves when something moved; this
         also re-arms an artifact refused before its package was loaded (e.g. adopted with an
         unfused adapter in place), and names each refusal in `refusals`."""
-        for i, art in enumerate(self.artifacts):
-            if art.refusal is not None and art.refusal.code not in REARMABLE:
-                continue
-            if art.package is None:
-                if art.reload is not None:
-                    self.artifacts[i] = art.reload(self.module)
-                continue
-            refusal = self._rearm(art)
-            if refusal is not None:
-                self._hold(art, None, refusal)
+        self.artifacts[:] = [rebound(art, self.module) for art in self.artifacts]
 
     def install(self) -> Adopted:
         """Serve `module(...)` through this object (an instance attribute; hooks stay intact).

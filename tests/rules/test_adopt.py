@@ -251,8 +251,9 @@ def test_a_failing_compiled_call_is_served_eager_and_disarms(
 ) -> None:
     m = tiny(tmp_path_factory)
     served = adopt(art_a, m)
-    package = served.armed[0].package
-    assert package is not None
+    loaded = served.armed[0].loaded
+    assert loaded is not None
+    package = loaded.package
 
     def broken(flat: Any) -> Any:
         raise RuntimeError("kernel launch failed")
