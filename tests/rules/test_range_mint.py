@@ -15,7 +15,7 @@ from cgbuild_rules import dims
 from cgbuild_rules.adopt import adopt_manifest
 from cgbuild_rules.adopt.contract import distance
 from support.cli import cli, last_json
-from support.zoo import ZOO, minted, rel_rms, served_module
+from support.zoo import ZOO, manifested, rel_rms, served_module
 
 from cgbuild.store.local import Store
 
@@ -27,10 +27,7 @@ PIXEL_RANGE = {"min": 5, "max": 13}
 
 @pytest.fixture(scope="module")
 def ranged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    ws, _ = minted(tmp_path_factory, "zoo-video/wan-range", {"range": LABEL})
-    proc = cli(ws, "manifest", "//zoo-video/wan-range", "-o", str(ws / "manifest.json"))
-    assert proc.returncode == 0, proc.stderr
-    return ws, json.loads((ws / "manifest.json").read_text())
+    return manifested(tmp_path_factory, "zoo-video/wan-range", {"range": LABEL})
 
 
 @pytest.mark.slow

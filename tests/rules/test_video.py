@@ -11,7 +11,7 @@ import pytest
 import torch
 from cgbuild_rules.adopt import adopt_manifest
 from support.cli import cli
-from support.zoo import ZOO, minted, rel_rms, served_module
+from support.zoo import ZOO, manifested, rel_rms, served_module
 
 from cgbuild.config import cgfile
 from cgbuild.config.targets import expand
@@ -34,10 +34,7 @@ def test_frames_name_the_graph_class_and_stay_out_of_image_labels() -> None:
 
 @pytest.fixture(scope="module")
 def video(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    ws, _ = minted(tmp_path_factory, "zoo-video/wan", {str(f): label for f, label in LABELS.items()})
-    proc = cli(ws, "manifest", "//zoo-video/wan", "-o", str(ws / "manifest.json"))
-    assert proc.returncode == 0, proc.stderr
-    return ws, json.loads((ws / "manifest.json").read_text())
+    return manifested(tmp_path_factory, "zoo-video/wan", {str(f): label for f, label in LABELS.items()})
 
 
 @pytest.mark.slow

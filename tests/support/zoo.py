@@ -33,6 +33,16 @@ def minted(
     return ws, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def manifested(
+    factory: pytest.TempPathFactory, selector: str, labels: dict[str, str]
+) -> tuple[Path, dict[str, Any]]:
+    """(workspace, serving manifest) after `minted` and `cgbuild manifest //SELECTOR`."""
+    ws, _ = minted(factory, selector, labels)
+    proc = cli(ws, "manifest", f"//{selector}", "-o", str(ws / "manifest.json"))
+    assert proc.returncode == 0, proc.stderr
+    return ws, json.loads((ws / "manifest.json").read_text())
+
+
 def served_module(
     ws: Path, label: str, seed: int = 7
 ) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
