@@ -121,7 +121,7 @@ def measure(ws: Path, label: str, artifact: Path, rounds: int) -> dict[str, Any]
             "without_check_ms": round(statistics.median(without), 4),
         }
         restrided: dict[str, Any] = {}
-        names = [i["name"] for i in art.contract["inputs"]]
+        names = [i.name for i in art.contract.inputs]
         flat = list(args) + [kwargs[n] for n in names[len(args) :]]
         for name, value in zip(names, flat, strict=True):
             if not isinstance(value, torch.Tensor) or (other := _other_strides(value)) is None:

@@ -15,8 +15,6 @@ computable at plan time. This module is the engine's half, pure and torch-free:
   order. An axis with one such value adds none; fewer than two combinations means no benchmark.
 - `decide` / `refit`: the fit-constrained speed rule at mint (on measured peaks) and its re-fit at
   adopt (on the recorded peaks, rounded up: stricter, never looser).
-- `caller_contract`: a program's call contract as its caller sees it, without the lane selector
-  input adopt passes itself (`cgbuild_rules.lanes`).
 
 Numbers are integers throughout (bytes, nanoseconds, percents): the verdict lands in sealed
 metadata, whose identity blocks refuse floats, and integer comparisons cannot drift.
@@ -26,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -384,25 +382,3 @@ def has_triton(components: Mapping[str, Any]) -> bool:
     """Whether a platform's toolchain components carry triton (CPU toolchains never do)."""
     comp = components.get("triton")
     return isinstance(comp, Mapping) and comp.get("absent") is not True
-
-
-def _symbols_of(inputs: Sequence[Mapping[str, Any]]) -> set[str]:
-    names: set[str] = set()
-    for spec in inputs:
-        for leaf in spec.get("leaves") or []:
-            if isinstance(leaf, Mapping):
-                for d in [*leaf.get("shape", []), *(leaf.get("stride") or [])]:
-                    names.update(re.findall(r"[A-Za-z_]\w*", d) if isinstance(d, str) else ())
-    return names
-
-
-def caller_contract(contract: Mapping[str, Any], supplied: Collection[str]) -> dict[str, Any]:
-    """The call contract a caller's call is fitted to (and `cgbuild inspect` shows): the sealed
-    one without the inputs adopt passes itself (`supplied`, by name: the lane selector) and the
-    symbols only they use, so a lanes artifact takes the module's own call and counts as static
-    when only its selector has symbols."""
-    inputs = list(contract.get("inputs") or [])
-    kept = [i for i in inputs if i["name"] not in supplied]
-    dropped = _symbols_of([i for i in inputs if i["name"] in supplied]) - _symbols_of(kept)
-    symbols = [s for s in contract.get("symbols") or [] if s["name"] not in dropped]
-    return {**contract, "inputs": kept, "symbols": symbols}

@@ -43,6 +43,7 @@ from torch import nn
 from cgbuild.config.calls import CallAdapter
 from cgbuild.core import jsonfile
 from cgbuild.protocol.manifest import read_modules
+from cgbuild.store.contract import Baked, CallContract, Leaf
 from cgbuild.store.local import Store
 from cgbuild.store.shared import SharedStore
 
@@ -388,10 +389,10 @@ def _reported_dtype(module: nn.Module) -> Any:
 def _contract_dtype(arts: list[Artifact]) -> torch.dtype | None:
     """The dtype of the first floating-point tensor input any artifact's contract takes."""
     for art in arts:
-        for spec in art.contract.get("inputs") or []:
-            for leaf in spec.get("leaves") or []:
-                if isinstance(leaf, Mapping) and isinstance(leaf.get("dtype"), str):
-                    dtype = getattr(torch, leaf["dtype"], None)
+        for spec in art.contract.inputs:
+            for leaf in spec.leaves:
+                if isinstance(leaf, Leaf):
+                    dtype = getattr(torch, leaf.dtype, None)
                     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
                         return dtype
     return None
@@ -470,28 +471,28 @@ def _held(pipe: Any, path: str, attr: str | None) -> Any:
     return obj
 
 
-def warm_inputs(contract: Mapping[str, Any], device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def warm_inputs(contract: CallContract, device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A call the contract takes: each tensor leaf zeros of its dtype, traced shape and strides
     (a symbolic size at its range's low end, at least 2), each constant as baked."""
-    sizes = {s["name"]: max(2, int(s.get("min") or 2)) for s in contract.get("symbols") or []}
+    sizes = {s.name: max(2, s.min or 2) for s in contract.symbols}
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
-    for spec in contract.get("inputs") or []:
-        leaves = [_leaf(w, sizes, device) for w in spec.get("leaves") or []]
+    for spec in contract.inputs:
+        leaves = [_leaf(w, sizes, device) for w in spec.leaves]
         value = leaves[0] if len(leaves) == 1 else tuple(leaves)
-        if spec.get("keyword"):
-            kwargs[spec["name"]] = value
+        if spec.keyword:
+            kwargs[spec.name] = value
         else:
             args.append(value)
     return tuple(args), kwargs
 
 
-def _leaf(want: Any, sizes: Mapping[str, int], device: torch.device) -> Any:
-    if not isinstance(want, Mapping):
+def _leaf(want: Leaf | Baked, sizes: Mapping[str, int], device: torch.device) -> Any:
+    if not isinstance(want, Leaf):
         return want  # a constant the program baked: passed as baked
-    shape = [d if isinstance(d, int) else sizes.get(str(d), 2) for d in want["shape"]]
-    dtype = getattr(torch, want["dtype"])
-    stride = want.get("stride")
-    if stride and all(isinstance(s, int) for s in stride):
+    shape = [d if isinstance(d, int) else sizes.get(d, 2) for d in want.shape]
+    dtype = getattr(torch, want.dtype)
+    stride = [s for s in want.stride or () if isinstance(s, int)]
+    if stride and len(stride) == len(shape):  # traced strides that are all integers
         return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
     return torch.zeros(shape, dtype=dtype, device=device)

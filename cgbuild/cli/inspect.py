@@ -16,7 +16,7 @@ from cgbuild.cli.render import component_summary, console, phase_times, print_js
 from cgbuild.config.dims import Range
 from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
-from cgbuild.lanes import caller_contract
+from cgbuild.store.contract import Baked, CallContract, Leaf
 
 if TYPE_CHECKING:
     from cgbuild.store.seal import SealError
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cgbuild.store.metadata import Malformed
+    from cgbuild.store.fields import Malformed
     from cgbuild.store.seal import SealError, member_digests, read_metadata
     from cgbuild.store.sealed import parse
 
@@ -146,7 +146,7 @@ def show(doc: dict[str, Any], sealed: Sealed) -> None:
         f"needs {_runtime(host.runtime)}; cgbuild {sealed.cgbuild}",
     )
     selector = (sealed.lanes or {}).get("selector") or {}
-    row("signature", _signature(caller_contract(sealed.contract, [selector["input"]] if selector else [])))
+    row("signature", _signature(sealed.contract.without([selector["input"]] if selector else [])))
     for i, line in enumerate(_lane_summary(sealed.lanes, doc.get("lane_evidence"))):
         row("lanes" if i == 0 else "", line.removeprefix("lanes: ").strip())
     members = doc.get("members") or {}
@@ -189,18 +189,15 @@ def _size(value: Any) -> str:
     return declared.text if declared is not None else str(value)
 
 
-def _signature(contract: Mapping[str, Any]) -> str:
+def _signature(contract: CallContract) -> str:
     """`x: float32[1, 8, 64] -> float32[1, 8, 10]` from the sealed call contract."""
 
-    def leaf(v: Any) -> str:  # a tensor, or a constant the program baked in (None, False, 2)
-        return f"{v.get('dtype')}{list(v.get('shape') or [])}" if isinstance(v, dict) else repr(v)
+    def leaf(v: Leaf | Baked) -> str:  # a tensor, or a constant the program baked in (None, False, 2)
+        return f"{v.dtype}{list(v.shape)}" if isinstance(v, Leaf) else repr(v)
 
-    ins = ", ".join(
-        f"{i.get('name')}: {' | '.join(leaf(v) for v in i.get('leaves') or [])}"
-        for i in contract.get("inputs") or []
-    )
-    outs = ", ".join(leaf(v) for v in (contract.get("outputs") or {}).get("leaves") or [])
-    symbols = contract.get("symbols") or []
+    ins = ", ".join(f"{i.name}: {' | '.join(leaf(v) for v in i.leaves)}" for i in contract.inputs)
+    outs = ", ".join(leaf(v) for v in contract.outputs.leaves)
+    symbols = ", ".join(f"{s.name} ∈ [{s.min}, {s.max}]" for s in contract.symbols)
     return f"({ins}) -> {outs}" + (f"; symbols {symbols}" if symbols else "")
 
 

@@ -2,9 +2,10 @@
 
 The metadata comes from a file anyone could have written: `parse` runs the field checks of
 `cgbuild.store.metadata` (a malformed field is `Malformed`, naming it) and only then builds the
-values adopt, `inspect` and the store read, so no reader indexes the raw document. Blocks whose
-meaning belongs to the serving side (the call contract, the lanes block, the configuration
-record) are carried as the checked mappings and interpreted there.
+values adopt, `inspect` and the store read, so no reader indexes the raw document. The call
+contract is parsed by that check (`cgbuild.store.contract`). Blocks whose meaning belongs to the
+serving side (the lanes block, the configuration record) are carried as the checked mappings and
+interpreted there.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cgbuild.store.metadata import Malformed, metadata_problem
+from cgbuild.store.contract import CallContract
+from cgbuild.store.metadata import checked
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,8 @@ class Sealed:
     """The cgbuild version that sealed it (forensics)."""
     graph_digest: str
     nodes: int | None
-    contract: Mapping[str, Any]
-    """The call contract (`cgbuild_rules.adopt.contract`): inputs, outputs, symbols."""
+    contract: CallContract
+    """What the program takes and returns (`cgbuild_rules.adopt.contract` fits a call to it)."""
     toolchain_fold: str
     toolchain: Mapping[str, Any]
     facets: tuple[Mapping[str, Any], ...]
@@ -98,8 +100,7 @@ class Sealed:
 
 def parse(meta: Mapping[str, Any]) -> Sealed:
     """The sealed metadata's values; `Malformed` naming the first field that has the wrong shape."""
-    if problem := metadata_problem(meta):
-        raise Malformed(problem)
+    contract = checked(meta)
     host = meta.get("host") or {}
     graph = meta["graph"]
     constants = meta.get("constants") or {}
@@ -116,7 +117,7 @@ def parse(meta: Mapping[str, Any]) -> Sealed:
         cgbuild=meta.get("cgbuild"),
         graph_digest=graph["digest"],
         nodes=graph.get("nodes"),
-        contract=graph["contract"],
+        contract=contract,
         toolchain_fold=meta["toolchain"]["fold"],
         toolchain=meta["toolchain"],
         facets=tuple(meta.get("facets") or ()),

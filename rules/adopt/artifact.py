@@ -28,9 +28,10 @@ from torch import nn
 from cgbuild import lanes
 from cgbuild.core.codes import Code
 from cgbuild.lanes import Refit
+from cgbuild.store.contract import CallContract
 from cgbuild.store.errors import StoreError
+from cgbuild.store.fields import Malformed
 from cgbuild.store.local import Store
-from cgbuild.store.metadata import Malformed
 from cgbuild.store.s3 import RemoteError
 from cgbuild.store.seal import LITERALS, PACKAGE, SealError, read_metadata, unseal
 from cgbuild.store.sealed import Sealed, parse
@@ -111,11 +112,11 @@ def _arm(
     return arm(identity, Loaded(package, literals, lane, supplied), module, device)
 
 
-def caller_contract(sealed: Sealed) -> dict[str, Any]:
+def caller_contract(sealed: Sealed) -> CallContract:
     """What a caller's call must fit: the sealed contract without the lane selector adopt passes."""
     block = sealed.lanes
     selector = block.get("selector") if block and block.get("axes") else None
-    return lanes.caller_contract(sealed.contract, [selector["input"]] if selector else [])
+    return sealed.contract.without([selector["input"]] if selector else [])
 
 
 def load_artifact(

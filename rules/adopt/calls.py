@@ -15,6 +15,7 @@ from cgbuild_rules.adopt.refusal import Refusal
 
 from cgbuild.config.calls import CallAdapter
 from cgbuild.core.codes import Code
+from cgbuild.store.contract import CallContract
 
 
 def passed(call: CallAdapter, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], Refusal | None]:
@@ -32,7 +33,7 @@ def passed(call: CallAdapter, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any]
 
 def adapted(
     call: CallAdapter,
-    contract: Mapping[str, Any],
+    contract: CallContract,
     signature: inspect.Signature | None,
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
@@ -45,8 +46,8 @@ def adapted(
     if bound is None:
         return None
     positional, keywords = list(bound[0]), dict(bound[1])
-    names = [i["name"] for i in contract.get("inputs") or [] if not i.get("keyword")]
-    ranks = {i["name"]: _rank(i) for i in contract.get("inputs") or []}
+    names = [i.name for i in contract.inputs if not i.keyword]
+    ranks = {i.name: i.rank for i in contract.inputs}
     for name in call.first_row:
         here: dict[str, Any] | list[Any]
         slot: str | int
@@ -66,10 +67,3 @@ def adapted(
 def wrapped(call: CallAdapter | None, out: Any) -> Any:
     """The program's output as the serving call expects it."""
     return (out,) if call is not None and call.returns == "tuple" else out
-
-
-def _rank(spec: Mapping[str, Any]) -> int | None:
-    leaves = spec.get("leaves") or []
-    if len(leaves) != 1 or not isinstance(leaves[0], Mapping):
-        return None
-    return len(leaves[0]["shape"])

@@ -5,6 +5,7 @@ inputs adopt passes itself (the lane selector) held to it once, and placed among
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -15,6 +16,7 @@ from cgbuild_rules.weights import ALIGN
 from torch.utils import _pytree as pytree
 
 from cgbuild.core.codes import Code
+from cgbuild.store.contract import CallContract, Leaf
 
 
 # ---- call contracts ----------------------------------------------------------------------------
@@ -75,7 +77,7 @@ def _as_traced(g: torch.Tensor, want: list[int]) -> torch.Tensor | None:
 
 
 def fit(
-    contract: Mapping[str, Any],
+    contract: CallContract,
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     restrided: list[str] | None = None,
@@ -89,33 +91,32 @@ def fit(
     before the contract recorded strides were traced with contiguous inputs (every entry then
     built them so) and are held to that.
     """
-    inputs = contract.get("inputs") or []
-    positional = [i for i in inputs if not i.get("keyword")]
-    keywords = {i["name"] for i in inputs if i.get("keyword")}
+    positional = [i for i in contract.inputs if not i.keyword]
+    keywords = {i.name for i in contract.inputs if i.keyword}
     if len(args) != len(positional) or set(kwargs) != keywords:
         takes = f"{len(positional)} positional + {sorted(keywords)}"
         return Refusal(
             Code.CALL_STRUCTURE,
             f"call passes {len(args)} positional + {sorted(kwargs)}, artifact takes {takes}",
         ), []
-    bounds = {s["name"]: (s.get("min"), s.get("max")) for s in contract.get("symbols") or []}
+    bounds = contract.bounds
     bound: dict[str, int] = {}
     leaves: list[Any] = []
     pending: list[tuple[str, str, int]] = []
-    tensors: list[tuple[str, torch.Tensor, Mapping[str, Any]]] = []
+    tensors: list[tuple[str, torch.Tensor, Leaf]] = []
     positions: list[int] = []
     arg_iter = iter(args)
-    for spec in inputs:
-        value = kwargs[spec["name"]] if spec.get("keyword") else next(arg_iter)
+    for spec in contract.inputs:
+        value = kwargs[spec.name] if spec.keyword else next(arg_iter)
         got = pytree.tree_leaves(value)
-        want = spec.get("leaves") or []
+        want = spec.leaves
         if len(got) != len(want):
             return Refusal(
-                Code.CALL_STRUCTURE, f"{spec['name']}: {len(got)} leaves, artifact takes {len(want)}"
+                Code.CALL_STRUCTURE, f"{spec.name}: {len(got)} leaves, artifact takes {len(want)}"
             ), []
         for j, (g, w) in enumerate(zip(got, want, strict=True)):
-            where = f"{spec['name']}" + (f"[{j}]" if len(want) > 1 else "")
-            if not isinstance(w, dict):
+            where = spec.name + (f"[{j}]" if len(want) > 1 else "")
+            if not isinstance(w, Leaf):
                 if isinstance(g, torch.Tensor) or g != w:
                     return Refusal(Code.CONSTANT_ARG, f"{where}: {g!r} where the program baked {w!r}"), []
                 leaves.append(g)
@@ -129,23 +130,22 @@ def fit(
     return why, [] if why else leaves
 
 
-def distance(contract: Mapping[str, Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+def distance(contract: CallContract, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
     """How far a call's tensor sizes lie from what the contract takes: per size, its distance to
     the traced size, or to the nearer end of a symbol's range (0 inside it); None for a call of
     another structure. What makes one class the closest to a call that no class covers."""
-    inputs = contract.get("inputs") or []
-    positional = [i for i in inputs if not i.get("keyword")]
-    if len(args) != len(positional) or set(kwargs) != {i["name"] for i in inputs if i.get("keyword")}:
+    positional = [i for i in contract.inputs if not i.keyword]
+    if len(args) != len(positional) or set(kwargs) != {i.name for i in contract.inputs if i.keyword}:
         return None
-    bounds = {s["name"]: (s.get("min"), s.get("max")) for s in contract.get("symbols") or []}
+    bounds = contract.bounds
     arg_iter = iter(args)
     total = 0
-    for spec in inputs:
-        value = kwargs[spec["name"]] if spec.get("keyword") else next(arg_iter)
-        for g, w in zip(pytree.tree_leaves(value), spec.get("leaves") or [], strict=False):
-            if not isinstance(w, dict) or not isinstance(g, torch.Tensor) or g.dim() != len(w["shape"]):
+    for spec in contract.inputs:
+        value = kwargs[spec.name] if spec.keyword else next(arg_iter)
+        for g, w in zip(pytree.tree_leaves(value), spec.leaves, strict=False):
+            if not isinstance(w, Leaf) or not isinstance(g, torch.Tensor) or g.dim() != len(w.shape):
                 continue
-            for size, dim in zip(g.shape, w["shape"], strict=True):
+            for size, dim in zip(g.shape, w.shape, strict=True):
                 if isinstance(dim, int):
                     total += abs(size - dim)
                 elif dim in bounds:
@@ -157,7 +157,7 @@ def distance(contract: Mapping[str, Any], args: tuple[Any, ...], kwargs: Mapping
 def _tensor_refusal(
     where: str,
     g: Any,
-    w: Mapping[str, Any],
+    w: Leaf,
     bounds: Mapping[str, tuple[int | None, int | None]],
     bound: dict[str, int],
     pending: list[tuple[str, str, int]],
@@ -168,13 +168,13 @@ def _tensor_refusal(
     if not isinstance(g, torch.Tensor):
         return Refusal(Code.NOT_A_TENSOR, f"{where}: {type(g).__name__}, artifact takes a tensor")
     dtype = str(g.dtype).removeprefix("torch.")
-    if dtype != w["dtype"]:
-        return Refusal(Code.DTYPE, f"{where}: {dtype}, artifact takes {w['dtype']}")
-    if g.device.type != w["device"]:
-        return Refusal(Code.DEVICE, f"{where}: on {g.device.type}, artifact takes {w['device']}")
-    if g.dim() != len(w["shape"]):
-        return Refusal(Code.SHAPE, f"{where}: rank {g.dim()}, artifact takes {len(w['shape'])}")
-    for axis, (size, dim) in enumerate(zip(g.shape, w["shape"], strict=True)):
+    if dtype != w.dtype:
+        return Refusal(Code.DTYPE, f"{where}: {dtype}, artifact takes {w.dtype}")
+    if g.device.type != w.device:
+        return Refusal(Code.DEVICE, f"{where}: on {g.device.type}, artifact takes {w.device}")
+    if g.dim() != len(w.shape):
+        return Refusal(Code.SHAPE, f"{where}: rank {g.dim()}, artifact takes {len(w.shape)}")
+    for axis, (size, dim) in enumerate(zip(g.shape, w.shape, strict=True)):
         if isinstance(dim, int):
             if size != dim:
                 return Refusal(Code.SHAPE, f"{where} dim {axis}: {size}, artifact takes {dim}")
@@ -201,7 +201,7 @@ def _pending_refusal(pending: list[tuple[str, str, int]], bound: Mapping[str, in
 
 
 def _laid_out(
-    tensors: list[tuple[str, Any, Mapping[str, Any]]],
+    tensors: list[tuple[str, Any, Leaf]],
     leaves: list[Any],
     positions: list[int],
     bound: Mapping[str, int],
@@ -210,7 +210,7 @@ def _laid_out(
     """Each tensor leaf in its traced layout (copied where its strides or alignment differ, in
     `leaves` at its position), or why one cannot be."""
     for i, (where, g, w) in enumerate(tensors):
-        recorded = w.get("stride")
+        recorded = None if w.stride is None else list(w.stride)
         shape = list(g.shape)
         want = _contiguous(shape) if recorded is None else [_dim_value(str(d), bound) for d in recorded]
         if any(d is None for d in want) or len(want) != g.dim():
@@ -230,7 +230,7 @@ def _laid_out(
 
 
 def conform(
-    contract: Mapping[str, Any],
+    contract: CallContract,
     signature: inspect.Signature,
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
@@ -249,17 +249,16 @@ def conform(
     for name, param in signature.parameters.items():
         if param.kind is inspect.Parameter.VAR_KEYWORD:
             given.update(given.pop(name, {}))
-    inputs = contract.get("inputs") or []
-    traced = {i["name"] for i in inputs}
+    traced = {i.name for i in contract.inputs}
     for name, value in given.items():
         known = signature.parameters.get(name)
         default = known.default if known is not None else inspect.Parameter.empty
         if name not in traced and not _is_default(value, default):
             return None
-    if any(i["name"] not in given for i in inputs):
+    if any(i.name not in given for i in contract.inputs):
         return None
-    positional = tuple(given[i["name"]] for i in inputs if not i.get("keyword"))
-    return positional, {i["name"]: given[i["name"]] for i in inputs if i.get("keyword")}
+    positional = tuple(given[i.name] for i in contract.inputs if not i.keyword)
+    return positional, {i.name: given[i.name] for i in contract.inputs if i.keyword}
 
 
 def _is_default(value: Any, default: Any) -> bool:
@@ -276,29 +275,29 @@ def _is_default(value: Any, default: Any) -> bool:
 
 
 # ---- inputs adopt supplies itself (the lane selector) --------------------------------------------
-def supplied_positions(contract: Mapping[str, Any], supplied: Mapping[str, Any]) -> list[tuple[int, Any]]:
+def supplied_positions(contract: CallContract, supplied: Mapping[str, Any]) -> list[tuple[int, Any]]:
     """(leaf index in the sealed contract, value) of each supplied input, ascending: inserted in
     this order into a caller's fitted leaves, each lands where the program reads it."""
     out: list[tuple[int, Any]] = []
     index = 0
-    for spec in contract.get("inputs") or []:
-        if spec["name"] in supplied:
-            out.append((index, supplied[spec["name"]]))
-        index += len(spec.get("leaves") or [])
+    for spec in contract.inputs:
+        if spec.name in supplied:
+            out.append((index, supplied[spec.name]))
+        index += len(spec.leaves)
     return out
 
 
-def supplied_refusal(contract: Mapping[str, Any], supplied: Mapping[str, Any]) -> Refusal | None:
+def supplied_refusal(contract: CallContract, supplied: Mapping[str, Any]) -> Refusal | None:
     """Why an input adopt passes itself does not fit the program (`lane-selector`), or None.
 
     A compiled lanes program reads its selector's sizes unchecked: a size no value has runs the
     last value. So the selector built from the sealed lanes table is held to the sealed contract
     (dtype, rank, each size within its symbol's range) once, before the first call."""
-    traced = [i for i in contract.get("inputs") or [] if i["name"] in supplied]
-    absent = sorted(set(supplied) - {i["name"] for i in traced})
+    traced = [i for i in contract.inputs if i.name in supplied]
+    absent = sorted(set(supplied) - {i.name for i in traced})
     if absent:
         return Refusal(Code.LANE_SELECTOR, f"the program takes no input {absent[0]!r}")
-    sub = {"inputs": [{**i, "keyword": True} for i in traced], "symbols": contract.get("symbols") or []}
+    sub = CallContract(tuple(dataclasses.replace(i, keyword=True) for i in traced), symbols=contract.symbols)
     why, _ = fit(sub, (), supplied)
     if why is None:
         return None

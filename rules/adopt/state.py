@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from cgbuild_rules import traced
@@ -39,6 +39,7 @@ from torch import nn
 
 from cgbuild.core.codes import Code
 from cgbuild.lanes import Refit
+from cgbuild.store.contract import CallContract
 from cgbuild.store.sealed import Sealed
 
 
@@ -54,7 +55,7 @@ class Identity:
     label: str
     sealed: Sealed | None
     """What the artifact says of itself; None when it could not be read."""
-    contract: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    contract: CallContract = dataclasses.field(default_factory=CallContract)
     """What a caller's call must fit: the sealed contract without the lane selector adopt passes."""
     baseline: traced.Traced | None = None
     """The module as traced (`cgbuild_rules.traced`): adopt and every re-arm hold the live
@@ -158,12 +159,12 @@ class Artifact:
         return self.identity.unverified
 
     @property
-    def contract(self) -> Mapping[str, Any]:
+    def contract(self) -> CallContract:
         return self.identity.contract
 
     @property
     def dynamic(self) -> bool:
-        return bool(self.contract.get("symbols"))
+        return bool(self.contract.symbols)
 
     @property
     def armed(self) -> bool:

@@ -39,6 +39,7 @@ from cgbuild.protocol.mint import (
     Phase,
 )
 from cgbuild.protocol.stage import Compiled, Go, Served, StageEnv, StageStart, Traced, Verified
+from cgbuild.store.contract import CallContract
 from cgbuild.store.seal import LITERALS, PACKAGE, compare_artifacts, member_digests, read_metadata, seal
 
 ARTIFACT_SCHEMA = "cgbuild.artifact/1"
@@ -103,7 +104,10 @@ def _sandbox(
 
 
 def _metadata(req: MintRequest, built: Compiled, lanes_block: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The sealed metadata: discrete facts only (no clocks, no paths, no measured errors)."""
+    """The sealed metadata: discrete facts only (no clocks, no paths, no measured errors). The
+    contract is sealed as the engine's type writes it, so what adopt parses is what was sealed
+    (a contract it would refuse fails the mint here, naming the field)."""
+    contract = CallContract.from_json(built.contract, "graph.contract").to_json()
     components = built.toolchain["components"]
     extra = {} if lanes_block is None else {"lanes": lanes_block}
     return {
@@ -112,7 +116,7 @@ def _metadata(req: MintRequest, built: Compiled, lanes_block: dict[str, Any] | N
         "kind": ARTIFACT_KIND,
         "key": req.key,
         "axes": req.axes or {},
-        "graph": {"digest": built.graph_digest, "contract": built.contract, "nodes": built.nodes},
+        "graph": {"digest": built.graph_digest, "contract": contract, "nodes": built.nodes},
         "facets": req.facets or [],
         "stamp": req.stamp,
         "sm": req.sm,

@@ -19,6 +19,7 @@ from cgbuild_rules.adopt import AdoptRefused, adopt, adopt_manifest, fit, serve_
 from support.artifacts import edited
 from support.minted import minted, served_eager, session_dirs, tiny
 
+from cgbuild.store.contract import CallContract
 from cgbuild.store.local import Store
 from cgbuild.store.seal import read_metadata, unseal
 
@@ -60,7 +61,7 @@ def test_calls_outside_the_contract_serve_eager_with_a_reason(
     assert out.shape == (2, 8, 4)
     assert served.counters == {"eager:out-of-envelope": 1}
     assert served.last_reason is not None and "x dim 0: 2, artifact takes 1" in served.last_reason.detail
-    contract = read_metadata(art_a)["graph"]["contract"]
+    contract = CallContract.from_json(read_metadata(art_a)["graph"]["contract"])
     assert fit(contract, (torch.randn(1, 8, 64, dtype=torch.float64),), {})[0].code == "dtype"
     assert fit(contract, (torch.randn(1, 8, 64),), {"extra": 1})[0].code == "call-structure"
     assert fit(contract, ([torch.randn(1, 8, 64)],), {})[0] is None  # a one-leaf list flattens alike

@@ -10,7 +10,9 @@ from typing import Any
 import torch
 from cgbuild_rules.adopt.contract import conform
 
-CONTRACT = {"inputs": [{"name": "x"}, {"name": "scale", "keyword": True}]}
+from cgbuild.store.contract import CallContract, Input
+
+CONTRACT = CallContract((Input("x"), Input("scale", keyword=True)))
 
 
 def forward(

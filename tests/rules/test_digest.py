@@ -16,6 +16,8 @@ from support.jobs import BANKED, TOY, flux_job, make_job
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from cgbuild.store.contract import CallContract
+
 
 def digest_of(job: dict[str, Any], mode: str = "fake") -> str:
     return export_job(job, mode)[1]["graph_digest"]  # type: ignore[arg-type]
@@ -81,6 +83,7 @@ def test_dynamic_symbols_renamed_and_bounded() -> None:
     assert ident["ranges"] == ["S0:[2,16]"]
     assert facts["contract"]["symbols"] == [{"name": "S0", "min": 2, "max": 16}]
     assert facts["contract"]["inputs"][0]["leaves"][0]["shape"] == ["S0", 8, 64]
+    assert CallContract.from_json(facts["contract"]).to_json() == facts["contract"]  # sealed as written
     # The example batch does not matter; the declared range does.
     assert digest_of(make_job(batch=8, config={"dynamic_batch": [2, 16]})) == facts["graph_digest"]
     assert digest_of(make_job(batch=4, config={"dynamic_batch": [2, 32]})) != facts["graph_digest"]
@@ -104,6 +107,7 @@ def test_traced_strides_of_a_non_contiguous_input_move_the_digest() -> None:
     assert "strides" not in contiguous.identity and "strides" not in contiguous.contract
     transposed = _matmul(torch.randn(2, 8, 4).transpose(1, 2))
     assert transposed.identity["strides"] == transposed.contract["strides"] == {"x": [32, 1, 4]}
+    assert CallContract.from_json(transposed.contract).to_json() == transposed.contract  # sealed as written
     sliced = _matmul(torch.randn(2, 4, 16)[..., :8])
     assert sliced.identity["strides"] == {"x": [64, 16, 1]}
     digests = {contiguous.digest, transposed.digest, sliced.digest}

@@ -107,6 +107,19 @@ def _lanes(fqn: str | None = "lanes.linear.onehot", selector: dict[str, Any] | N
     return block if selector is None else {**block, "selector": selector}
 
 
+def _x(tree: Any = "*", **leaf: Any) -> dict[str, Any]:
+    """The toy's input `x` as traced, its leaf's fields replaced by `leaf`."""
+    traced = {"dtype": "float32", "device": "cpu", "shape": [1, 8, 64], "stride": [512, 64, 1]}
+    return {"name": "x", "keyword": False, "tree": tree, "leaves": [{**traced, **leaf}]}
+
+
+def _deep(depth: int) -> Any:
+    tree: Any = "*"
+    for _ in range(depth):
+        tree = ["tuple", None, [tree]]
+    return tree
+
+
 @pytest.mark.parametrize(
     ("edit", "needle"),
     [
@@ -137,6 +150,10 @@ def _lanes(fqn: str | None = "lanes.linear.onehot", selector: dict[str, Any] | N
         (_bend("lanes", _lanes(selector={**_SEL, "axes": ["other"]})), "names 'other', not an axis"),
         (_bend("host.isa", []), "host.isa: not an object"),
         (_bend("graph.contract.inputs", [{"name": "x", "leaves": "abc"}]), "inputs[0].leaves: not a list"),
+        (_bend("graph.contract.inputs", [_x(shape=["S5", 8, 64])]), "names 'S5', not a declared symbol"),
+        (_bend("graph.contract.inputs", [_x(stride=[512, -64, 1])]), "leaves[0].stride[1]: not a size"),
+        (_bend("graph.contract.inputs", [_x(tree=_deep(40))]), "nested deeper than 32"),
+        (_bend("graph.contract.inputs", [_x(tree=["tuple", None, ["*", "*"]])]), "holds 2 leaves, 1 listed"),
         (
             _bend("lanes", {"axes": [{"axis": "linear", "values": ["a"]}], "verdict": 3}),
             "verdict: not an object",

@@ -28,7 +28,7 @@ from cgbuild_rules.loader import Package
 from support.artifacts import HOST_READS, compile_package, host_read_ops, wrapper_source
 from torch import nn
 
-from cgbuild.lanes import caller_contract
+from cgbuild.store.contract import CallContract
 
 SELECTOR = lanes.SELECTOR
 ACTS = {"gelu": F.gelu, "relu": torch.relu, "tanh": torch.tanh}
@@ -128,9 +128,9 @@ def test_the_entrys_dynamic_shapes_keep_their_symbols_beside_the_selectors(form:
     rows = contract["inputs"][0]["leaves"][0]["shape"][0]
     assert ranges[rows] == (2, 32)
     assert [ranges[d] for d in _sel_leaf(contract)["shape"][:-1]] == [(2, 4), (2, 3)]
-    mine = caller_contract(contract, [SELECTOR])  # what a caller fits: the module's own call
-    assert [i["name"] for i in mine["inputs"]] == ["x", *kwargs]
-    assert [s["name"] for s in mine["symbols"]] == [rows]
+    mine = CallContract.from_json(contract).without([SELECTOR])  # what a caller fits: its own call
+    assert [i.name for i in mine.inputs] == ["x", *kwargs]
+    assert [s.name for s in mine.symbols] == [rows]
 
 
 def test_dynamic_shapes_that_do_not_name_the_inputs_are_refused() -> None:
@@ -196,7 +196,8 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pt2 = compile_package(ep, tmp_path_factory.mktemp("two-axes") / "model.pt2")
     package = Package(pt2)
     package.bind({fqn: t for fqn, t in m.state_dict().items() if fqn in package.constant_fqns})
-    return {"module": m, "x": x, "package": package, "pt2": pt2, "contract": graph_facts(ep).contract}
+    contract = CallContract.from_json(graph_facts(ep).contract)
+    return {"module": m, "x": x, "package": package, "pt2": pt2, "contract": contract}
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from cgbuild_rules.adopt.contract import distance
 from support.cli import cli, last_json
 from support.zoo import ZOO, manifested, rel_rms, served_module
 
+from cgbuild.store.contract import CallContract
 from cgbuild.store.local import Store
 
 LABEL = "//zoo-video/wan-range/8x8-f2..4-t4-b1@fp32:cpu"
@@ -189,10 +190,9 @@ def test_a_derived_dim_counts_by_its_root() -> None:
 
 def test_the_closest_class_is_the_one_whose_sizes_or_range_lie_nearest() -> None:
     leaf = {"dtype": "float32", "device": "cpu", "shape": [1, "S0", 8]}
-    contract = {
-        "inputs": [{"name": "x", "keyword": False, "leaves": [leaf]}],
-        "symbols": [{"name": "S0", **RANGE}],
-    }
+    contract = CallContract.from_json(
+        {"inputs": [{"name": "x", "keyword": False, "leaves": [leaf]}], "symbols": [{"name": "S0", **RANGE}]}
+    )
     assert distance(contract, (torch.zeros(1, 3, 8),), {}) == 0
     assert distance(contract, (torch.zeros(1, 5, 8),), {}) == 1
     assert distance(contract, (torch.zeros(1, 1, 9),), {}) == 2

@@ -17,6 +17,7 @@ from cgbuild_rules.adopt import AdoptRefused, adopt, fit
 from support.artifacts import edited
 from support.minted import tiny
 
+from cgbuild.store.contract import CallContract
 from cgbuild.store.seal import read_metadata
 
 pytestmark = pytest.mark.slow
@@ -59,7 +60,7 @@ def test_the_contract_records_the_traced_strides_outside_the_digest(art_a: Path)
     assert leaf["stride"] == [512, 64, 1]
     copied: list[str] = []
     x = torch.randn(1, 64, 8).transpose(1, 2)
-    why, (laid,) = fit(meta["graph"]["contract"], (x,), {}, copied)
+    why, (laid,) = fit(CallContract.from_json(meta["graph"]["contract"]), (x,), {}, copied)
     assert why is None and copied == ["x"] and laid.stride() == (512, 64, 1) and torch.equal(laid, x)
 
 
@@ -275,9 +276,10 @@ def test_malformed_records_are_refused_as_bad_metadata(
 def test_traced_strides_this_call_cannot_evaluate_are_refused(art_a: Path) -> None:
     """A recorded stride naming a symbol the call does not bind has no layout to copy into."""
     contract = read_metadata(art_a)["graph"]["contract"]
-    contract["inputs"][0]["leaves"][0]["stride"] = ["S9", 64, 1]
-    why, _ = fit(contract, (torch.randn(1, 8, 64),), {})
-    assert why is not None and why.code == "stride" and "['S9', 64, 1] are not checkable" in why.detail
+    contract["inputs"][0]["leaves"][0]["stride"] = ["S0", 64, 1]
+    contract["symbols"] = [{"name": "S0", "min": 2, "max": 8}]
+    why, _ = fit(CallContract.from_json(contract), (torch.randn(1, 8, 64),), {})
+    assert why is not None and why.code == "stride" and "['S0', 64, 1] are not checkable" in why.detail
 
 
 def test_a_global_forward_hook_is_refused_until_removed(

@@ -25,6 +25,7 @@ from cgbuild_rules.adopt.contract import fit
 from diffusers import SD3Transformer2DModel, WanTransformer3DModel
 from support.zoo import artifact, minted, rel_rms, served_module
 
+from cgbuild.store.contract import CallContract
 from cgbuild.store.seal import read_metadata
 
 pytestmark = pytest.mark.slow
@@ -136,10 +137,11 @@ def test_an_artifact_traced_on_a_broadcast_timestep_refuses_what_it_cannot_read(
     timesteps = torch.tensor([1000.0, 750.0, 500.0])
     assert timesteps.data_ptr() % 16 == 0
     first = timesteps[0].expand(kwargs["timestep"].shape[0])
-    why, leaves = fit(contract, (), {**kwargs, "timestep": first})
+    traced = CallContract.from_json(contract)
+    why, leaves = fit(traced, (), {**kwargs, "timestep": first})
     assert why is None and any(leaf is first for leaf in leaves)  # read as traced: no copy
     for call in (sd3_timestep(kwargs), kwargs["timestep"]):  # the second step; distinct values
-        why, _ = fit(contract, (), {**kwargs, "timestep": call})
+        why, _ = fit(traced, (), {**kwargs, "timestep": call})
         assert why is not None and why.code == "stride", why
         assert why.detail.startswith("timestep: cannot lay out [2] with traced strides [0] (overlapping")
 

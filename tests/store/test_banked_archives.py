@@ -45,6 +45,7 @@ def test_a_banked_archive_reads_resolves_and_is_refused_only_for_its_sm(archive:
         path = store.resolve(key, verify=True).path  # re-hashed: the bytes banked are the bytes sealed
         meta = read_metadata(path)
         sealed = parse(meta)  # every check of sealed metadata added since accepts it
+        assert sealed.contract.to_json() == meta["graph"]["contract"]  # what a mint seals now
         assert (sealed.key, sealed.sm, sealed.kind) == (key, "sm_90", "aot-inductor"), archive
         art = load_artifact(key, nn.Linear(1, 1), store=store)
         assert art.refusal is not None and art.refusal.code == "wrong-sm", art.refusal
