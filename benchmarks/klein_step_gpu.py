@@ -18,7 +18,8 @@ of `--reps` CUDA-event timed calls after 3 warm-ups, its relative L2 error again
 cgbuild how every call was served. The JSON is rewritten after each row: a call cut short keeps
 what it measured.
 
-    python benchmarks/klein_step_gpu.py OUT_JSON [--store A.tgz,..] [--only row,..] [--commit SHA]
+    python benchmarks/klein_step_gpu.py OUT_JSON [--store A.tgz,..] [--keys LABEL=KEY,..]
+                                                 [--only row,..] [--commit SHA]
     python benchmarks/klein_step_gpu.py OUT_JSON --tiny   # a CPU rehearsal: flux2-klein-tiny,
                                                           # fp32 and int8 minted on the cpu sku
 """
@@ -89,21 +90,24 @@ class Step:
         workspace = Workspace(cgfile.load(ws / "Cgfile"))
         toolchains = resolve_toolchains(workspace)[0]
 
-        def build(label: str) -> Any:
+        def build(label: str, stock: bool = False) -> Any:
+            """The module the label's trace builds, or with `stock` the stock module (diffusers' own
+            attention, no lanes): the same seed-0 weights either way."""
             raw = trace_job(workspace, label, toolchains).with_id("b").to_json()
-            raw["spec"].pop("lanes", None)  # the stock module: diffusers' own attention
+            if stock:
+                raw["spec"].pop("lanes", None)
             return trace.build(trace.parse_job(raw), "real")
 
         self.opts, self.labels, self.build = opts, labels, build
         self.store = Store(ws / ".cgbuild" / "store")
-        self.doc: dict[str, Any] = {
-            "tiny": opts.tiny,
-            "reps": opts.reps,
-            "keys": _keys(ws, list(labels.values())),
+        given = dict(kv.split("=", 1) for kv in opts.keys.split(",") if kv)
+        keys = {
+            label: {"key": given[label], "status": "given"} for label in labels.values() if label in given
         }
-        self.doc["rows"] = {}
+        keys |= _keys(ws, [label for label in labels.values() if label not in given])
+        self.doc: dict[str, Any] = {"tiny": opts.tiny, "reps": opts.reps, "keys": keys, "rows": {}}
         pattern = FULL["tiny" if opts.tiny else "gpu"][0]
-        self.stock = build(pattern.format("fp32" if opts.tiny else "bf16"))
+        self.stock = build(pattern.format("fp32" if opts.tiny else "bf16"), stock=True)
         self.ref: Any = None
 
     def save(self) -> None:
@@ -123,7 +127,8 @@ class Step:
             fn = wrap()
             out = fn(*given)
             first = round(time.perf_counter() - start, 2)
-            steps = [s * 1e3 for s in timer(lambda: fn(*given), reps=self.opts.reps, warmup=3)]
+            reps, warmup = (3, 0) if row == "fp32" else (self.opts.reps, 3)  # the reference: no contest
+            steps = [s * 1e3 for s in timer(lambda: fn(*given), reps=reps, warmup=warmup)]
         rec: dict[str, Any] = {"first_s": first, "ms": round(statistics.median(steps), 3)}
         rec["ms_all"] = [round(s, 3) for s in steps]
         if row == "fp32":
@@ -195,6 +200,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--store", default="", help="store archives to unpack into the workspace")
     parser.add_argument("--only", default=",".join(ROWS), help="the rows to run, in this script's order")
+    parser.add_argument("--keys", default="", help="LABEL=KEY,..: keys known, not planned again")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="a CPU rehearsal on the tiny family")
     commit_option(parser)

@@ -206,10 +206,11 @@ def reference(attn: Any, q: torch.Tensor, k: torch.Tensor, rotary: Pair, text: P
     """`apply`'s computation as FLUX.2's processors do it, unfused (diffusers' modules and
     `apply_rotary_emb`; needs diffusers): what the op is held to, and what it replaces. The outputs
     are [B, H, T + S, D] views."""
-    from diffusers.models import embeddings
+    # the module itself, not `diffusers.models` (a lazy module `torch.compile` refuses to import through)
+    from diffusers.models.embeddings import apply_rotary_emb
 
     # annotated as taking a 1-tuple and returning a pair; it takes (cos, sin) and returns one tensor
-    rotate = cast(Callable[..., torch.Tensor], embeddings.apply_rotary_emb)
+    rotate = cast(Callable[..., torch.Tensor], apply_rotary_emb)
     qk = [attn.norm_q(q), attn.norm_k(k)]
     if text:
         added = attn.norm_added_q(text[0]), attn.norm_added_k(text[1])
