@@ -21,7 +21,7 @@ from cgbuild.plan.reasons import Status
 from cgbuild.protocol.mint import PHASES, Minted, MintFailed
 
 if TYPE_CHECKING:
-    from cgbuild.exec.fleet import Executor
+    from cgbuild.exec.fleet import ExecutorChoice
     from cgbuild.exec.held import HeldTraces
     from cgbuild.exec.mint import MintKey
     from cgbuild.plan.entries import Plan
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 def _mint(
     args: argparse.Namespace,
     ws: Workspace,
-    where: Executor,
+    where: ExecutorChoice,
     selector: Selector,
     recorded: dict[str, str] | None,
     jobs: int,

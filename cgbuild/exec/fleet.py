@@ -62,9 +62,10 @@ NODE_RETRIES = 3  # Ray re-runs a key this often when its node dies mid-mint
 
 
 @dataclass(frozen=True)
-class Executor:
-    """Where keys are minted: this machine's pool, or a Ray cluster (`address` None: the usual
-    discovery — `RAY_ADDRESS`, else the cluster this machine belongs to)."""
+class ExecutorChoice:
+    """The `--executor` a user chose, from which `exec/executor.py` builds its `MintExecutor`: this
+    machine's pool, or a Ray cluster (`address` None: the usual discovery — `RAY_ADDRESS`, else the
+    cluster this machine belongs to)."""
 
     kind: str
     address: str | None = None
@@ -74,22 +75,22 @@ _HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]")
 _PORT = re.compile(r"[0-9]{1,5}")
 
 
-def parse_executor(value: str) -> Executor:
+def parse_executor(value: str) -> ExecutorChoice:
     """`local`, `ray` or `ray://HOST:PORT` (the head's GCS address, as `ray start --head` prints)."""
     if value == "local":
-        return Executor("local")
+        return ExecutorChoice("local")
     if value == "ray":
-        return Executor("ray")
+        return ExecutorChoice("ray")
     if value.startswith("ray://"):
         address = value.removeprefix("ray://")
         host, sep, port = address.rpartition(":")
         if _HOST.fullmatch(host) and sep and _PORT.fullmatch(port) and 0 < int(port) < 65536:
-            return Executor("ray", address)
+            return ExecutorChoice("ray", address)
     raise UserError(f"unknown executor {value!r}: use local, ray or ray://HOST:PORT", field="--executor")
 
 
 # ---- driver -----------------------------------------------------------------------------------
-def connect(executor: Executor) -> None:
+def connect(executor: ExecutorChoice) -> None:
     """Join the cluster as a driver; an unreachable head is bad input, not a two-minute hang."""
     import logging
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from cgbuild.core.codes import Code
 from cgbuild.protocol.mint import MintFailed, MintHold, MintOutcome, Phase, run_worker
 from cgbuild.protocol.spawn import Channel, kill_group
-from cgbuild.protocol.trace import FACT_KEYS
+from cgbuild.protocol.stage import BadMessage, Traced
 
 if TYPE_CHECKING:
     from cgbuild.config.targets import Target
@@ -60,17 +60,16 @@ class Held:
         self.thread.start()
 
     def _trace(self, result: dict[str, Any]) -> None:
-        """The unit's one trace result (later ones are ignored): the worker's trace line, or,
-        when it ended without one, its result line or typed end."""
+        """The unit's one trace result (later ones are ignored): the worker's trace line (a
+        `Traced`, or the trace's failure), or, when it ended without one, its result line or
+        typed end. A line that says ok but is no `Traced` is a trace failure naming its field."""
         if self.traced.is_set():
             return
-        lacking = [k for k in FACT_KEYS if k not in result]
-        if result.get("ok") is True and lacking:
-            result = {
-                "ok": False,
-                "code": Code.TRACE_FAILED,
-                "detail": f"the worker's trace lacks {lacking[0]!r}",
-            }
+        if result.get("ok") is True:
+            try:
+                result = Traced.from_json(result).facts()
+            except BadMessage as e:
+                result = {"ok": False, "code": Code.TRACE_FAILED, "detail": f"the worker's trace line: {e}"}
         self.ok = result.get("ok") is True
         self.sm = result.get("sm") if self.ok else None
         if self._on_trace is not None:  # None: the plan stopped listening (it was interrupted)

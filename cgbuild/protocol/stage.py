@@ -173,7 +173,8 @@ class Traced(Answer):
     PART: ClassVar[str] = "trace"
 
     def facts(self) -> dict[str, Any]:
-        """What a hold reports to the engine (`{"traced": ...}`): the trace rule's result shape."""
+        """What the engine takes from a hold's trace line (`{"traced": <this, as JSON>}`): the
+        trace rule's result shape, as the plan and the trace cache read it."""
         return {"ok": True, **{k: getattr(self, k) for k in (*FACT_KEYS, "sm")}}
 
 

@@ -20,12 +20,12 @@ phase; the worker blocks on the answer, the child's end or the part's deadline.
    (d) compiles weightless under the one compile policy; (e) normalizes the package (below).
    A HOLD (`cgbuild.protocol.mint.MintHold`: the plan's trace of a unit `cgbuild mint` will
    mint, docs/architecture.md) starts the worker before any key exists: (b) runs first (fake
-   when this machine lacks the device), the worker hands the facts to the engine (`{"traced":
-   ...}` on its protocol stream) and reads the key's request as its next stdin line (`bad-request`
-   unless it names the job traced and the folders the worker was started with, or is no JSON
-   object); (a) and (c) follow, and the check stage starts only then. An empty line or the end
-   of its input ends a hold without a result. The compile and verify parts get the key's
-   request with their go.
+   when this machine lacks the device), the worker hands its `Traced` to the engine
+   (`{"traced": ...}` on its protocol stream; a line that is no `Traced` is `trace-failed`) and
+   reads the key's request as its next stdin line (`bad-request` unless it names the job traced
+   and the folders the worker was started with, or is no JSON object); (a) and (c) follow, and
+   the check stage starts only then. An empty line or the end of its input ends a hold without
+   a result. The compile and verify parts get the key's request with their go.
 2-5 run in ONE `check` stage child, started beside the compile: it imports torch and the entry
 and builds the module with its seed-0 random weights while the compile runs (about 20 s of a
 klein-4B mint that no longer waits on it), then runs each part when the worker hands it its go:

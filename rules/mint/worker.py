@@ -343,7 +343,7 @@ def _held_request(
     except MintFailure as e:
         next_request(e.result(hold.id, Phase.TRACE).to_json())
         raise _NotNeeded() from None
-    raw = next_request(traced.facts())
+    raw = next_request(traced.to_json())
     if raw is None:
         raise _NotNeeded()
     return _admitted(hold, raw)

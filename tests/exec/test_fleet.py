@@ -100,7 +100,7 @@ def cluster() -> Iterator[Cluster]:
             head_node_args={"num_cpus": 0, "object_store_memory": 100 * MB, "include_dashboard": False},
         )
         assert c.address.startswith("127.0.0.1:"), c.address
-        fleet.connect(fleet.Executor("ray", c.address))
+        fleet.connect(fleet.ExecutorChoice("ray", c.address))
         try:
             yield c
         finally:
@@ -231,9 +231,9 @@ def consistent(store: Store) -> list[str]:
 
 # ---- no cluster needed ------------------------------------------------------------------------
 def test_parse_executor() -> None:
-    assert fleet.parse_executor("local") == fleet.Executor("local")
-    assert fleet.parse_executor("ray") == fleet.Executor("ray")
-    assert fleet.parse_executor("ray://10.0.0.1:6379") == fleet.Executor("ray", "10.0.0.1:6379")
+    assert fleet.parse_executor("local") == fleet.ExecutorChoice("local")
+    assert fleet.parse_executor("ray") == fleet.ExecutorChoice("ray")
+    assert fleet.parse_executor("ray://10.0.0.1:6379") == fleet.ExecutorChoice("ray", "10.0.0.1:6379")
     for bad in ("ray://", "ray://host", "ray://host:port", "slurm", "Ray"):
         with pytest.raises(UserError, match="unknown executor"):
             fleet.parse_executor(bad)

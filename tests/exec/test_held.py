@@ -12,7 +12,14 @@ from cgbuild.config.targets import expand
 from cgbuild.exec.held import Held
 from cgbuild.plan.planner import TraceUnit
 from cgbuild.protocol import spawn
-from cgbuild.protocol.trace import FACT_KEYS, job_for
+from cgbuild.protocol.stage import Traced
+from cgbuild.protocol.trace import job_for
+
+
+def traced(sm: str | None) -> dict:
+    """A hold's trace line as the worker writes it: a `Traced` (its facts stand-ins)."""
+    return Traced(graph_digest="d" * 64, contract={}, topology=[], nodes=3, torch="2.13.0", sm=sm).to_json()
+
 
 KLEIN = Path(__file__).resolve().parents[2] / "examples" / "flux2_klein" / "Cgfile"
 TOY = KLEIN.parents[1] / "toy" / "Cgfile"
@@ -31,28 +38,54 @@ def test_a_held_worker_serves_only_its_units_targets_on_the_sm_it_traced_on(tmp_
         h._trace(trace)  # what the worker's `{"traced": ...}` line carries
         return h
 
-    facts = dict.fromkeys(FACT_KEYS, "x")
-    on_h200 = held({"ok": True, "sm": "sm_90", **facts})
+    on_h200 = held(traced("sm_90"))
     assert on_h200.serves(h200) and not on_h200.serves(rtx) and not on_h200.serves(other)
-    assert not held({"ok": True, "sm": None, **facts}).serves(
-        h200
-    )  # no device here: traced fake, mints nothing
+    assert not held(traced(None)).serves(h200)  # no device here: traced fake, mints nothing
     assert not held({"ok": False, "code": "entry-error", "sm": "sm_90"}).serves(h200)
-    lacking = held({"ok": True, "sm": "sm_90", "graph_digest": "d"})  # a trace line without its facts
+    lacking = held({"part": "trace", "ok": True, "sm": "sm_90", "graph_digest": "d"})  # no facts
     assert not lacking.serves(h200) and not lacking.ok
 
 
-def test_a_trace_line_without_its_facts_is_a_typed_trace_failure_for_the_plan(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        (
+            {"part": "trace", "ok": True, "sm": "cpu"},
+            "missing graph_digest, contract, topology, nodes, torch",
+        ),
+        ({**traced("cpu"), "extra": 1}, "unknown field 'extra'"),
+        ({**traced("cpu"), "part": "compile"}, "part 'compile'"),
+        ({"ok": True, "graph_digest": "d"}, "missing contract"),
+    ],
+)
+def test_a_trace_line_that_is_no_traced_is_a_typed_trace_failure_for_the_plan(
+    tmp_path: Path, line: dict, named: str
+) -> None:
     cg = cgfile.load(TOY)
     target = next(t for t in expand(cg) if t.label == "//toy/mlp/8x64-b1@fp32:cpu")
     heard: list[dict] = []
     h = Held(TraceUnit("u", job_for(cg, target).with_id("u"), [target]), tmp_path, tmp_path / "h.log", None)
     h._on_trace = heard.append
-    h._trace({"ok": True, "sm": "cpu"})
-    h._trace({"ok": True, "sm": "cpu", **dict.fromkeys(FACT_KEYS, "x")})  # one result per unit
-    assert heard == [
-        {"ok": False, "code": "trace-failed", "detail": "the worker's trace lacks 'graph_digest'", "id": "u"}
-    ]
+    h._trace(line)
+    h._trace(traced("cpu"))  # one result per unit
+    ((failed),) = heard
+    assert failed["ok"] is False and failed["code"] == "trace-failed" and failed["id"] == "u", failed
+    assert (
+        failed["detail"].startswith("the worker's trace line: the trace result: ")
+        and named in failed["detail"]
+    )
+    assert not h.ok and h.sm is None
+
+
+def test_a_traced_line_reaches_the_plan_as_the_trace_rules_facts(tmp_path: Path) -> None:
+    cg = cgfile.load(TOY)
+    target = next(t for t in expand(cg) if t.label == "//toy/mlp/8x64-b1@fp32:cpu")
+    heard: list[dict] = []
+    h = Held(TraceUnit("u", job_for(cg, target).with_id("u"), [target]), tmp_path, tmp_path / "h.log", None)
+    h._on_trace = heard.append
+    h._trace(traced("cpu"))
+    expected = {"ok": True, "graph_digest": "d" * 64, "contract": {}, "topology": [], "nodes": 3}
+    assert heard == [{**expected, "torch": "2.13.0", "sm": "cpu", "id": "u"}] and h.ok and h.sm == "cpu"
 
 
 def test_a_worker_that_refuses_before_tracing_gives_the_plan_its_refusal(tmp_path: Path) -> None:
