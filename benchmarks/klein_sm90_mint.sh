@@ -9,7 +9,8 @@
 # its own target's axes, so the keys are the example's own. A VAE decoder already in
 # gpu_sm90_store_vae.tgz, or anything in this script's own earlier gpu_sm90_store_klein.tgz, is
 # fresh under its key and not minted again. The mint runs at most
-# SECONDS (default 520); whatever it admitted by then is archived.
+# SECONDS (default 520); whatever it admitted by then is archived. LANES (TOML lines, e.g.
+# LANES='qk-norm = ["unfused", "fused"]') are added to the family's lanes table first.
 set -uo pipefail
 work=$1
 out=$2
@@ -21,11 +22,16 @@ mkdir -p "$work" "$out"
 cp -r "$here/examples/flux2_klein" "$ws"
 rm -rf "$ws/.cgbuild" "$ws/__pycache__"
 mkdir -p "$ws/.cgbuild"
-python3 - "$ws/Cgfile" <<'EOF'
+LANES="${LANES:-}" python3 - "$ws/Cgfile" <<'EOF'
+import os
 import sys
 
 path = sys.argv[1]
 text = open(path).read()
+if os.environ["LANES"]:
+    table = "[family.flux2-klein.lanes]\n"
+    assert table in text, f"no {table.strip()} in {path}"
+    text = text.replace(table, table + os.environ["LANES"] + "\n", 1)
 text = text.replace('layouts = ["bf16", "int8", "fp8"]', 'layouts = ["bf16", "fp8"]', 1)
 text = text.replace('shapes = ["768x768", "1024x1024"]', 'shapes = ["1024x1024"]')
 open(path, "w").write(text)

@@ -19,7 +19,8 @@ cgbuild how every call was served. The JSON is rewritten after each row: a call 
 what it measured.
 
     python benchmarks/klein_step_gpu.py OUT_JSON [--store A.tgz,..] [--keys LABEL=KEY,..]
-                                                 [--only row,..] [--commit SHA]
+                                                 [--lanes 'qk-norm = [...]'] [--only row,..]
+                                                 [--commit SHA]
     python benchmarks/klein_step_gpu.py OUT_JSON --tiny   # a CPU rehearsal: flux2-klein-tiny,
                                                           # fp32 and int8 minted on the cpu sku
 """
@@ -52,9 +53,17 @@ def _rel(got: Any, ref: Any) -> float:
     return round(float((got.float() - ref).norm() / ref.norm()), 5)
 
 
-def _workspace(root: Path, archives: list[str]) -> Path:
+def _workspace(root: Path, archives: list[str], lanes: str) -> Path:
+    """A copy of the example with the store archives unpacked, `lanes` (TOML lines, e.g.
+    `qk-norm = ["unfused", "fused"]`) added to the flagship's lanes table."""
     ws = root / "ws"
     shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+    if lanes:
+        table = "[family.flux2-klein.lanes]\n"
+        text = (ws / "Cgfile").read_text()
+        if table not in text:
+            raise SystemExit(f"the example's Cgfile has no {table.strip()} to add {lanes!r} to")
+        (ws / "Cgfile").write_text(text.replace(table, table + lanes.replace("\\n", "\n") + "\n", 1))
     (ws / ".cgbuild").mkdir()
     for archive in archives:
         with tarfile.open(archive) as tar:
@@ -201,6 +210,7 @@ def main() -> None:
     parser.add_argument("--store", default="", help="store archives to unpack into the workspace")
     parser.add_argument("--only", default=",".join(ROWS), help="the rows to run, in this script's order")
     parser.add_argument("--keys", default="", help="LABEL=KEY,..: keys known, not planned again")
+    parser.add_argument("--lanes", default="", help="TOML lines added to the flagship's lanes table")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="a CPU rehearsal on the tiny family")
     commit_option(parser)
@@ -209,7 +219,7 @@ def main() -> None:
     pattern, layouts = FULL["tiny" if opts.tiny else "gpu"]
     labels = {row: pattern.format(layouts[row.split("_")[1]]) for row in rows if row.startswith("cgbuild_")}
     with scratch("klein-step-") as root:
-        step = Step(opts, _workspace(root, [a for a in opts.store.split(",") if a]), labels)
+        step = Step(opts, _workspace(root, [a for a in opts.store.split(",") if a], opts.lanes), labels)
         for row in rows:
             method = getattr(step, row.split("_")[0])
             try:

@@ -116,10 +116,10 @@ def kernel() -> Any:
 
 def _strides(*xs: torch.Tensor) -> tuple[int, int, int]:
     """The (batch, token, head) strides `xs` share, their channels being contiguous."""
-    strides = {x.stride() for x in xs}
-    if len(strides) != 1 or next(iter(strides))[-1] != 1:
-        raise ValueError(f"q and k must share strides with contiguous channels: {sorted(strides)}")
-    sb, ss, sh, _ = next(iter(strides))
+    strides = [tuple(x.stride()) for x in xs]  # a list: traced strides are symbols, unhashable
+    if any(st != strides[0] for st in strides) or strides[0][-1] != 1:
+        raise ValueError(f"q and k must share strides with contiguous channels: {strides}")
+    sb, ss, sh, _ = strides[0]
     return sb, ss, sh
 
 
@@ -189,17 +189,27 @@ def op() -> QKNormRope:
     return cast(QKNormRope, qk_norm_rope)
 
 
-def apply(attn: Any, q: torch.Tensor, k: torch.Tensor, rotary: Pair, text: Pair | None = None) -> Pair:
+def apply(
+    attn: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    rotary: Pair,
+    text: Pair | None = None,
+    *,
+    call: QKNormRope | None = None,
+) -> Pair:
     """What a FLUX.2 processor does between its projections and attention, through the op: `attn`'s
     norms (`norm_q`, `norm_k`; `norm_added_q`, `norm_added_k` for `text`'s q and k) and the
-    rotary embedding `rotary` = (cos, sin). The norms must share one eps (diffusers builds them so)."""
+    rotary embedding `rotary` = (cos, sin). The norms must share one eps (diffusers builds them so).
+    `call`: the registered op (`torch.ops.cgbuild.qk_norm_rope_v1`) where `op()` must not run, as
+    in a `torch.cond` branch, which dynamo traces and which may only call an op registered before."""
     names = ("norm_q", "norm_k") + (("norm_added_q", "norm_added_k") if text else ())
     norms: list[torch.nn.RMSNorm] = [getattr(attn, name) for name in names]
     eps = {norm.eps for norm in norms}
     weights = [norm.weight for norm in norms]
     if len(eps) != 1 or None in eps:
         raise ValueError(f"the norms must share one eps: {[norm.eps for norm in norms]}")
-    return op()(q, k, list(text or ()), weights, *rotary, eps.pop())
+    return (call or op())(q, k, list(text or ()), weights, *rotary, eps.pop())
 
 
 def reference(attn: Any, q: torch.Tensor, k: torch.Tensor, rotary: Pair, text: Pair | None = None) -> Pair:

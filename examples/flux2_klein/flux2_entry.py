@@ -11,7 +11,7 @@ The transformer works on packed latents: one token per 16x16 image pixels (VAE /
 patches), so a graph class is (batch, image tokens, text tokens) and 1024x768 and 768x1024 are
 one program. The weights are random (no download): weights never enter a key.
 
-Lanes (`LANES`, read by cgbuild without importing this file): one axis, `attention`, the SDPA
+Lanes (`LANES`, read by cgbuild without importing this file). `attention` is the SDPA
 kernel every attention of the 25 blocks runs, each value an explicit ATen op (what
 `F.scaled_dot_product_attention` would pick is decided when the program is traced, so it could
 not be a runtime choice):
@@ -20,8 +20,16 @@ not be a runtime choice):
 - `efficient`: `_scaled_dot_product_efficient_attention` (CUDA);
 - `math`: softmax(q k^T / sqrt(d)) v in fp32, two matmuls and a spelled-out softmax: runs
   anywhere, slow and large.
-The switch is one `LaneSwitch` on the root (`attention_lane`); the blocks' processors route their
-attention through it. The fp8 layout's GEMM lane (`fp8-gemm`) is its quant rule's, not this file's.
+`qk-norm` is how q and k reach attention from their projections: RMSNorm, the double-stream
+blocks' text tokens joined, the rotary embedding —
+- `unfused`: diffusers' modules and `apply_rotary_emb`, left to the compiler to fuse
+  (`cgbuild_rules.qk_rope.reference`);
+- `fused`: `cgbuild::qk_norm_rope_v1`, one Triton kernel and one pass (`cgbuild_rules.qk_rope`;
+  CUDA, head dimension 128).
+Each axis is one `LaneSwitch` on the root (`attention_lane`, `qk_norm_lane`); the blocks'
+processors route through them. A family that declares no `qk-norm` traces the processors' own
+norm and rotary calls, op for op as before the axis existed. The fp8 layout's GEMM lane
+(`fp8-gemm`) is its quant rule's, not this file's.
 
 The traced call is `Flux2KleinTransformer.forward`'s, not the one `Flux2KleinPipeline` makes
 (keywords, ids of shape (B, N, 4), `return_dict=False`, a tuple back), so `CALLS` (read by cgbuild
@@ -36,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from cgbuild_rules import qk_rope
 from cgbuild_rules.lanes import LaneSwitch
 from diffusers import Flux2Transformer2DModel
 from diffusers.models.transformers.transformer_flux2 import (
@@ -53,6 +62,10 @@ LANES = {
         "cudnn": {"device": "cuda", "min_sm": 80},
         "efficient": {"device": "cuda"},
         "math": {},
+    },
+    "qk-norm": {
+        "unfused": {},
+        "fused": {"device": "cuda", "triton": True},
     },
 }
 
@@ -113,12 +126,31 @@ def _heads_last(fn: Attend) -> Attend:
     return run
 
 
-class _Attention:
-    """The attention call of both processors: through the lane switch (one for the model)."""
+def _unfused(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`qk_rope.reference`, contiguous as the fused op's output: the branches of one `torch.cond`
+    return tensors laid out alike."""
+    q, k = qk_rope.reference(*args)
+    # laid out afresh: `contiguous()` keeps a size-1 dimension's stride, which the op's output
+    # would not share (one head, or batch 1)
+    return q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
 
-    def __init__(self, switch: LaneSwitch) -> None:
+
+def _fused(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`qk_rope.apply` through the op `route` registered: a `torch.cond` branch may only call it."""
+    return qk_rope.apply(*args, call=torch.ops.cgbuild.qk_norm_rope_v1)
+
+
+QK_NORM: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {"unfused": _unfused, "fused": _fused}
+
+
+class _Attention:
+    """The attention call of both processors: through the lane switches (one per axis for the
+    model); `qk` None: no `qk-norm` axis, the processor's own norm and rotary calls."""
+
+    def __init__(self, switch: LaneSwitch, qk: LaneSwitch | None = None) -> None:
         self.switch = switch
         self.impls = {v: _heads_last(ATTENTION[v]) for v in switch.values}
+        self.qk = qk
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -126,6 +158,26 @@ class _Attention:
         if mask is not None:
             raise ValueError("the attention lanes take no attention mask (klein's pipeline passes none)")
         return self.switch.select(self.impls, q, k, v).flatten(2, 3)
+
+    def norm_rope(
+        self, attn: Any, rotary: Any, split: Callable[..., list[torch.Tensor]], *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k through the `qk-norm` switch ((B, S, H, D) views of its heads-first output):
+        `split(*tensors)` gives q, k and, in the double-stream blocks, the text's q and k (joined
+        first, with their own norms), each (B, S, H, D); then normalized and rotated. Split inside
+        the branch: `torch.cond` takes no operands that alias one another, and q and k of one
+        projection do."""
+        assert self.qk is not None and rotary is not None
+
+        def impl(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def run(cos: torch.Tensor, sin: torch.Tensor, *operands: torch.Tensor) -> Any:
+                q, k, *text = split(*operands)
+                return fn(attn, q, k, (cos, sin), tuple(text) or None)
+
+            return run
+
+        out = self.qk.select({v: impl(QK_NORM[v]) for v in self.qk.values}, *rotary, *tensors)
+        return out[0].transpose(1, 2), out[1].transpose(1, 2)
 
 
 class JointAttnProcessor(_Attention):
@@ -140,21 +192,29 @@ class JointAttnProcessor(_Attention):
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Any:
         q, k, v, eq, ek, ev = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-        q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in (q, k, v))
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        if attn.added_kv_proj_dim is not None:
-            eq, ek, ev = (t.unflatten(-1, (-1, attn.head_dim)) for t in (eq, ek, ev))
-            q = torch.cat([attn.norm_added_q(eq), q], dim=1)
-            k = torch.cat([attn.norm_added_k(ek), k], dim=1)
-            v = torch.cat([ev, v], dim=1)
-        if image_rotary_emb is not None:
-            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
-            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        if self.qk is not None:
+            v = v.unflatten(-1, (-1, attn.head_dim))
+            text = ()
+            if attn.added_kv_proj_dim is not None:
+                text, v = (eq, ek), torch.cat([ev.unflatten(-1, (-1, attn.head_dim)), v], dim=1)
+            heads = (t.unflatten(-1, (-1, attn.head_dim)) for t in (q, k, *text))
+            q, k = self.norm_rope(attn, image_rotary_emb, lambda *ts: list(ts), *heads)
+        else:
+            q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in (q, k, v))
+            q, k = attn.norm_q(q), attn.norm_k(k)
+            if attn.added_kv_proj_dim is not None:
+                eq, ek, ev = (t.unflatten(-1, (-1, attn.head_dim)) for t in (eq, ek, ev))
+                q = torch.cat([attn.norm_added_q(eq), q], dim=1)
+                k = torch.cat([attn.norm_added_k(ek), k], dim=1)
+                v = torch.cat([ev, v], dim=1)
+            if image_rotary_emb is not None:
+                q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+                k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
         out = self.attend(q, k, v, attention_mask).to(q.dtype)
         if encoder_hidden_states is None:
             return attn.to_out[1](attn.to_out[0](out))
-        text = encoder_hidden_states.shape[1]
-        text_out, image_out = out.split_with_sizes([text, out.shape[1] - text], dim=1)
+        text_len = encoder_hidden_states.shape[1]
+        text_out, image_out = out.split_with_sizes([text_len, out.shape[1] - text_len], dim=1)
         return attn.to_out[1](attn.to_out[0](image_out)), attn.to_add_out(text_out)
 
 
@@ -172,24 +232,36 @@ class ParallelAttnProcessor(_Attention):
         projected = attn.to_qkv_mlp_proj(hidden_states)
         qkv_dim = 3 * attn.inner_dim
         qkv, mlp = projected.split([qkv_dim, projected.shape[-1] - qkv_dim], dim=-1)
-        q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        if image_rotary_emb is not None:
-            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
-            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        if self.qk is not None:
+            v = qkv.chunk(3, dim=-1)[2].unflatten(-1, (-1, attn.head_dim))
+            # one operand, (B, S, 3, H, D): q and k of one projection would alias each other
+            heads = qkv.unflatten(-1, (3, -1, attn.head_dim))
+            q, k = self.norm_rope(attn, image_rotary_emb, lambda t: list(t.unbind(2)[:2]), heads)
+        else:
+            q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
+            q, k = attn.norm_q(q), attn.norm_k(k)
+            if image_rotary_emb is not None:
+                q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+                k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
         out = self.attend(q, k, v, attention_mask).to(q.dtype)
         return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
 
 
-def route_attention(model: torch.nn.Module, values: list[str]) -> None:
-    """Give `model` one attention switch carrying `values` and route every block through it."""
-    switch = LaneSwitch("attention", values)
+def route(model: torch.nn.Module, attention: list[str], qk_norm: list[str] | None = None) -> None:
+    """Give `model` one attention switch carrying `attention` (and, with `qk_norm`, a `qk-norm`
+    switch) and route every block through them."""
+    switch = LaneSwitch("attention", attention)
     model.attention_lane = switch
+    qk = None
+    if qk_norm:
+        qk = model.qk_norm_lane = LaneSwitch("qk-norm", qk_norm)
+        if "fused" in qk_norm:
+            qk_rope.op()  # registered before any branch calls it
     for module in model.modules():
         if isinstance(module, Flux2Attention):
-            module.set_processor(JointAttnProcessor(switch))
+            module.set_processor(JointAttnProcessor(switch, qk))
         elif isinstance(module, Flux2ParallelSelfAttention):
-            module.set_processor(ParallelAttnProcessor(switch))
+            module.set_processor(ParallelAttnProcessor(switch, qk))
 
 
 class Flux2KleinTransformer(Flux2Transformer2DModel):
@@ -258,9 +330,11 @@ def build(spec: dict[str, Any]) -> tuple[Any, ...]:
     tokens = image_tokens(height, width)
 
     model = Flux2KleinTransformer(**config["model"])
-    attention = (spec.get("lanes") or {}).get("attention")
-    if attention:
-        route_attention(model, list(attention))
+    lanes = spec.get("lanes") or {}
+    if lanes.get("qk-norm") and not lanes.get("attention"):
+        raise ValueError("the qk-norm lane routes through the attention processors: declare attention too")
+    if lanes.get("attention"):
+        route(model, list(lanes["attention"]), list(lanes.get("qk-norm") or []) or None)
     cfg = model.config
     img_ids, txt_ids = _position_ids(height, width, text_len)
     args = (

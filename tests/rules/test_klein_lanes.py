@@ -147,7 +147,7 @@ def test_routed_attention_computes_what_diffusers_own_processors_compute() -> No
     torch.manual_seed(0)
     plain, args, _ = build(spec)
     routed = copy.deepcopy(plain.eval())
-    flux2_entry.route_attention(routed, ["flash", "math"])
+    flux2_entry.route(routed, ["flash", "math"])
     with torch.no_grad():
         want = plain(*args)
         for lane in ("flash", "math"):
