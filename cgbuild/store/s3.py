@@ -45,6 +45,24 @@ DEFAULT_MULTIPART = 64 << 20
 MIN_PART = 5 << 20  # S3's smallest part but the last
 MAX_COPY = 5 << 30  # S3's largest single CopyObject
 _CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One S3 listing call: its operation, its name in errors, and which answer fields carry the
+    next request's continuation (request parameter, answer field)."""
+
+    op: str
+    what: str
+    markers: tuple[tuple[str, str], ...]
+
+
+OBJECTS = Listing("list_objects_v2", "list", (("ContinuationToken", "NextContinuationToken"),))
+UPLOADS = Listing(
+    "list_multipart_uploads",
+    "list uploads",
+    (("KeyMarker", "NextKeyMarker"), ("UploadIdMarker", "NextUploadIdMarker")),
+)
 PROBE_SCHEMA = "cgbuild.remote-probe/1"
 PROBE_TTL_S = 3600
 """How long a passed probe vouches for a store (its endpoint, bucket and prefix): a machine
@@ -183,20 +201,26 @@ class Remote:
     # ---- reading -----------------------------------------------------------------------------
     def list_names(self, sub: str) -> Iterator[str]:
         """Every object name under `prefix/sub/`, relative to it: one request per 1,000 names."""
-        from botocore.exceptions import ClientError
-
         base = self.name(sub) + "/"
-        token: dict[str, str] = {}
-        while True:
-            try:
-                page = self._call("list_objects_v2", Prefix=base, **token)
-            except ClientError as e:  # a missing bucket, a denied listing: configuration, named
-                raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: list {base}: {e}") from None
+        for page in self._pages(OBJECTS, base):
             for obj in page.get("Contents", []):
                 yield obj["Key"][len(base) :]
+
+    def _pages(self, listing: Listing, base: str) -> Iterator[dict[str, Any]]:
+        """Every page of one S3 listing under `base`, each request carrying the last page's
+        continuation markers; a refused listing (a missing bucket, a denied one) is named."""
+        from botocore.exceptions import ClientError
+
+        markers: dict[str, str] = {}
+        while True:
+            try:
+                page: dict[str, Any] = self._call(listing.op, Prefix=base, **markers)
+            except ClientError as e:
+                raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: {listing.what} {base}: {e}") from None
+            yield page
             if not page.get("IsTruncated"):
                 return
-            token = {"ContinuationToken": page["NextContinuationToken"]}
+            markers = {asked: page[answered] for asked, answered in listing.markers}
 
     def list_keys(self) -> set[str]:
         """Keys that have a ref, by listing `refs/` (never one request per key)."""
@@ -255,46 +279,30 @@ class Remote:
     def list_stamps(self, sub: str) -> tuple[float, dict[str, float]]:
         """(the store's clock when the listing began, name → last-modified) of every object under
         `prefix/sub/`: ages are judged on the store's clock alone, never this machine's."""
-        from botocore.exceptions import ClientError
-
         base = self.name(sub) + "/"
-        token: dict[str, str] = {}
         now: float | None = None
         out: dict[str, float] = {}
-        while True:
-            try:
-                page = self._call("list_objects_v2", Prefix=base, **token)
-            except ClientError as e:
-                raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: list {base}: {e}") from None
+        for page in self._pages(OBJECTS, base):
             now = _store_clock(page) if now is None else now
             for obj in page.get("Contents", []):
                 # whole seconds, as HEAD and the Date header give them
                 out[obj["Key"][len(base) :]] = float(int(obj["LastModified"].timestamp()))
-            if not page.get("IsTruncated"):
-                return now, out
-            token = {"ContinuationToken": page["NextContinuationToken"]}
+        assert now is not None  # a listing has at least one page
+        return now, out
 
     def list_uploads(self, sub: str) -> tuple[float, list[tuple[str, str, float]]]:
         """(the store's clock when the listing began, [(name under `prefix/sub/`, upload id,
         initiated)]) of every incomplete multipart upload there: what a killed upload leaves,
         never visible as an object, its parts kept (and billed) until it is aborted."""
-        from botocore.exceptions import ClientError
-
         base = self.name(sub) + "/"
-        marker: dict[str, str] = {}
         now: float | None = None
         out: list[tuple[str, str, float]] = []
-        while True:
-            try:
-                page = self._call("list_multipart_uploads", Prefix=base, **marker)
-            except ClientError as e:
-                raise RemoteError(Code.REMOTE_ERROR, f"{self.url}: list uploads {base}: {e}") from None
+        for page in self._pages(UPLOADS, base):
             now = _store_clock(page) if now is None else now
             for up in page.get("Uploads", []):
                 out.append((up["Key"][len(base) :], up["UploadId"], float(int(up["Initiated"].timestamp()))))
-            if not page.get("IsTruncated"):
-                return now, out
-            marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+        assert now is not None  # a listing has at least one page
+        return now, out
 
     def abort_upload(self, name: str, upload_id: str) -> None:
         """Abort an incomplete multipart upload of `name` (one already gone counts as aborted)."""
