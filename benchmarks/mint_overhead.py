@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from cgbuild_rules.mint import DEFAULT_SANDBOX
-from harness import load_average, scratch, write_result
+from harness import PhaseClock, load_average, scratch, write_result
 from targets import built_of
 
 from cgbuild.core.platform import normalize_arch
@@ -91,28 +91,23 @@ def child_bare(arg: Mapping[str, Any]) -> dict[str, Any]:
     imported = _import_torch()
     import torch
 
-    t0 = time.perf_counter()
+    clock = PhaseClock({"import_torch": imported}, digits=None)
     module, x = _toy()
     from cgbuild_rules.lanes import export, selector_of
 
     with torch.no_grad():  # as the trace exports it: the lanes chosen by the selector input
         ep = export(module, (x,), {}, None, selector_of(module))
-    t1 = time.perf_counter()
+    clock.lap("export")
     configs: dict[str, Any] = dict(policy.inductor_configs(normalize_arch(platform.machine())))
     configs["cpp.cxx"] = (None, arg["cxx"])
     torch._inductor.aoti_compile_and_package(
         ep, package_path=str(Path(arg["out"]) / PACKAGE), inductor_configs=configs
     )
-    t2 = time.perf_counter()
+    clock.lap("compile")
+    clock.total("export_compile")
     from cgbuild_rules.digest import graph_facts  # untimed: proves it is the minted graph
 
-    return {
-        "import_torch": imported,
-        "export": t1 - t0,
-        "compile": t2 - t1,
-        "export_compile": t2 - t0,
-        "graph_digest": graph_facts(ep).digest,
-    }
+    return {**clock.record, "graph_digest": graph_facts(ep).digest}
 
 
 def _max_abs(got: Any, module: Any, x: Any) -> float:
@@ -127,28 +122,21 @@ def child_adopt(arg: Mapping[str, Any]) -> dict[str, Any]:
     imported = _import_torch()
     import torch
 
-    t0 = time.perf_counter()
+    clock = PhaseClock({"import_torch": imported}, digits=None)
     from cgbuild_rules.adopt import adopt
 
-    t1 = time.perf_counter()
+    clock.lap("import_rules")
     module, x = _toy()
-    t2 = time.perf_counter()
+    clock.lap("build_module")
     adopted = adopt(arg["key"], module, store=Store(arg["store"]), strict=True)
-    t3 = time.perf_counter()
+    clock.lap("adopt")
     with torch.no_grad():
         out = adopted(x)
-    t4 = time.perf_counter()
+    clock.lap("first_call")
+    clock.total("to_first_output")
     if dict(adopted.counters) != {"compiled": 1}:
         raise SystemExit(f"the first call did not run compiled: {dict(adopted.counters)}")
-    return {
-        "import_torch": imported,
-        "import_rules": t1 - t0,
-        "build_module": t2 - t1,
-        "adopt": t3 - t2,
-        "first_call": t4 - t3,
-        "to_first_output": t4 - t0,
-        "max_abs_vs_eager": _max_abs(out, module, x),
-    }
+    return {**clock.record, "max_abs_vs_eager": _max_abs(out, module, x)}
 
 
 def child_aoti(arg: Mapping[str, Any]) -> dict[str, Any]:
@@ -156,52 +144,40 @@ def child_aoti(arg: Mapping[str, Any]) -> dict[str, Any]:
     import torch
     from cgbuild_rules.lanes import SELECTOR, selector_of
 
-    t0 = time.perf_counter()
+    clock = PhaseClock({"import_torch": imported}, digits=None)
     module, x = _toy()
     sel = selector_of(module)  # the program's lane selector input (the reference lane)
     lane = {} if sel is None else {SELECTOR: sel}
-    t1 = time.perf_counter()
+    clock.lap("build_module")
     compiled = torch._inductor.aoti_load_package(arg["pt2"])
-    t2 = time.perf_counter()
+    clock.lap("load_package")
     live = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     compiled.load_constants(
         {fqn: live[fqn].detach() for fqn in compiled.get_constant_fqns()},
         check_full_update=True,
         user_managed=True,
     )
-    t3 = time.perf_counter()
+    clock.lap("load_constants")
     with torch.no_grad():
         out = compiled(x, **lane)
-    t4 = time.perf_counter()
-    return {
-        "import_torch": imported,
-        "build_module": t1 - t0,
-        "load_package": t2 - t1,
-        "load_constants": t3 - t2,
-        "first_call": t4 - t3,
-        "to_first_output": t4 - t0,
-        "max_abs_vs_eager": _max_abs(out, module, x),
-    }
+    clock.lap("first_call")
+    clock.total("to_first_output")
+    return {**clock.record, "max_abs_vs_eager": _max_abs(out, module, x)}
 
 
 def child_torch_compile(arg: Mapping[str, Any]) -> dict[str, Any]:
     imported = _import_torch()
     import torch
 
-    t0 = time.perf_counter()
+    clock = PhaseClock({"import_torch": imported}, digits=None)
     module, x = _toy()
-    t1 = time.perf_counter()
+    clock.lap("build_module")
     compiled = torch.compile(module)
     with torch.no_grad():
         out = compiled(x)
-    t2 = time.perf_counter()
-    return {
-        "import_torch": imported,
-        "build_module": t1 - t0,
-        "first_call": t2 - t1,
-        "to_first_output": t2 - t0,
-        "max_abs_vs_eager": _max_abs(out, module, x),
-    }
+    clock.lap("first_call")
+    clock.total("to_first_output")
+    return {**clock.record, "max_abs_vs_eager": _max_abs(out, module, x)}
 
 
 def child_import(arg: Mapping[str, Any]) -> dict[str, Any]:
