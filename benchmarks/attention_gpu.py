@@ -53,14 +53,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness import commit_option, cuda_timed, timed, write_result
+from harness import commit_option, cuda_timed, rel_l2, timed, write_result
 
 KLEIN_TOKENS = (2816, 4608)
 HEADS, HEAD_DIM = 24, 128
-
-
-def _rel(x: Any, y: Any) -> float:
-    return round(float((x.float() - y).norm() / y.norm()), 6)
 
 
 def attention_rows(tiny: bool) -> list[dict[str, Any]]:
@@ -109,7 +105,7 @@ def attention_rows(tiny: bool) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"tokens": n, "impl": name, "ms": round(seconds * 1e3, 4)}
             if name != "fp8_quantize":
                 row["tflops"] = round(flops / seconds / 1e12, 1)
-                row["rel_vs_fp32"] = _rel(call(), ref)
+                row["rel_vs_fp32"] = rel_l2(call(), ref)
             out.append(row)
             print(row, flush=True)
     return out
@@ -161,7 +157,7 @@ def qk_rope_rows(tiny: bool) -> list[dict[str, Any]]:
             call = functools.partial(fn, *args)
             seconds = timed(call, reps=3, warmup=1) if tiny else cuda_timed(call, reps=20, warmup=5)
             got = call()
-            rel = max(_rel(g, w.float()) for g, w in zip(got, ref, strict=True))
+            rel = max(rel_l2(g, w.float()) for g, w in zip(got, ref, strict=True))
             row = {"block": block, "tokens": n, "impl": name, "ms": round(seconds * 1e3, 4)}
             out.append(row | {"gb_per_s": round(moved / seconds / 1e9, 1), "rel_vs_eager": rel})
             print(out[-1], flush=True)

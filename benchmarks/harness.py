@@ -220,6 +220,11 @@ def cuda_timed(fn: Callable[[], object], *, reps: int, warmup: int = 0) -> float
     return statistics.median(cuda_times(fn, reps=reps, warmup=warmup))
 
 
+def rel_l2(got: Any, ref: Any, digits: int = 6) -> float:
+    """‖got − ref‖ / ‖ref‖ in float32, rounded to `digits`: the error every GPU result quotes."""
+    return round(float((got.float() - ref.float()).norm() / ref.float().norm()), digits)
+
+
 class PhaseClock:
     """Named phases of one run and the wall seconds each took, written into `record` as they end:
     `with clock.phase("weights"): ...` times a block; `clock.lap("arm")` the time since the last lap

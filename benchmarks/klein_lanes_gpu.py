@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import commit_option, cuda_timed, write_result
+from targets import copy_workspace
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "flux2_klein"
@@ -165,12 +165,7 @@ def _cli(ws: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], float]
 
 
 def models(out: Path, opts: argparse.Namespace) -> dict[str, Any]:
-    ws = Path(tempfile.mkdtemp()) / "ws"
-    shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
-    (ws / ".cgbuild").mkdir()
-    for archive in filter(None, opts.store.split(",")):
-        with tarfile.open(archive) as tar:
-            tar.extractall(ws / ".cgbuild", filter="data")
+    ws = copy_workspace(EXAMPLE, Path(tempfile.mkdtemp()) / "ws", filter(None, opts.store.split(",")))
     keys = dict(kv.split("=", 1) for kv in filter(None, opts.keys.split(",")))
     if opts.plan:
         done, wall = _cli(ws, "plan", "//flux2-klein:sm_90", "--json")

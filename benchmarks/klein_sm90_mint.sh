@@ -22,16 +22,17 @@ mkdir -p "$work" "$out"
 cp -r "$here/examples/flux2_klein" "$ws"
 rm -rf "$ws/.cgbuild" "$ws/__pycache__"
 mkdir -p "$ws/.cgbuild"
-LANES="${LANES:-}" python3 - "$ws/Cgfile" <<'EOF'
+LANES="${LANES:-}" PYTHONPATH="$here/benchmarks${PYTHONPATH:+:$PYTHONPATH}" python3 - "$ws/Cgfile" <<'EOF'
 import os
 import sys
+from pathlib import Path
+
+from targets import add_lanes
 
 path = sys.argv[1]
-text = open(path).read()
 if os.environ["LANES"]:
-    table = "[family.flux2-klein.lanes]\n"
-    assert table in text, f"no {table.strip()} in {path}"
-    text = text.replace(table, table + os.environ["LANES"] + "\n", 1)
+    add_lanes(Path(path), "flux2-klein", os.environ["LANES"])
+text = open(path).read()
 text = text.replace('layouts = ["bf16", "int8", "fp8"]', 'layouts = ["bf16", "fp8"]', 1)
 text = text.replace('shapes = ["768x768", "1024x1024"]', 'shapes = ["1024x1024"]')
 open(path, "w").write(text)

@@ -30,15 +30,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import shutil
 import statistics
-import tarfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from harness import cgbuild, commit_option, cuda_times, scratch, wall_times, write_result
+from harness import cgbuild, commit_option, cuda_times, rel_l2, scratch, wall_times, write_result
+from targets import add_lanes, built_of, copy_workspace, job_of
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "flux2_klein"
@@ -47,28 +46,6 @@ FULL = {  # the row's cgbuild layout, per mode
     "gpu": ("//flux2-klein/transformer/1024x1024-t512-b1@{}:sm_90", {"fp8": "fp8", "bf16": "bf16"}),
     "tiny": ("//flux2-klein-tiny/transformer/64x64-t8-b1@{}:cpu", {"fp8": "int8", "bf16": "fp32"}),
 }
-
-
-def _rel(got: Any, ref: Any) -> float:
-    return round(float((got.float() - ref).norm() / ref.norm()), 5)
-
-
-def _workspace(root: Path, archives: list[str], lanes: str) -> Path:
-    """A copy of the example with the store archives unpacked, `lanes` (TOML lines, e.g.
-    `qk-norm = ["unfused", "fused"]`) added to the flagship's lanes table."""
-    ws = root / "ws"
-    shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
-    if lanes:
-        table = "[family.flux2-klein.lanes]\n"
-        text = (ws / "Cgfile").read_text()
-        if table not in text:
-            raise SystemExit(f"the example's Cgfile has no {table.strip()} to add {lanes!r} to")
-        (ws / "Cgfile").write_text(text.replace(table, table + lanes.replace("\\n", "\n") + "\n", 1))
-    (ws / ".cgbuild").mkdir()
-    for archive in archives:
-        with tarfile.open(archive) as tar:
-            tar.extractall(ws / ".cgbuild", filter="data")
-    return ws
 
 
 def _keys(ws: Path, labels: list[str]) -> dict[str, Any]:
@@ -89,25 +66,9 @@ class Step:
     """The stock module and its inputs, built once, and one method per row."""
 
     def __init__(self, opts: argparse.Namespace, ws: Path, labels: dict[str, str]) -> None:
-        from cgbuild_rules import trace
-
-        from cgbuild.config import cgfile
-        from cgbuild.plan.jobs import resolve_toolchains, trace_job
-        from cgbuild.plan.workspace import Workspace
         from cgbuild.store.local import Store
 
-        workspace = Workspace(cgfile.load(ws / "Cgfile"))
-        toolchains = resolve_toolchains(workspace)[0]
-
-        def build(label: str, stock: bool = False) -> Any:
-            """The module the label's trace builds, or with `stock` the stock module (diffusers' own
-            attention, no lanes): the same seed-0 weights either way."""
-            raw = trace_job(workspace, label, toolchains).with_id("b").to_json()
-            if stock:
-                raw["spec"].pop("lanes", None)
-            return trace.build(trace.parse_job(raw), "real")
-
-        self.opts, self.labels, self.build = opts, labels, build
+        self.opts, self.labels, self.ws = opts, labels, ws
         self.store = Store(ws / ".cgbuild" / "store")
         given = dict(kv.split("=", 1) for kv in opts.keys.split(",") if kv)
         keys = {
@@ -116,8 +77,19 @@ class Step:
         keys |= _keys(ws, [label for label in labels.values() if label not in given])
         self.doc: dict[str, Any] = {"tiny": opts.tiny, "reps": opts.reps, "keys": keys, "rows": {}}
         pattern = FULL["tiny" if opts.tiny else "gpu"][0]
-        self.stock = build(pattern.format("fp32" if opts.tiny else "bf16"), stock=True)
+        self.stock = self.build(pattern.format("fp32" if opts.tiny else "bf16"), stock=True)
         self.ref: Any = None
+
+    def build(self, label: str, stock: bool = False) -> Any:
+        """The module the label's trace builds, or with `stock` the stock module (diffusers' own
+        attention, no lanes): the same seed-0 weights either way."""
+        if not stock:
+            return built_of(self.ws, label)
+        from cgbuild_rules import trace
+
+        raw = job_of(self.ws, label)
+        raw["spec"].pop("lanes", None)
+        return trace.build(trace.parse_job(raw), "real")
 
     def save(self) -> None:
         packages = ("diffusers", "torchao")
@@ -143,7 +115,7 @@ class Step:
         if row == "fp32":
             self.ref = out.float()
         elif self.ref is not None:
-            rec["vs_fp32"] = _rel(out, self.ref)
+            rec["vs_fp32"] = rel_l2(out, self.ref, 5)
         self.doc["rows"][row] = rec
         return rec
 
@@ -219,7 +191,10 @@ def main() -> None:
     pattern, layouts = FULL["tiny" if opts.tiny else "gpu"]
     labels = {row: pattern.format(layouts[row.split("_")[1]]) for row in rows if row.startswith("cgbuild_")}
     with scratch("klein-step-") as root:
-        step = Step(opts, _workspace(root, [a for a in opts.store.split(",") if a], opts.lanes), labels)
+        ws = copy_workspace(EXAMPLE, root / "ws", [a for a in opts.store.split(",") if a])
+        if opts.lanes:
+            add_lanes(ws / "Cgfile", "flux2-klein", opts.lanes.replace("\\n", "\n"))
+        step = Step(opts, ws, labels)
         for row in rows:
             method = getattr(step, row.split("_")[0])
             try:

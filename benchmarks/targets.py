@@ -6,6 +6,9 @@ mint compiled (the declared lanes' switches included) and none keeps a hand-writ
 
 from __future__ import annotations
 
+import shutil
+import tarfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,3 +40,23 @@ def drop_lanes(cgfile: Path) -> None:
         if not skipping:
             kept.append(line)
     cgfile.write_text("".join(kept))
+
+
+def copy_workspace(src: Path, dest: Path, archives: Iterable[str | Path] = ()) -> Path:
+    """`src` copied to `dest` without its state or caches, with each store archive (a `.tgz` of
+    `store/` and trace caches) unpacked into the copy's `.cgbuild`: a warm workspace for a label."""
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+    (dest / ".cgbuild").mkdir()
+    for archive in archives:
+        with tarfile.open(archive) as tar:
+            tar.extractall(dest / ".cgbuild", filter="data")
+    return dest
+
+
+def add_lanes(cgfile: Path, family: str, lines: str) -> None:
+    """`lines` (TOML, e.g. `qk-norm = ["unfused", "fused"]`) added to `family`'s lanes table."""
+    table = f"[family.{family}.lanes]\n"
+    text = cgfile.read_text()
+    if table not in text:
+        raise SystemExit(f"{cgfile} has no {table.strip()} to add {lines!r} to")
+    cgfile.write_text(text.replace(table, table + lines + "\n", 1))

@@ -127,11 +127,10 @@ def _heads_last(fn: Attend) -> Attend:
 
 
 def _unfused(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """`qk_rope.reference`, contiguous as the fused op's output: the branches of one `torch.cond`
-    return tensors laid out alike."""
+    """`qk_rope.reference`, laid out afresh as the fused op's output is: the branches of one
+    `torch.cond` return tensors laid out alike (`contiguous()` would keep a size-1 dimension's
+    stride, which the op's output does not share)."""
     q, k = qk_rope.reference(*args)
-    # laid out afresh: `contiguous()` keeps a size-1 dimension's stride, which the op's output
-    # would not share (one head, or batch 1)
     return q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
 
 

@@ -11,12 +11,12 @@ the evidence; adopt re-fits it and each bound lane runs its own kernel.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support.cgfiles import flux2_workspace
 from support.cli import cli
 
 from cgbuild.store.local import Store
@@ -27,17 +27,6 @@ LABEL = "//flux2-klein-tiny/transformer/64x64-t8-b1@fp32:cpu"
 pytestmark = pytest.mark.slow
 
 
-def _workspace(dest: Path, lanes: str) -> Path:
-    ws = dest / "klein"
-    shutil.copytree(FLUX, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
-    if lanes:
-        text = (ws / "Cgfile").read_text()
-        anchor = "[family.flux2-klein-tiny.config.model]"
-        table = f"[family.flux2-klein-tiny.lanes]\n{lanes}\n{anchor}"
-        (ws / "Cgfile").write_text(text.replace(anchor, table))
-    return ws
-
-
 def _keys(ws: Path, selector: str) -> dict[str, str]:
     proc = cli(ws, "plan", selector, "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -46,7 +35,7 @@ def _keys(ws: Path, selector: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def minted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    ws = _workspace(tmp_path_factory.mktemp("lanes"), 'attention = ["math", "flash"]')
+    ws = flux2_workspace(tmp_path_factory.mktemp("lanes"), 'attention = ["math", "flash"]')
     proc = cli(ws, "mint", LABEL, "--json")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     (minted,) = json.loads(proc.stdout.strip().splitlines()[-1])["minted"]
@@ -113,11 +102,11 @@ def test_lanes_are_a_graph_change_and_the_fp8_rule_axis_moves_no_other_layout(tm
     """Declaring the attention axis moves the tiny target's key (its program gains a switch);
     declaring the fp8 rule's axis moves no fp32 key (no fp8 layout: refused) and, with an fp8
     layout beside it, still moves no fp32 key: only the fp8 targets carry it."""
-    plain = _keys(_workspace(tmp_path / "a", ""), LABEL)
-    laned = _keys(_workspace(tmp_path / "b", 'attention = ["flash", "math"]'), LABEL)
+    plain = _keys(flux2_workspace(tmp_path / "a", ""), LABEL)
+    laned = _keys(flux2_workspace(tmp_path / "b", 'attention = ["flash", "math"]'), LABEL)
     assert plain[LABEL] != laned[LABEL]
 
-    ws = _workspace(tmp_path / "c", 'attention = ["flash", "math"]\nfp8-gemm = ["scaled-mm", "triton"]')
+    ws = flux2_workspace(tmp_path / "c", 'attention = ["flash", "math"]\nfp8-gemm = ["scaled-mm", "triton"]')
     refused = cli(ws, "plan", LABEL)
     assert refused.returncode == 2
     assert "belongs to quant rule 'fp8-rowwise', which no layout of this family uses" in refused.stderr

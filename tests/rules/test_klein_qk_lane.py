@@ -9,23 +9,49 @@ switch whose `fused` value is `cgbuild::qk_norm_rope_v1` (rules/qk_rope.py).
   lives in the attention processors).
 - A family that declares no `qk-norm` traces the graph it traced before the axis existed
   (the tiny family's banked digest with `attention` lanes, below).
+- Both values export into one program; declared on the CPU, the axis mints without its CUDA
+  value (excluded by name) and the artifact serves compiled.
 """
 
 from __future__ import annotations
 
-import shutil
 import sys
 import textwrap
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
+from support.cgfiles import FLUX2, flux2_workspace
 from support.cli import cli, last_json
 from support.triton_child import run
 
 pytest.importorskip("triton")
 pytest.importorskip("diffusers")
 
-FLUX = Path(__file__).resolve().parents[2] / "examples" / "flux2_klein"
+
+def config_128(heads: int) -> dict[str, Any]:
+    """A klein transformer of one double- and one single-stream block at klein's head dimension."""
+    return {
+        "patch_size": 1,
+        "in_channels": 8,
+        "num_layers": 1,
+        "num_single_layers": 1,
+        "attention_head_dim": 128,
+        "num_attention_heads": heads,
+        "joint_attention_dim": 32,
+        "timestep_guidance_channels": 32,
+        "mlp_ratio": 2.0,
+        "axes_dims_rope": [32, 32, 32, 32],
+        "rope_theta": 2000,
+        "guidance_embeds": False,
+    }
+
+
+def _entry() -> ModuleType:
+    from cgbuild_rules.trace import load_entry
+
+    return sys.modules[load_entry("flux2_entry:build", str(FLUX2)).__module__]
 
 
 def _lanes_script() -> str:
@@ -35,15 +61,11 @@ def _lanes_script() -> str:
         import torch
         from support.triton_child import gpu_rounding
         gpu_rounding()
-        sys.path.insert(0, {str(FLUX)!r})
-        import flux2_entry
+        from cgbuild_rules.trace import load_entry
+        flux2_entry = sys.modules[load_entry("flux2_entry:build", {str(FLUX2)!r}).__module__]
 
         torch.manual_seed(0)
-        config = dict(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
-                      attention_head_dim=128, num_attention_heads=2, joint_attention_dim=32,
-                      timestep_guidance_channels=32, mlp_ratio=2.0, axes_dims_rope=[32, 32, 32, 32],
-                      rope_theta=2000, guidance_embeds=False)
-        stock = flux2_entry.Flux2KleinTransformer(**config)
+        stock = flux2_entry.Flux2KleinTransformer(**{config_128(2)!r})
         for name, p in stock.named_parameters():
             if ".norm_" in name:  # the norms' weights matter (ones would hide a skipped weight)
                 torch.nn.init.normal_(p, 1.0, 0.5)
@@ -84,11 +106,6 @@ def test_each_qk_norm_value_computes_what_the_stock_module_computes() -> None:
 
 
 def test_a_qk_norm_lane_without_the_attention_lane_is_refused() -> None:
-    sys.path.insert(0, str(FLUX))
-    try:
-        import flux2_entry
-    finally:
-        sys.path.remove(str(FLUX))
     spec = {
         "module": "transformer",
         "config": {"model": {"num_layers": 1, "num_single_layers": 1}},
@@ -99,7 +116,7 @@ def test_a_qk_norm_lane_without_the_attention_lane_is_refused() -> None:
         "lanes": {"qk-norm": ["unfused"]},
     }
     with pytest.raises(ValueError, match="declare attention too"):
-        flux2_entry.build(spec)
+        _entry().build(spec)
 
 
 TINY = "//flux2-klein-tiny/transformer/64x64-t8-b1@fp32:cpu"
@@ -111,12 +128,7 @@ or every key of a family that declares no `qk-norm` would move."""
 
 
 def _plan_digest(tmp_path: Path, lanes: str) -> str:
-    ws = tmp_path / "klein"
-    shutil.copytree(FLUX, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
-    anchor = "[family.flux2-klein-tiny.config.model]"
-    text = (ws / "Cgfile").read_text()
-    (ws / "Cgfile").write_text(text.replace(anchor, f"[family.flux2-klein-tiny.lanes]\n{lanes}\n{anchor}"))
-    (target,) = last_json(cli(ws, "plan", TINY, "--json"))["targets"]
+    (target,) = last_json(cli(flux2_workspace(tmp_path, lanes), "plan", TINY, "--json"))["targets"]
     return str(target["axes"]["graph"]["digest"])
 
 
@@ -139,27 +151,9 @@ def test_both_values_export_into_one_program_and_the_unfused_one_runs_on_the_cpu
     import torch
     from cgbuild_rules import lanes
 
-    sys.path.insert(0, str(FLUX))
-    try:
-        import flux2_entry
-    finally:
-        sys.path.remove(str(FLUX))
+    flux2_entry = _entry()
     torch.manual_seed(0)
-    config = {
-        "patch_size": 1,
-        "in_channels": 8,
-        "num_layers": 1,
-        "num_single_layers": 1,
-        "attention_head_dim": 128,
-        "num_attention_heads": 1,
-        "joint_attention_dim": 32,
-        "timestep_guidance_channels": 32,
-        "mlp_ratio": 2.0,
-        "axes_dims_rope": [32, 32, 32, 32],
-        "rope_theta": 2000,
-        "guidance_embeds": False,
-    }
-    stock = flux2_entry.Flux2KleinTransformer(**config).bfloat16().requires_grad_(False)
+    stock = flux2_entry.Flux2KleinTransformer(**config_128(1)).bfloat16().requires_grad_(False)
     routed = copy.deepcopy(stock)
     flux2_entry.route(routed, ["flash"], ["unfused", "fused"])
     img, txt = flux2_entry._position_ids(32, 48, 5)
@@ -183,3 +177,31 @@ def test_both_values_export_into_one_program_and_the_unfused_one_runs_on_the_cpu
     with torch.no_grad():
         got = program.module()(*args, **{lanes.SELECTOR: lanes.selector_of(routed)})
         assert torch.equal(got, stock(*args))
+
+
+@pytest.mark.slow
+def test_a_declared_qk_norm_mints_without_its_cuda_value_and_serves_compiled(tmp_path: Path) -> None:
+    """Declared on the CPU, the axis keeps `unfused` and seals `fused` as excluded by name; the
+    artifact adopts onto the module the entry builds and serves every call compiled, as eager."""
+    import torch
+    from cgbuild_rules import trace
+    from cgbuild_rules.adopt import adopt
+
+    from cgbuild.config import cgfile
+    from cgbuild.config.targets import expand
+    from cgbuild.protocol.trace import job_for
+    from cgbuild.store.local import Store
+
+    ws = flux2_workspace(tmp_path, 'attention = ["flash"]\nqk-norm = ["unfused", "fused"]')
+    (minted,) = last_json(cli(ws, "mint", TINY, "--json"))["minted"]
+    lanes = last_json(cli(ws, "inspect", TINY, "--json"))["metadata"]["lanes"]
+    assert {"axis": "qk-norm", "values": ["unfused"]} in lanes["axes"]
+    assert lanes["excluded"] == {"qk-norm.fused": "not-buildable: needs a cuda device"}
+    cg = cgfile.load(ws / "Cgfile")
+    target = next(t for t in expand(cg) if t.label == TINY)
+    built = trace.build(trace.parse_job(job_for(cg, target).with_id("t").to_json()), "real")
+    served = adopt(minted["key"], built.module, store=Store(ws / ".cgbuild" / "store"), strict=True)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(served(*built.args), built.module(*built.args), rtol=1e-4, atol=1e-5)
+    assert dict(served.counters) == {"compiled": 2}

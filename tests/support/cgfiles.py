@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,23 @@ KLEIN_ENTRY = 'LANES = {"attention": {"flash": {}, "math": {}}}\n\n\ndef build(s
 
 KLEIN_LANES = 'attention = ["flash", "math"]\nfp8-gemm = ["scaled-mm", "triton"]\n'
 """Both lane axes a klein target can carry: its entry's `attention`, fp8-rowwise's `fp8-gemm`."""
+
+FLUX2 = Path(__file__).resolve().parents[2] / "examples" / "flux2_klein"
+
+
+def flux2_workspace(dest: Path, tiny_lanes: str = "") -> Path:
+    """A copy of the FLUX.2 example at `dest/klein`, its tiny family given the lanes table
+    `tiny_lanes` (TOML lines) when any."""
+    ws = dest / "klein"
+    shutil.copytree(FLUX2, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
+    if tiny_lanes:
+        anchor = "[family.flux2-klein-tiny.config.model]"
+        text = (ws / "Cgfile").read_text()
+        (ws / "Cgfile").write_text(
+            text.replace(anchor, f"[family.flux2-klein-tiny.lanes]\n{tiny_lanes}\n{anchor}")
+        )
+    return ws
+
 
 KLEIN_QUANTS = {"bf16": "plain.bf16", "fp8": "fp8-rowwise"}
 
