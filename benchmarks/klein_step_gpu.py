@@ -8,6 +8,8 @@ medians and ratios compare like with like:
   fp32               the stock module in float32, eager: the reference every error is taken against
   cgbuild_fp8        `adopt` of the minted fp8 artifact (its lanes re-fitted here), compiled-only
   cgbuild_bf16       `adopt` of the minted bf16 artifact
+  cgbuild_fp8_pinned the fp8 artifact served on the lane `--pin fp8=LANE` names instead of the fit's
+  cgbuild_bf16_pinned  (and `--pin bf16=LANE`): a lane the fit left in its tie band, timed beside it
   torchao_fp8        torchao's fp8 row-wise dynamic quantization (activations and weights) of a copy
                      of the stock module, then `torch.compile`, default mode, empty caches
   compile_bf16       `torch.compile` of the stock bf16 module, default mode
@@ -20,6 +22,7 @@ what it measured.
 
     python benchmarks/klein_step_gpu.py OUT_JSON [--store A.tgz,..] [--keys LABEL=KEY,..]
                                                  [--lanes 'qk-norm = [...]'] [--only row,..]
+                                                 [--pin fp8=LANE,bf16=LANE]
                                                  [--commit SHA]
     python benchmarks/klein_step_gpu.py OUT_JSON --tiny   # a CPU rehearsal: flux2-klein-tiny,
                                                           # fp32 and int8 minted on the cpu sku
@@ -41,7 +44,16 @@ from targets import add_lanes, built_of, copy_workspace, job_of
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "flux2_klein"
-ROWS = ("fp32", "cgbuild_fp8", "cgbuild_bf16", "torchao_fp8", "compile_bf16", "compile_bf16_max")
+ROWS = (
+    "fp32",
+    "cgbuild_fp8",
+    "cgbuild_fp8_pinned",
+    "cgbuild_bf16",
+    "cgbuild_bf16_pinned",
+    "torchao_fp8",
+    "compile_bf16",
+    "compile_bf16_max",
+)
 FULL = {  # the row's cgbuild layout, per mode
     "gpu": ("//flux2-klein/transformer/1024x1024-t512-b1@{}:sm_90", {"fp8": "fp8", "bf16": "bf16"}),
     "tiny": ("//flux2-klein-tiny/transformer/64x64-t8-b1@{}:cpu", {"fp8": "int8", "bf16": "fp32"}),
@@ -128,6 +140,9 @@ class Step:
         from cgbuild_rules.adopt import adopt
 
         label = self.labels[row]
+        pin = dict(kv.split("=", 1) for kv in self.opts.pin.split(",") if kv) if row.endswith("_pinned") else {}
+        if row.endswith("_pinned") and row.split("_")[1] not in pin:
+            raise ValueError(f"{row} needs --pin {row.split('_')[1]}=LANE")
         built = self.build(label)
         # the stock inputs, in the dtype the layout takes them (the tiny int8 layout: bf16)
         pairs = zip(self.stock.args, built.args, strict=True)
@@ -135,7 +150,9 @@ class Step:
         served: list[Any] = []  # adopted inside the timed wrap: first_s counts the adopt
 
         def wrap() -> Any:
-            served.append(adopt(self.doc["keys"][label]["key"], built.module, store=self.store, strict=True))
+            key = self.doc["keys"][label]["key"]
+            lane = pin.get(row.split("_")[1])
+            served.append(adopt(key, built.module, store=self.store, strict=True, lane=lane))
             return served[0]
 
         rec = self.measure(row, wrap, cast)
@@ -169,8 +186,10 @@ class Step:
         """cgbuild's speedup over each peer: the peer's median over cgbuild's."""
         ms = {row: rec["ms"] for row, rec in self.doc["rows"].items() if "ms" in rec}
         for ours, peer in (
-            ("cgbuild_fp8", "torchao_fp8"),
-            *(("cgbuild_bf16", p) for p in ROWS if "compile" in p),
+            *((o, "torchao_fp8") for o in ("cgbuild_fp8", "cgbuild_fp8_pinned")),
+            *((o, p) for o in ("cgbuild_bf16", "cgbuild_bf16_pinned") for p in ROWS if "compile" in p),
+            ("cgbuild_fp8_pinned", "cgbuild_fp8"),
+            ("cgbuild_bf16_pinned", "cgbuild_bf16"),
         ):
             if ours in ms and peer in ms:
                 yield f"{ours}_vs_{peer}", round(ms[peer] / ms[ours], 3)
@@ -183,6 +202,7 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(ROWS), help="the rows to run, in this script's order")
     parser.add_argument("--keys", default="", help="LABEL=KEY,..: keys known, not planned again")
     parser.add_argument("--lanes", default="", help="TOML lines added to the flagship's lanes table")
+    parser.add_argument("--pin", default="", help="LAYOUT=LANE,..: the lane each _pinned row serves")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="a CPU rehearsal on the tiny family")
     commit_option(parser)

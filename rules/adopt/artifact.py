@@ -51,9 +51,12 @@ def choose_lane(
     Re-applies the fit rule to THIS device's memory (`memory_bytes` overrides it: a smaller card,
     a share of a larger one) on the peaks the mint recorded, rounded up: `lane-adopted`,
     `lane-refit`, `lane-refit-no-fit` or `lane-unverified`. `pin` names a lane to serve instead
-    (`lane-pinned`); it must be one the artifact carries. Never re-benchmarks.
+    (`lane-pinned`); it must be one the artifact carries, so a pin on an artifact with no lanes is
+    refused rather than ignored. Never re-benchmarks.
     """
     if not block or not block.get("axes"):
+        if pin is not None:
+            raise ValueError(f"lane {pin!r} is not in this artifact (it carries no lanes)")
         return None, {}, {}
     rows = block["axes"]
     axes = [r["axis"] for r in rows]

@@ -26,6 +26,14 @@ from cgbuild.store.seal import read_metadata, unseal
 pytestmark = pytest.mark.slow
 
 
+def test_a_lane_pinned_on_an_artifact_without_lanes_is_refused(
+    art_a: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A pin the artifact cannot honour is an error, not a no-op: it carries no lane axes."""
+    with pytest.raises(ValueError, match="carries no lanes"):
+        adopt(art_a, tiny(tmp_path_factory), lane="cudnn")
+
+
 def test_adopted_module_serves_compiled_and_binds_without_copying(
     art_a: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
