@@ -140,9 +140,10 @@ class Step:
         from cgbuild_rules.adopt import adopt
 
         label = self.labels[row]
-        pin = dict(kv.split("=", 1) for kv in self.opts.pin.split(",") if kv) if row.endswith("_pinned") else {}
-        if row.endswith("_pinned") and row.split("_")[1] not in pin:
-            raise ValueError(f"{row} needs --pin {row.split('_')[1]}=LANE")
+        layout, pinned = row.split("_")[1], row.endswith("_pinned")
+        pins = dict(kv.split("=", 1) for kv in self.opts.pin.split(",") if kv)
+        if pinned and layout not in pins:
+            raise ValueError(f"{row} needs --pin {layout}=LANE")
         built = self.build(label)
         # the stock inputs, in the dtype the layout takes them (the tiny int8 layout: bf16)
         pairs = zip(self.stock.args, built.args, strict=True)
@@ -151,7 +152,7 @@ class Step:
 
         def wrap() -> Any:
             key = self.doc["keys"][label]["key"]
-            lane = pin.get(row.split("_")[1])
+            lane = pins[layout] if pinned else None
             served.append(adopt(key, built.module, store=self.store, strict=True, lane=lane))
             return served[0]
 
