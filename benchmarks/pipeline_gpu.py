@@ -25,8 +25,10 @@ cache) and makes 4-step images, batch 1:
   *_768           the same at 768x768 (fp32, compile_cold, compile_warm, cgbuild_bf16)
   importtime      `python -X importtime` of importing the pipeline's code: what dominates
 
-Each path reports time to first image broken into import torch, import diffusers, weights, arm
-(adopt or compile wrapping), warm-up and the first image; the steady image latency (median of
+Each path reports time to first image broken into import torch, import diffusers, import the
+pipeline's module (diffusers imports it lazily; it imports transformers), weights
+(`from_pretrained` with `device_map="cuda"`), arm (adopt or compile wrapping), warm-up and the
+first image; the steady image latency (median of
 10 images after 2 warm-up images, CUDA events around the whole pipeline call); the image's
 relative L2 error against the fp32 image; and, for cgbuild, how every call was served.
 """
@@ -181,9 +183,15 @@ def _configs(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def weights(work: Path) -> dict[str, Any]:
-    """Seed-0 bf16 weights of the transformer and the VAE, and the prompt embeddings, on disk."""
+    """A seed-0 bf16 pipeline saved as diffusers saves one (`pipe/`: model_index.json, the
+    transformer and the VAE, no text encoder), and the prompt embeddings, on disk."""
     import torch
-    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
     from safetensors.torch import save_file
 
     model_cfg, vae_cfg = _configs(work)
@@ -192,10 +200,14 @@ def weights(work: Path) -> dict[str, Any]:
     with torch.device("cuda"):
         transformer = Flux2Transformer2DModel(**model_cfg).to(torch.bfloat16)
         vae = AutoencoderKLFlux2(**vae_cfg).to(torch.bfloat16)
-    save_file(
-        {k: v.contiguous() for k, v in transformer.state_dict().items()}, work / "transformer.safetensors"
-    )
-    save_file({k: v.contiguous() for k, v in vae.state_dict().items()}, work / "vae.safetensors")
+    Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=transformer,
+        is_distilled=True,
+    ).save_pretrained(work / "pipe")
     gen = torch.Generator().manual_seed(1)
     embeds = torch.randn(1, TEXT, model_cfg["joint_attention_dim"], generator=gen).to(torch.bfloat16)
     save_file({"prompt_embeds": embeds}, work / "embeds.safetensors")
@@ -204,28 +216,12 @@ def weights(work: Path) -> dict[str, Any]:
 
 
 def _pipeline(work: Path, dtype: Any) -> Any:
-    import torch
-    from diffusers import (
-        AutoencoderKLFlux2,
-        FlowMatchEulerDiscreteScheduler,
-        Flux2KleinPipeline,
-        Flux2Transformer2DModel,
-    )
-    from safetensors.torch import load_file
+    """The stock way in: `from_pretrained` with the weights placed straight on the GPU
+    (`device_map`: built on the meta device, no random init, no copy through the host)."""
+    from diffusers import Flux2KleinPipeline
 
-    model_cfg, vae_cfg = _configs(work)
-    with torch.device("cuda"):
-        transformer = Flux2Transformer2DModel(**model_cfg).to(dtype).eval()
-        vae = AutoencoderKLFlux2(**vae_cfg).to(dtype).eval()
-    transformer.load_state_dict(load_file(work / "transformer.safetensors", device="cuda"))
-    vae.load_state_dict(load_file(work / "vae.safetensors", device="cuda"))
-    pipe = Flux2KleinPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
-        text_encoder=None,
-        tokenizer=None,
-        transformer=transformer,
-        is_distilled=True,
+    pipe = Flux2KleinPipeline.from_pretrained(
+        work / "pipe", text_encoder=None, tokenizer=None, dtype=dtype, device_map="cuda"
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -260,6 +256,9 @@ def phase(name: str, work: Path) -> dict[str, Any]:
     import diffusers  # noqa: F401
 
     clock.lap("import_diffusers")
+    from diffusers import Flux2KleinPipeline  # noqa: F401  (its module imports transformers)
+
+    clock.lap("import_pipeline")
     size = 768 if name.endswith("_768") else 1024
     kind = name.removesuffix("_768")
     pipe, embeds = _loaded(work, kind)
@@ -374,23 +373,41 @@ def _compiled_only_check(pipe: Any, embeds: Any) -> dict[str, Any]:
     return {"raised": raised, "cuda_kernels": len(kernels), "kernel_names": kernels[:10]}
 
 
+IMPORTS = {  # what a serving process imports, step by step
+    "diffusers": "import torch, diffusers",
+    "pipeline": "import torch, diffusers; diffusers.Flux2KleinPipeline",
+}
+WATCHED = ("torch._dynamo", "torch._inductor", "sympy", "transformers", "sklearn", "scipy")
+"""Modules named in the profile whatever their depth: who pulls them in is the question."""
+
+
 def importtime() -> dict[str, Any]:
-    """Cumulative import time of the pipeline's code, by top-level package (`-X importtime`)."""
-    proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "import torch, diffusers; diffusers.Flux2KleinPipeline"],
-        capture_output=True,
-        text=True,
-    )
-    top: dict[str, int] = {}
-    for line in proc.stderr.splitlines():
-        if not line.startswith("import time:") or "|" not in line:
-            continue
-        _, cumulative, name = (p.strip() for p in line.removeprefix("import time:").split("|"))
-        if cumulative.isdigit() and not name.startswith(" "):
-            root = name.strip().split(".")[0]
-            top[root] = max(top.get(root, 0), int(cumulative))
-    ranked = sorted(top.items(), key=lambda kv: -kv[1])[:15]
-    return {"cumulative_ms": {k: round(v / 1000, 1) for k, v in ranked}}
+    """Cumulative import time (`-X importtime`) of each step in `IMPORTS`: the top-level packages
+    ranked, and the `WATCHED` modules wherever they were first imported."""
+    out: dict[str, Any] = {}
+    for step, code in IMPORTS.items():
+        argv = [sys.executable, "-X", "importtime", "-c", code]
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        top: dict[str, int] = {}
+        watched: dict[str, int] = {}
+        for line in proc.stderr.splitlines():
+            if not line.startswith("import time:") or "|" not in line:
+                continue
+            _, cumulative, name = (p.strip() for p in line.removeprefix("import time:").split("|"))
+            if not cumulative.isdigit():
+                continue
+            if not name.startswith(" "):
+                root = name.split(".")[0]
+                top[root] = max(top.get(root, 0), int(cumulative))
+            if name.strip() in WATCHED:
+                watched[name.strip()] = int(cumulative)
+        ranked = sorted(top.items(), key=lambda kv: -kv[1])[:15]
+        out[step] = {
+            "code": code,
+            "cumulative_ms": {k: round(v / 1000, 1) for k, v in ranked},
+            "watched_ms": {k: round(v / 1000, 1) for k, v in watched.items()},
+        }
+    return out
 
 
 def run_all(
