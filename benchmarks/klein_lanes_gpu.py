@@ -196,7 +196,6 @@ def _serve(ws: Path, out: Path, opts: argparse.Namespace, keys: dict[str, str]) 
     from cgbuild_rules import trace
     from cgbuild_rules.adopt import adopt
 
-    from cgbuild import lanes
     from cgbuild.config import cgfile
     from cgbuild.plan.jobs import resolve_toolchains, trace_job
     from cgbuild.plan.workspace import Workspace
@@ -243,7 +242,7 @@ def _serve(ws: Path, out: Path, opts: argparse.Namespace, keys: dict[str, str]) 
         built = build(label)
         served = adopt(keys[label], built.module, store=store)
         sealed = served.armed[0].sealed
-        rows = ((sealed.lanes if sealed else None) or {}).get("axes") or []
+        carried = sealed.lanes.switches.carried() if sealed and sealed.lanes else []
         with torch.inference_mode():
             rec: dict[str, Any] = {
                 "key": keys[label],
@@ -256,7 +255,7 @@ def _serve(ws: Path, out: Path, opts: argparse.Namespace, keys: dict[str, str]) 
                 "eager_vs_fp32": _rel(built.module(*built.args).float(), ref),
                 "lanes": {},
             }
-            for lane in lanes.combinations([(r["axis"], r["values"]) for r in rows]):
+            for lane in carried:
                 pinned = adopt(keys[label], built.module, store=store, lane=lane)
                 rec["lanes"][lane] = {
                     "ms": steady(pinned, built.args),

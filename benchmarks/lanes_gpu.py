@@ -39,13 +39,14 @@ _SERVE = """
 import json, sys, torch
 from cgbuild_rules.lanes import measure, switch_inputs
 from cgbuild_rules.loader import Package
+from cgbuild.store.lane_block import Switches
 work, lane, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-block = json.load(open(work + "/lanes.json"))
+table = Switches.from_json(json.load(open(work + "/lanes.json")))
 state = torch.load(work + "/state.pt")
 x = state.pop("__x__")
 package = Package(work + "/model.pt2", device_index=0)
 package.bind(state)
-_, inputs = switch_inputs(block, {"linear": lane}, "cuda")
+_, inputs = switch_inputs(table, {"linear": lane}, "cuda")
 out = {"lane": lane, "entry_imported": "toy_models" in sys.modules,
        "op_registered": hasattr(torch.ops, "toy") and hasattr(torch.ops.toy, "triton_linear")}
 with torch.no_grad():
@@ -201,7 +202,7 @@ def _package(ep: Any, m: Any, x: Any, eager: dict[str, Any], work: Path) -> floa
     """The program compiled under the mint policy into `work/model.pt2`, beside what a serving
     process reads (the lane table, the weights and input, the eager outputs). Returns compile seconds."""
     import torch
-    from cgbuild_rules.lanes import lane_rows, selector_spec
+    from cgbuild_rules.lanes import lane_rows, switch_table
 
     from cgbuild.identity import compiler, policy
 
@@ -212,7 +213,7 @@ def _package(ep: Any, m: Any, x: Any, eager: dict[str, Any], work: Path) -> floa
     torch._inductor.aoti_compile_and_package(ep, package_path=str(work / "model.pt2"), inductor_configs=known)
     compile_s = time.perf_counter() - t
     rows = lane_rows(m, ["linear"], {"linear": LANES})
-    (work / "lanes.json").write_text(json.dumps({"axes": rows, "selector": selector_spec(rows)}))
+    (work / "lanes.json").write_text(json.dumps(switch_table(rows).to_json()))
     state = {**{k: v for k, v in m.state_dict().items()}, "__x__": x}
     torch.save(state, work / "state.pt")
     torch.save(eager, work / "eager.pt")

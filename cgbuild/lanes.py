@@ -13,8 +13,8 @@ computable at plan time. This module is the engine's half, pure and torch-free:
 - `candidates`: the combinations a mint benchmarks: the program's values that also passed the
   numerics self-check against the axis's reference, combined as `<a>+<b>` in axis declaration
   order. An axis with one such value adds none; fewer than two combinations means no benchmark.
-- `decide` / `refit`: the fit-constrained speed rule at mint (on measured peaks) and its re-fit at
-  adopt (on the recorded peaks, rounded up: stricter, never looser).
+- `decide`: the fit-constrained speed rule at mint (on measured peaks); its re-fit at adopt (on the
+  recorded peaks, rounded up: stricter, never looser) is `cgbuild.store.lane_block.Verdict.refit`.
 
 Numbers are integers throughout (bytes, nanoseconds, percents): the verdict lands in sealed
 metadata, whose identity blocks refuse floats, and integer comparisons cannot drift.
@@ -345,37 +345,6 @@ class Refit:
     order that fits), `lane-refit-no-fit` (nothing fits: smallest recorded peak),
     `lane-unverified` (no recorded peaks: the recorded winner, unchecked), `lane-pinned`."""
     detail: str
-
-
-def refit(verdict: Mapping[str, Any], memory_bytes: int) -> Refit:
-    """Re-apply the fit to THIS device on the recorded (rounded-up) peaks; never re-benchmarks."""
-    winner = str(verdict["winner"])
-    peaks: Mapping[str, int] = verdict.get("peaks") or {}
-    mem = f"{memory_bytes / GIB:.1f} GiB"
-    if not peaks:
-        why = verdict.get("binding")
-        return Refit(
-            winner, Code.LANE_UNVERIFIED, f"{winner}: the artifact records no measured peaks ({why})"
-        )
-    need = required_bytes(peaks[winner])
-    if need <= memory_bytes:
-        return Refit(winner, Code.LANE_ADOPTED, f"{winner} needs {need / GIB:.1f} GiB of {mem}")
-    for lane in verdict.get("fallback") or []:
-        if lane != winner and lane in peaks and fits(peaks[lane], memory_bytes):
-            return Refit(
-                lane,
-                Code.LANE_REFIT,
-                f"{winner} needs {need / GIB:.1f} GiB, more than {mem}; "
-                f"{lane} needs {required_bytes(peaks[lane]) / GIB:.1f} GiB",
-            )
-    order = list(verdict.get("fallback") or peaks)
-    smallest = min(peaks, key=lambda lane: (peaks[lane], order.index(lane) if lane in order else len(order)))
-    return Refit(
-        smallest,
-        Code.LANE_REFIT_NO_FIT,
-        f"no recorded lane fits {mem}; {smallest} has the smallest peak "
-        f"({peaks[smallest] / GIB:.2f} GiB recorded)",
-    )
 
 
 def has_triton(components: Mapping[str, Any]) -> bool:

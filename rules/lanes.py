@@ -57,6 +57,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from cgbuild.store.lane_block import LaneAxis, Switches
+
 WARMUP = 3
 TIMED = 9
 SELECTOR = "_cgbuild_lanes"
@@ -166,63 +168,60 @@ def set_lanes(module: nn.Module, choice: Mapping[str, str]) -> None:
 
 
 # ---- the selector: the lane choice as an input's sizes --------------------------------------------
-def selector_spec(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """The sealed description of a program's selector input for its switch table: the input's
-    name, the axes of its dimensions (the switched ones, by name) and the size of value 0.
-    None when no axis has two values (the program takes no selector)."""
-    axes = sorted(str(r["axis"]) for r in rows if len(r["values"]) > 1)
-    return {"input": SELECTOR, "axes": axes, "base": SELECTOR_BASE} if axes else None
+def switch_table(axes: Sequence[LaneAxis]) -> Switches:
+    """A traced program's switch table: every axis of two or more values is a dimension of the
+    selector input (`SELECTOR`, value 0 at size `SELECTOR_BASE`); with none it takes no selector."""
+    return Switches.selected(axes, SELECTOR, SELECTOR_BASE)
 
 
-def _rows(module: nn.Module) -> list[dict[str, Any]]:
-    return [{"axis": axis, "values": values} for axis, values in switches(module).items()]
+def _axes(module: nn.Module) -> list[LaneAxis]:
+    return [LaneAxis(axis, tuple(values)) for axis, values in switches(module).items()]
 
 
 def selector(
-    block: Mapping[str, Any], choice: Mapping[str, str], device: torch.device | str | None = None
+    table: Switches, choice: Mapping[str, str], device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """The selector input choosing `choice` (axis → value) in a program whose sealed lanes block
-    is `block` (`{"axes": rows, "selector": selector_spec(rows)}`): zero elements, no memory."""
-    spec = block["selector"]
-    values = {r["axis"]: list(r["values"]) for r in block["axes"]}
+    """The selector input choosing `choice` (axis → value) in a program whose switch table is
+    `table`: zero elements, no memory."""
+    if table.selector is None:
+        raise ValueError("this program takes no lane selector (no axis has two values)")
     sizes = []
-    for axis in spec["axes"]:
-        if choice.get(axis) not in values[axis]:
-            raise ValueError(f"lane axis {axis!r} has no value {choice.get(axis)!r} (it has {values[axis]})")
-        sizes.append(int(spec["base"]) + values[axis].index(choice[axis]))
+    for axis in table.selector.axes:
+        values = table.values(axis)
+        if choice.get(axis) not in values:
+            raise ValueError(f"lane axis {axis!r} has no value {choice.get(axis)!r} (it has {list(values)})")
+        sizes.append(table.selector.base + values.index(choice[axis]))
     return torch.empty((*sizes, 0), dtype=SELECTOR_DTYPE, device=device)
 
 
 def selector_of(module: nn.Module, device: torch.device | str | None = None) -> torch.Tensor | None:
     """The selector of the values `module`'s switches are set to (None: nothing switches); the
     trace passes the one of a freshly built module, every axis at its reference."""
-    rows = _rows(module)
-    spec = selector_spec(rows)
-    if spec is None:
+    table = switch_table(_axes(module))
+    if table.selector is None:
         return None
     choice = {m.axis: m.value for m in module.modules() if isinstance(m, LaneSwitch)}
-    return selector({"axes": rows, "selector": spec}, choice, device)
+    return selector(table, choice, device)
 
 
 def switch_inputs(
-    block: Mapping[str, Any], choice: Mapping[str, str], device: torch.device | str
+    table: Switches, choice: Mapping[str, str], device: torch.device | str
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(constants to bind, inputs to pass) that select `choice` in a program sealed with `block`:
+    """(constants to bind, inputs to pass) that select `choice` in a program sealed with `table`:
     the selector input, or for an artifact sealed with one-hot switches their values by FQN."""
-    inputs = {block["selector"]["input"]: selector(block, choice, device)} if block.get("selector") else {}
-    return bindings(block.get("axes") or [], choice, device), inputs
+    inputs = {table.selector.input: selector(table, choice, device)} if table.selector else {}
+    return bindings(table.axes, choice, device), inputs
 
 
 def bindings(
-    table: Sequence[Mapping[str, Any]], choice: Mapping[str, str], device: torch.device | str
+    axes: Sequence[LaneAxis], choice: Mapping[str, str], device: torch.device | str
 ) -> dict[str, torch.Tensor]:
     """FQN → one-hot for a lane choice, for the switched axes of a table sealed with one-hot
-    switches (rows with an `fqn`); {} for any other table."""
+    switches (axes with an `fqn`); {} for any other table."""
     out: dict[str, torch.Tensor] = {}
-    for row in table:
-        if row.get("fqn"):
-            values = list(row["values"])
-            out[row["fqn"]] = one_hot(values.index(choice[row["axis"]]), len(values)).to(device)
+    for row in axes:
+        if row.fqn:
+            out[row.fqn] = one_hot(row.values.index(choice[row.axis]), len(row.values)).to(device)
     return out
 
 
@@ -435,19 +434,19 @@ def device_memory_bytes(device: torch.device) -> int:
 # ---- mint: the sealed switch table and the per-lane checks ---------------------------------------
 def lane_rows(
     module: nn.Module, declared: Sequence[str], spec_lanes: Mapping[str, Sequence[str]]
-) -> list[dict[str, Any]]:
-    """The sealed switch table of a built module: {"axis", "values"} per declared axis it uses, in
-    declaration order. Refuses a switch that does not carry what the spec asked (the
-    program would not be the one the key was computed for) and a switch of an undeclared axis."""
+) -> list[LaneAxis]:
+    """The sealed switch table of a built module: each declared axis it uses, in declaration
+    order. Refuses a switch that does not carry what the spec asked (the program would not be
+    the one the key was computed for) and a switch of an undeclared axis."""
     found = switches(module)
-    rows: list[dict[str, Any]] = []
+    rows: list[LaneAxis] = []
     for axis in declared:
         if axis not in found:
             continue  # this module does not use the axis
         want = list(spec_lanes.get(axis) or [])
         if found[axis] != want:
             raise ValueError(f"LaneSwitch({axis!r}) carries {found[axis]}, the spec asked {want}")
-        rows.append({"axis": axis, "values": found[axis]})
+        rows.append(LaneAxis(axis, tuple(found[axis])))
     stray = sorted(a for a, values in found.items() if a not in declared and len(values) > 1)
     if stray:
         raise ValueError(f"switches for undeclared lane axes {stray}: declare them in the Cgfile")
@@ -455,7 +454,7 @@ def lane_rows(
 
 
 def verify_lanes(
-    rows: Sequence[Mapping[str, Any]],
+    rows: Sequence[LaneAxis],
     eager: Callable[[Mapping[str, str]], Any],
     compiled: Callable[[Mapping[str, str]], Any],
     compare: Callable[[Any, Any], list[dict[str, Any]]],
@@ -466,12 +465,12 @@ def verify_lanes(
     lane); the numerics self-check catches it instead (the value is then no candidate). Returns
     {"checked": {lane: errors}, "numerics": {axis: {value: {"ok", "rel_rms"|"detail"}}}}.
     """
-    axes = [r["axis"] for r in rows]
-    reference = {r["axis"]: r["values"][0] for r in rows}
+    axes = [r.axis for r in rows]
+    reference = {r.axis: r.values[0] for r in rows}
     want_ref = eager(reference)
     checked: dict[str, Any] = {}
-    numerics: dict[str, dict[str, Any]] = {r["axis"]: {} for r in rows}
-    for combo in itertools.product(*(r["values"] for r in rows)):
+    numerics: dict[str, dict[str, Any]] = {r.axis: {} for r in rows}
+    for combo in itertools.product(*(r.values for r in rows)):
         choice = dict(zip(axes, combo, strict=True))
         lane = "+".join(combo)
         got = compiled(choice)
@@ -492,5 +491,5 @@ def verify_lanes(
             except Exception as e:
                 numerics[moved[0]][choice[moved[0]]] = {"ok": False, "detail": str(getattr(e, "detail", e))}
     for r in rows:
-        numerics[r["axis"]][r["values"][0]] = {"ok": True, "rel_rms": 0.0}
+        numerics[r.axis][r.values[0]] = {"ok": True, "rel_rms": 0.0}
     return {"checked": checked, "numerics": numerics}

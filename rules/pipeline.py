@@ -42,8 +42,8 @@ from torch import nn
 
 from cgbuild.config.calls import CallAdapter
 from cgbuild.core import jsonfile
+from cgbuild.protocol.contract import Baked, CallContract, Leaf
 from cgbuild.protocol.manifest import read_modules
-from cgbuild.store.contract import Baked, CallContract, Leaf
 from cgbuild.store.local import Store
 from cgbuild.store.shared import SharedStore
 

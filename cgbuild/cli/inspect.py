@@ -16,7 +16,8 @@ from cgbuild.cli.render import component_summary, console, phase_times, print_js
 from cgbuild.config.dims import Range
 from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
-from cgbuild.store.contract import Baked, CallContract, Leaf
+from cgbuild.protocol.contract import Baked, CallContract, Leaf
+from cgbuild.store.lane_block import LaneBlock
 
 if TYPE_CHECKING:
     from cgbuild.store.seal import SealError
@@ -32,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cgbuild.store.fields import Malformed
+    from cgbuild.core.fields import Malformed
     from cgbuild.store.seal import SealError, member_digests, read_metadata
     from cgbuild.store.sealed import parse
 
@@ -145,8 +146,8 @@ def show(doc: dict[str, Any], sealed: Sealed) -> None:
         f"isa {host.isa.get('level')}, {host.cxx_family} {host.cxx.get('version')}; "
         f"needs {_runtime(host.runtime)}; cgbuild {sealed.cgbuild}",
     )
-    selector = (sealed.lanes or {}).get("selector") or {}
-    row("signature", _signature(sealed.contract.without([selector["input"]] if selector else [])))
+    selector = sealed.lanes.switches.selector if sealed.lanes else None
+    row("signature", _signature(sealed.contract.without([selector.input] if selector else [])))
     for i, line in enumerate(_lane_summary(sealed.lanes, doc.get("lane_evidence"))):
         row("lanes" if i == 0 else "", line.removeprefix("lanes: ").strip())
     members = doc.get("members") or {}
@@ -211,16 +212,16 @@ def _bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def _lane_summary(lanes: Mapping[str, Any] | None, evidence: dict[str, Any] | None) -> list[str]:
+def _lane_summary(lanes: LaneBlock | None, evidence: dict[str, Any] | None) -> list[str]:
     """People's view of the lanes: the sealed verdict, then each recorded run's medians."""
     if not lanes:
         return []
-    v = lanes["verdict"]
-    sel = lanes.get("selector")
-    switch = f"selector {sel['input']}[{', '.join(sel['axes'])}]" if sel else "one-hot literals"
+    v = lanes.verdict
+    sel = lanes.switches.selector
+    switch = f"selector {sel.input}[{', '.join(sel.axes)}]" if sel else "one-hot literals"
     out = [
-        f"lanes: winner {v['winner']} ({v['binding']}); fallback {' > '.join(v.get('fallback') or [])}; "
-        + ", ".join(f"{lane} peak {p / (1 << 30):.2f} GiB" for lane, p in (v.get("peaks") or {}).items())
+        f"lanes: winner {v.winner} ({v.binding}); fallback {' > '.join(v.fallback)}; "
+        + ", ".join(f"{lane} peak {p / (1 << 30):.2f} GiB" for lane, p in v.peaks.items())
         + f"; switched by {switch}"
     ]
     for host, doc in sorted((evidence or {}).items()):

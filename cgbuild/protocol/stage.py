@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from cgbuild.core.codes import Code
+from cgbuild.core.fields import Malformed
+from cgbuild.protocol.contract import CallContract
 from cgbuild.protocol.mint import BadRequest, MintFailed, MintRequest, Phase
 from cgbuild.protocol.spawn import Talk, spawn
 from cgbuild.protocol.trace import FACT_KEYS, BadJob, TraceJob
@@ -145,9 +147,13 @@ class Answer:
     """A part's answer: `{"part", "ok": true, ...its fields}` on the stage's protocol stream."""
 
     PART: ClassVar[str]
+    TYPED: ClassVar[Mapping[str, Any]] = {}
+    """field → the frozen type its JSON parses into (`from_json(raw, where)`; `to_json()` back)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"part": self.PART, "ok": True, **{f.name: getattr(self, f.name) for f in fields(self)}}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out.update({name: out[name].to_json() for name in self.TYPED})
+        return {"part": self.PART, "ok": True, **out}
 
     @classmethod
     def from_json(cls, raw: Any) -> Self:
@@ -155,7 +161,33 @@ class Answer:
         kw = _fields(cls, raw, what, skip=("part", "ok"))
         if raw.get("part") != cls.PART or raw.get("ok") is not True:
             raise BadMessage(f"{what}: part {raw.get('part')!r}, ok {raw.get('ok')!r}")
+        try:
+            kw.update({name: typ.from_json(kw[name], name) for name, typ in cls.TYPED.items()})
+        except Malformed as e:
+            raise BadMessage(f"{what}: {e}") from None
         return cls(**kw)
+
+
+@dataclass(frozen=True)
+class AotiFacts:
+    """What a compiled package needs of its host (sealed in the `host` block): the CPU ISA its
+    host code was built for (AOTInductor's `AOTI_CPU_ISA`, '' when it records none) and the
+    highest GLIBC/GLIBCXX/CXXABI versions its `.so` files require."""
+
+    cpu_isa: str
+    runtime: Mapping[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cpu_isa": self.cpu_isa, "runtime": dict(self.runtime)}
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str = "aoti") -> AotiFacts:
+        if not isinstance(raw, Mapping) or not isinstance(raw.get("cpu_isa"), str):
+            raise Malformed(f"{where}.cpu_isa: not a string")
+        runtime = raw.get("runtime")
+        if not isinstance(runtime, Mapping) or not all(isinstance(v, str) for v in runtime.values()):
+            raise Malformed(f"{where}.runtime: not a mapping of library to version")
+        return cls(raw["cpu_isa"], dict(runtime))
 
 
 @dataclass(frozen=True)
@@ -164,40 +196,47 @@ class Traced(Answer):
     the job's device (None: it has none, and a hold traced fake)."""
 
     graph_digest: str
-    contract: Mapping[str, Any]
+    contract: CallContract
     topology: list[Any]
     nodes: int
     torch: str
     sm: str | None
 
     PART: ClassVar[str] = "trace"
+    TYPED: ClassVar[Mapping[str, Any]] = {"contract": CallContract}
 
     def facts(self) -> dict[str, Any]:
         """What the engine takes from a hold's trace line (`{"traced": <this, as JSON>}`): the
         trace rule's result shape, as the plan and the trace cache read it."""
-        return {"ok": True, **{k: getattr(self, k) for k in (*FACT_KEYS, "sm")}}
+        out = {k: getattr(self, k) for k in (*FACT_KEYS, "sm")}
+        return {"ok": True, **out, "contract": self.contract.to_json()}
 
 
 @dataclass(frozen=True)
 class Compiled(Answer):
-    """The compile stage's result: the graph it re-derived, the toolchain it probed, the policy
-    applied, the package's constant table, layout block and AOTI facts (all sealed), and the
-    seconds its `export` and `compile` took (never sealed)."""
+    """The compile stage's result: the graph it re-derived and its call contract, the toolchain it
+    probed, the policy applied, the package's constant table, layout block and host needs (all
+    sealed), and the seconds its `export` and `compile` took (never sealed).
+
+    The toolchain, policy, constant table, layout block and configuration record stay the JSON
+    documents they are sealed as: the worker copies them into the metadata unread, and
+    `cgbuild.store.sealed` types what a reader takes from them."""
 
     graph_digest: str
-    contract: Mapping[str, Any]
+    contract: CallContract
     nodes: int
     module: Mapping[str, Any] | None
     toolchain: Mapping[str, Any]
     policy: Mapping[str, Any]
     constants: Mapping[str, Any]
     layout: Mapping[str, Any] | None
-    aoti: Mapping[str, Any]
+    aoti: AotiFacts
     torch: str
     forensics: Mapping[str, str]
     seconds: Mapping[str, float]
 
     PART: ClassVar[str] = "compile"
+    TYPED: ClassVar[Mapping[str, Any]] = {"contract": CallContract, "aoti": AotiFacts}
 
 
 @dataclass(frozen=True)

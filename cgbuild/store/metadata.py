@@ -7,8 +7,8 @@ checked for its shape here, so a malformed artifact is one named refusal (`bad-m
 the field) everywhere it is read, instead of an AttributeError at load, a TypeError on the first
 call, or a traceback from inspect. Written by hand rather than with a schema library: it is a few
 dozen checks, the serving process gains no dependency, and each refusal names the field. The
-call contract is checked by its parse (`cgbuild.store.contract`), with the same field checks
-(`cgbuild.store.fields`).
+call contract is checked by its parse (`cgbuild.protocol.contract`), with the same field checks
+(`cgbuild.core.fields`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from cgbuild.config.dims import Range
+from cgbuild.core.fields import Malformed, each, natural, naturals, need, obj, string
 from cgbuild.lanes import combinations
-from cgbuild.store.contract import CallContract
-from cgbuild.store.fields import Malformed, each, natural, naturals, need, obj, string
+from cgbuild.protocol.contract import CallContract
 
 _VERSION = re.compile(r"\d{1,6}(\.\d{1,6}){0,5}")
 

@@ -3,9 +3,9 @@
 The metadata comes from a file anyone could have written: `parse` runs the field checks of
 `cgbuild.store.metadata` (a malformed field is `Malformed`, naming it) and only then builds the
 values adopt, `inspect` and the store read, so no reader indexes the raw document. The call
-contract is parsed by that check (`cgbuild.store.contract`). Blocks whose meaning belongs to the
-serving side (the lanes block, the configuration record) are carried as the checked mappings and
-interpreted there.
+contract is parsed by that check (`cgbuild.protocol.contract`), the lanes block into a
+`cgbuild.store.lane_block.LaneBlock`. The configuration record, whose meaning belongs to the serving
+side, is carried as the checked mapping and interpreted there.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cgbuild.store.contract import CallContract
+from cgbuild.protocol.contract import CallContract
+from cgbuild.store.lane_block import LaneBlock
 from cgbuild.store.metadata import checked
 
 
@@ -79,7 +80,7 @@ class Sealed:
     literals: tuple[str, ...]
     """FQNs of the trace-baked literals the package binds."""
     layout: Layout | None
-    lanes: Mapping[str, Any] | None
+    lanes: LaneBlock | None
     """The lanes block (axes, selector, verdict), None when the artifact carries no lane."""
     module: Mapping[str, Any] | None
     """The configuration record (`cgbuild_rules.configured`, `cgbuild_rules.traced`), None when
@@ -94,8 +95,8 @@ class Sealed:
     @property
     def lane_switches(self) -> set[str]:
         """FQNs of one-hot lane switches (artifacts sealed before the lane selector)."""
-        rows = (self.lanes or {}).get("axes") or []
-        return {r["fqn"] for r in rows if r.get("fqn")}
+        rows = self.lanes.switches.axes if self.lanes else ()
+        return {r.fqn for r in rows if r.fqn}
 
 
 def parse(meta: Mapping[str, Any]) -> Sealed:
@@ -104,7 +105,6 @@ def parse(meta: Mapping[str, Any]) -> Sealed:
     host = meta.get("host") or {}
     graph = meta["graph"]
     constants = meta.get("constants") or {}
-    lanes = meta.get("lanes")
     module = meta.get("module")
     return Sealed(
         key=meta["key"],
@@ -130,7 +130,7 @@ def parse(meta: Mapping[str, Any]) -> Sealed:
         ),
         literals=tuple(r["fqn"] for r in constants.get("literal") or ()),
         layout=_layout(meta.get("layout")),
-        lanes=lanes if lanes and lanes.get("axes") else None,
+        lanes=LaneBlock.parse(meta.get("lanes")),
         module=module if isinstance(module, Mapping) else None,
         doc=meta,
     )

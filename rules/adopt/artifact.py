@@ -12,7 +12,6 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from cgbuild_rules import traced
@@ -27,10 +26,11 @@ from torch import nn
 
 from cgbuild import lanes
 from cgbuild.core.codes import Code
+from cgbuild.core.fields import Malformed
 from cgbuild.lanes import Refit
-from cgbuild.store.contract import CallContract
+from cgbuild.protocol.contract import CallContract
 from cgbuild.store.errors import StoreError
-from cgbuild.store.fields import Malformed
+from cgbuild.store.lane_block import LaneBlock
 from cgbuild.store.local import Store
 from cgbuild.store.s3 import RemoteError
 from cgbuild.store.seal import LITERALS, PACKAGE, SealError, read_metadata, unseal
@@ -39,7 +39,7 @@ from cgbuild.store.shared import SharedStore
 
 
 def choose_lane(
-    block: Mapping[str, Any] | None,
+    block: LaneBlock | None,
     device: torch.device,
     *,
     memory_bytes: int | None = None,
@@ -54,21 +54,19 @@ def choose_lane(
     (`lane-pinned`); it must be one the artifact carries, so a pin on an artifact with no lanes is
     refused rather than ignored. Never re-benchmarks.
     """
-    if not block or not block.get("axes"):
+    if block is None:
         if pin is not None:
             raise ValueError(f"lane {pin!r} is not in this artifact (it carries no lanes)")
         return None, {}, {}
-    rows = block["axes"]
-    axes = [r["axis"] for r in rows]
-    carried = lanes.combinations([(r["axis"], r["values"]) for r in rows])
+    carried = block.switches.carried()
     if pin is not None:
         if pin not in carried:
             raise ValueError(f"lane {pin!r} is not in this artifact (it carries {', '.join(carried)})")
         choice = Refit(pin, Code.LANE_PINNED, f"{pin}: pinned by the caller")
     else:
         memory = memory_bytes if memory_bytes is not None else device_memory_bytes(device)
-        choice = lanes.refit(block["verdict"], memory)
-    return (choice, *switch_inputs(block, lanes.split(choice.lane, axes), device))
+        choice = block.verdict.refit(memory)
+    return (choice, *switch_inputs(block.switches, lanes.split(choice.lane, block.switches.names), device))
 
 
 def _arm(
@@ -117,9 +115,8 @@ def _arm(
 
 def caller_contract(sealed: Sealed) -> CallContract:
     """What a caller's call must fit: the sealed contract without the lane selector adopt passes."""
-    block = sealed.lanes
-    selector = block.get("selector") if block and block.get("axes") else None
-    return sealed.contract.without([selector["input"]] if selector else [])
+    selector = sealed.lanes.switches.selector if sealed.lanes else None
+    return sealed.contract.without([selector.input] if selector else [])
 
 
 def load_artifact(

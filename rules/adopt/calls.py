@@ -15,7 +15,7 @@ from cgbuild_rules.adopt.refusal import Refusal
 
 from cgbuild.config.calls import CallAdapter
 from cgbuild.core.codes import Code
-from cgbuild.store.contract import CallContract
+from cgbuild.protocol.contract import CallContract
 
 
 def passed(call: CallAdapter, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], Refusal | None]:

@@ -16,7 +16,7 @@ from cgbuild_rules.weights import ALIGN
 from torch.utils import _pytree as pytree
 
 from cgbuild.core.codes import Code
-from cgbuild.store.contract import CallContract, Leaf
+from cgbuild.protocol.contract import CallContract, Leaf
 
 
 # ---- call contracts ----------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from torch import nn
 
 from cgbuild.core.codes import Code
 from cgbuild.lanes import Refit
-from cgbuild.store.contract import CallContract
+from cgbuild.protocol.contract import CallContract
 from cgbuild.store.sealed import Sealed
 
 

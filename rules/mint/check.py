@@ -19,7 +19,9 @@ from cgbuild_rules.mint.stages import Conversation, Stage, fault
 from cgbuild.core.codes import Code
 from cgbuild.protocol.mint import MintRequest
 from cgbuild.protocol.stage import Compiled, Go, Measured, Served, Verified
+from cgbuild.store.lane_block import LaneAxis, Switches
 from cgbuild.store.seal import LITERALS, PACKAGE, read_metadata
+from cgbuild.store.sealed import parse
 
 
 @dataclass
@@ -35,8 +37,8 @@ class _Checked:
     """The module's own values of those literals (what it was built with), put back before the
     serve part: a serving process's module holds its own, not the compile's."""
     package: Any = None
-    block: dict[str, Any] = field(default_factory=lambda: {"axes": []})
-    """The switch table as verify found it on the module, with its selector (the sealed form)."""
+    table: Switches = field(default_factory=lambda: Switches(()))
+    """The switch table as verify found it on the module, with its selector (what is sealed)."""
 
 
 def _verify(req: MintRequest, work: Path, c: _Checked) -> Verified:
@@ -73,10 +75,9 @@ def _verify(req: MintRequest, work: Path, c: _Checked) -> Verified:
     errors = compare_outputs(got, want, tolerance_of(job.quant))
     if not req.lanes:
         return Verified(errors, _verified_on(job.device))
-    rows = _lane_rows(req, job, built.module)
-    c.block = {"axes": rows, "selector": lane_rt.selector_spec(rows)}
-    checks = _verify_lanes(job, built, c.package, c.block)
-    found = {"rows": rows, "selector": c.block["selector"], **checks}
+    c.table = lane_rt.switch_table(_lane_rows(req, job, built.module))
+    checks = _verify_lanes(job, built, c.package, c.table)
+    found = {**c.table.to_json(), **checks}
     return Verified(errors, _verified_on(job.device), found)
 
 
@@ -158,13 +159,12 @@ def _serve(job: Any, built: Any, artifact: str) -> Served:
 
     from cgbuild import lanes
 
-    block = read_metadata(artifact).get("lanes") or {}
-    rows = block.get("axes") or []
-    axes = [r["axis"] for r in rows]
-    excluded = set(block.get("excluded") or {})
+    block = parse(read_metadata(artifact)).lanes
+    axes = block.switches.names if block else []
+    excluded = set(block.excluded) if block else set()
     choices: list[str | None] = [
         lane
-        for lane in lanes.combinations([(r["axis"], r["values"]) for r in rows])
+        for lane in (block.switches.carried() if block else [])
         if not {f"{a}.{v}" for a, v in lanes.split(lane, axes).items()} & excluded
     ] or [None]
     errors: list[dict[str, Any]] = []
@@ -216,7 +216,7 @@ def _served_at(
         raise MintFailure(e.code, f"{what}: {e.detail}") from None
 
 
-def _lane_rows(req: MintRequest, job: Any, module: Any) -> list[dict[str, Any]]:
+def _lane_rows(req: MintRequest, job: Any, module: Any) -> list[LaneAxis]:
     from cgbuild_rules import lanes as lane_rt
 
     assert req.lanes is not None
@@ -227,7 +227,7 @@ def _lane_rows(req: MintRequest, job: Any, module: Any) -> list[dict[str, Any]]:
         raise MintFailure(Code.ENTRY_ERROR, str(e)) from None
 
 
-def _verify_lanes(job: Any, built: Any, package: Any, block: Mapping[str, Any]) -> dict[str, Any]:
+def _verify_lanes(job: Any, built: Any, package: Any, table: Switches) -> dict[str, Any]:
     """Every lane of the ONE compiled artifact against eager with the same lane, and each value
     against its axis's reference (the numerics self-check that makes it a candidate)."""
     import torch
@@ -239,12 +239,12 @@ def _verify_lanes(job: Any, built: Any, package: Any, block: Mapping[str, Any]) 
             return built.module(*built.args, **built.kwargs)
 
     def compiled(choice: Mapping[str, str]) -> Any:
-        _, inputs = lane_rt.switch_inputs(block, choice, job.device)
+        _, inputs = lane_rt.switch_inputs(table, choice, job.device)
         with torch.no_grad():
             return package(*built.args, **built.kwargs, **inputs)
 
     compare = functools.partial(compare_outputs, tolerance=tolerance_of(job.quant))
-    return lane_rt.verify_lanes(block["axes"], eager, compiled, compare)
+    return lane_rt.verify_lanes(table.axes, eager, compiled, compare)
 
 
 def _measure(c: _Checked, candidates: Sequence[str]) -> Measured:
@@ -267,12 +267,12 @@ def _measure(c: _Checked, candidates: Sequence[str]) -> Measured:
         # per call measured here at 2 threads, against 0.1 ms alone), which would rank lanes by
         # the neighbours' load. The thread count is in the evidence.
         torch.set_num_threads(1)
-    axes = [r["axis"] for r in c.block["axes"]]
+    axes = c.table.names
     device = torch.device(job.device)
     runs: dict[str, Any] = {}
     for lane in candidates:
         print(f"lanes: measuring {lane}", file=sys.stderr, flush=True)
-        _, inputs = lane_rt.switch_inputs(c.block, lanes.split(lane, axes), job.device)
+        _, inputs = lane_rt.switch_inputs(c.table, lanes.split(lane, axes), job.device)
         call = functools.partial(c.package, *built.args, **built.kwargs, **inputs)
         gc.collect()
         if device.type == "cuda":
@@ -300,8 +300,9 @@ def lane_verdict(
         check.part(Measured, Go("measure", candidates=()))
         return None, None
     assert checked.lanes is not None  # verify found the rows of a request with lanes
-    rows = checked.lanes["rows"]
-    used = {r["axis"] for r in rows}
+    table = Switches.from_json(checked.lanes)
+    rows = table.axes
+    used = set(table.names)
     declared = [(axis, values) for axis, values in want["axes"] if axis in used]
     needs = {a: {v: lanes.Needs.from_json(n) for v, n in want["needs"][a].items()} for a, _ in want["axes"]}
     triton = lanes.has_triton(built.toolchain["components"])
@@ -325,18 +326,16 @@ def lane_verdict(
         ]
         verdict = lanes.decide(measured, sku["name"], sku["memory_bytes"])
     elif rows:  # one combination survives capability: nothing to choose, nothing measured
-        surviving = [(r["axis"], [v for v in r["values"] if numerics[r["axis"]][v]]) for r in rows]
+        surviving = [(r.axis, [v for v in r.values if numerics[r.axis][v]]) for r in rows]
         verdict = lanes.unmeasured(lanes.combinations(surviving)[0], Code.ONE_CANDIDATE)
     else:  # this module uses none of the declared axes
         verdict = None
     block = {
         "schema": lanes.LANES_SCHEMA,
-        "axes": [{"axis": r["axis"], "values": r["values"]} for r in rows],
+        **table.to_json(),
         "excluded": excluded,
         "verdict": verdict,
     }
-    if checked.lanes.get("selector"):
-        block["selector"] = checked.lanes["selector"]
     evidence = {
         "schema": "cgbuild.lane-evidence-run/1",
         "sm": req.sm,

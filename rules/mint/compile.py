@@ -23,8 +23,9 @@ from cgbuild.core.codes import Code
 from cgbuild.core.platform import normalize_arch
 from cgbuild.identity import compiler, policy
 from cgbuild.identity.toolchain import TRACE_ONLY
+from cgbuild.protocol.contract import CallContract
 from cgbuild.protocol.mint import MintRequest
-from cgbuild.protocol.stage import Compiled, StageEnv, Traced
+from cgbuild.protocol.stage import AotiFacts, Compiled, StageEnv, Traced
 from cgbuild.protocol.trace import FACT_KEYS
 from cgbuild.store.seal import LITERALS, PACKAGE
 
@@ -227,7 +228,8 @@ def stage_compile(talk: Conversation) -> Compiled:
     t = time.perf_counter()
     ep, facts = trace.export_job(job, "fake" if here is None else "empty")
     export_s = time.perf_counter() - t
-    talk.answer(Traced(**{k: facts[k] for k in FACT_KEYS}, sm=here))
+    contract = CallContract.from_json(facts["contract"], "graph.contract")
+    talk.answer(Traced(**{k: facts[k] for k in FACT_KEYS if k != "contract"}, contract=contract, sm=here))
     req = talk.go("compile").request  # a hold's key request is known only now
     assert req is not None
     if start.held:
@@ -248,14 +250,14 @@ def stage_compile(talk: Conversation) -> Compiled:
     compile_s = time.perf_counter() - t
     return Compiled(
         graph_digest=facts["graph_digest"],
-        contract=facts["contract"],
+        contract=contract,
         nodes=facts["nodes"],
         module=facts["module"],
         toolchain=tc,
         policy=applied,
         constants=_sealed_constants(ep, talk.work),
         layout=layout_block,
-        aoti=aoti,
+        aoti=AotiFacts(str(aoti.get("AOTI_CPU_ISA", "")), aoti["runtime"]),
         torch=torch.__version__,
         forensics=_forensics(md),
         seconds={"export": round(export_s, 3), "compile": round(compile_s, 3)},

@@ -39,7 +39,6 @@ from cgbuild.protocol.mint import (
     Phase,
 )
 from cgbuild.protocol.stage import Compiled, Go, Served, StageEnv, StageStart, Traced, Verified
-from cgbuild.store.contract import CallContract
 from cgbuild.store.seal import LITERALS, PACKAGE, compare_artifacts, member_digests, read_metadata, seal
 
 ARTIFACT_SCHEMA = "cgbuild.artifact/1"
@@ -107,7 +106,7 @@ def _metadata(req: MintRequest, built: Compiled, lanes_block: dict[str, Any] | N
     """The sealed metadata: discrete facts only (no clocks, no paths, no measured errors). The
     contract is sealed as the engine's type writes it, so what adopt parses is what was sealed
     (a contract it would refuse fails the mint here, naming the field)."""
-    contract = CallContract.from_json(built.contract, "graph.contract").to_json()
+    contract = built.contract.to_json()
     components = built.toolchain["components"]
     extra = {} if lanes_block is None else {"lanes": lanes_block}
     return {
@@ -125,8 +124,8 @@ def _metadata(req: MintRequest, built: Compiled, lanes_block: dict[str, Any] | N
         "policy": built.policy,
         "host": {
             "isa": components["isa"],
-            "aoti_cpu_isa": built.aoti.get("AOTI_CPU_ISA", ""),
-            "runtime": built.aoti["runtime"],
+            "aoti_cpu_isa": built.aoti.cpu_isa,
+            "runtime": built.aoti.runtime,
             "cxx": {k: components["cxx"][k] for k in ("family", "version", "banner")},
         },
         "torch": built.torch,

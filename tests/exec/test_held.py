@@ -12,13 +12,21 @@ from cgbuild.config.targets import expand
 from cgbuild.exec.held import Held
 from cgbuild.plan.planner import TraceUnit
 from cgbuild.protocol import spawn
+from cgbuild.protocol.contract import CallContract
 from cgbuild.protocol.stage import Traced
 from cgbuild.protocol.trace import job_for
 
 
 def traced(sm: str | None) -> dict:
     """A hold's trace line as the worker writes it: a `Traced` (its facts stand-ins)."""
-    return Traced(graph_digest="d" * 64, contract={}, topology=[], nodes=3, torch="2.13.0", sm=sm).to_json()
+    return Traced(
+        graph_digest="d" * 64,
+        contract=CallContract.from_json({}),
+        topology=[],
+        nodes=3,
+        torch="2.13.0",
+        sm=sm,
+    ).to_json()
 
 
 KLEIN = Path(__file__).resolve().parents[2] / "examples" / "flux2_klein" / "Cgfile"
@@ -84,7 +92,8 @@ def test_a_traced_line_reaches_the_plan_as_the_trace_rules_facts(tmp_path: Path)
     h = Held(TraceUnit("u", job_for(cg, target).with_id("u"), [target]), tmp_path, tmp_path / "h.log", None)
     h._on_trace = heard.append
     h._trace(traced("cpu"))
-    expected = {"ok": True, "graph_digest": "d" * 64, "contract": {}, "topology": [], "nodes": 3}
+    contract = CallContract.from_json({}).to_json()
+    expected = {"ok": True, "graph_digest": "d" * 64, "contract": contract, "topology": [], "nodes": 3}
     assert heard == [{**expected, "torch": "2.13.0", "sm": "cpu", "id": "u"}] and h.ok and h.sm == "cpu"
 
 

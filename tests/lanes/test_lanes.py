@@ -13,6 +13,7 @@ import pytest
 
 from cgbuild import lanes
 from cgbuild.lanes import GIB, Measured, Needs
+from cgbuild.store.lane_block import Verdict
 
 GB = 10**9
 MS = 10**6
@@ -118,12 +119,12 @@ def test_verdict_holds_discrete_facts_and_two_mints_agree() -> None:
 
 def test_refit_reasons_on_recorded_peaks() -> None:
     verdict = lanes.decide([m(*FAST_BIG), m(*SLOW_SMALL)], "b200", 180 * GB)
-    assert lanes.refit(verdict, 180 * GB).code == "lane-adopted"
-    refit = lanes.refit(verdict, 48 * GB)
+    assert Verdict.from_json(verdict).refit(180 * GB).code == "lane-adopted"
+    refit = Verdict.from_json(verdict).refit(48 * GB)
     assert (refit.lane, refit.code) == ("fused", "lane-refit")
-    no_fit = lanes.refit(verdict, 24 * GB)
+    no_fit = Verdict.from_json(verdict).refit(24 * GB)
     assert (no_fit.lane, no_fit.code) == ("fused", "lane-refit-no-fit")
-    unverified = lanes.refit(lanes.unmeasured("baseline", "one-candidate"), 1)
+    unverified = Verdict.from_json(lanes.unmeasured("baseline", "one-candidate")).refit(1)
     assert (unverified.lane, unverified.code) == ("baseline", "lane-unverified")
 
 
@@ -134,7 +135,7 @@ def test_adopt_refits_on_rounded_peaks_stricter_than_mint() -> None:
     assert lanes.fits(peak, card) and not lanes.fits(lanes.quantize(peak), card)
     verdict = lanes.decide([Measured("a", 100, peak), Measured("b", 200, 1 * GIB)], "x", card)
     assert verdict["winner"] == "a"
-    assert lanes.refit(verdict, card).code == "lane-refit"
+    assert Verdict.from_json(verdict).refit(card).code == "lane-refit"
 
 
 # ---- capability ---------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 from support.minted import job_for
 
+from cgbuild.protocol.contract import CallContract
 from cgbuild.protocol.mint import MintRequest
 from cgbuild.protocol.stage import (
+    AotiFacts,
     BadMessage,
     Compiled,
     Go,
@@ -34,18 +36,20 @@ REQUEST = MintRequest(
     toolchain={"platform": "cpu", "fold": "c" * 16, "components": {}},
     out="/out",
 )
+X = {"dtype": "float32", "device": "cpu", "shape": [1, 8], "stride": [8, 1]}
+CONTRACT = CallContract.from_json({"inputs": [{"name": "x", "tree": "*", "leaves": [X]}]})
 ANSWERS = [
-    Traced("b" * 64, {"inputs": []}, [["fc1.weight", "F32", [4, 8]]], 18, "2.13.0", "cpu"),
+    Traced("b" * 64, CONTRACT, [["fc1.weight", "F32", [4, 8]]], 18, "2.13.0", "cpu"),
     Compiled(
         graph_digest="b" * 64,
-        contract={"inputs": []},
+        contract=CONTRACT,
         nodes=18,
         module=None,
         toolchain={"platform": "cpu"},
         policy={"cpp.threads": 8},
         constants={"state": [], "literal": []},
         layout=None,
-        aoti={"runtime": {}},
+        aoti=AotiFacts("", {"GLIBC": "2.17"}),
         torch="2.13.0",
         forensics={"python": "3.11"},
         seconds={"export": 1.0, "compile": 2.0},
@@ -80,6 +84,29 @@ def test_every_answer_reads_back_as_itself(answer: Any) -> None:
 def test_a_malformed_answer_is_refused_by_name(edit: Any, message: str) -> None:
     with pytest.raises(BadMessage, match=f"^the trace result: .*{message}"):
         Traced.from_json(edit(wire(ANSWERS[0].to_json())))
+
+
+@pytest.mark.parametrize(
+    ("answer", "field", "value", "message"),
+    [
+        (0, "contract", {"inputs": "x"}, "contract.inputs: not a list"),
+        (
+            1,
+            "contract",
+            {"inputs": [{"name": "x", "tree": "*", "leaves": [{**X, "dtype": 1}]}]},
+            "leaves\\[0\\].dtype: not a string",
+        ),
+        (1, "aoti", {"runtime": {}}, "aoti.cpu_isa: not a string"),
+        (1, "aoti", {"cpu_isa": "", "runtime": {"GLIBC": 2}}, "aoti.runtime: not a mapping"),
+    ],
+)
+def test_a_typed_field_that_does_not_parse_is_refused_by_name(
+    answer: int, field: str, value: Any, message: str
+) -> None:
+    """The contract and the host needs are parsed at the process edge, not passed on raw."""
+    cls = type(ANSWERS[answer])
+    with pytest.raises(BadMessage, match=f"^the {cls.PART} result: .*({message})"):
+        cls.from_json({**wire(ANSWERS[answer].to_json()), field: value})
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from cgbuild_rules.adopt import AdoptRefused, adopt, adopt_manifest, fit, serve_
 from support.artifacts import edited
 from support.minted import minted, served_eager, session_dirs, tiny
 
-from cgbuild.store.contract import CallContract
+from cgbuild.protocol.contract import CallContract
 from cgbuild.store.local import Store
 from cgbuild.store.seal import read_metadata, unseal
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from cgbuild_rules.adopt.contract import conform
 
-from cgbuild.store.contract import CallContract, Input
+from cgbuild.protocol.contract import CallContract, Input
 
 CONTRACT = CallContract((Input("x"), Input("scale", keyword=True)))
 

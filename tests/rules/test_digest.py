@@ -16,7 +16,7 @@ from support.jobs import BANKED, TOY, flux_job, make_job
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from cgbuild.store.contract import CallContract
+from cgbuild.protocol.contract import CallContract
 
 
 def digest_of(job: dict[str, Any], mode: str = "fake") -> str:

@@ -26,6 +26,7 @@ from support.jobs import make_job
 from support.minted import request_for, session_dirs
 from support.toy import copy_toy
 
+from cgbuild.store.lane_block import LaneAxis
 from cgbuild.store.seal import read_metadata, unseal
 
 ENTRY = textwrap.dedent(
@@ -218,7 +219,7 @@ def test_the_mint_refuses_a_switch_that_does_not_carry_the_spec(
 
     _, _, root = act_mint
     rows = lane_rows(_net(root), ["act"], {"act": ["gelu", "relu", "tanh"]})
-    assert rows == [{"axis": "act", "values": ["gelu", "relu", "tanh"]}]
+    assert rows == [LaneAxis("act", ("gelu", "relu", "tanh"))]
     with pytest.raises(ValueError, match="the spec asked"):
         lane_rows(_net(root), ["act"], {"act": ["gelu", "relu"]})
     with pytest.raises(ValueError, match="undeclared lane axes"):

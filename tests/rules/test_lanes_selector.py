@@ -28,7 +28,8 @@ from cgbuild_rules.loader import Package
 from support.artifacts import HOST_READS, compile_package, host_read_ops, wrapper_source
 from torch import nn
 
-from cgbuild.store.contract import CallContract
+from cgbuild.protocol.contract import CallContract
+from cgbuild.store.lane_block import LaneAxis, Selector, Switches
 
 SELECTOR = lanes.SELECTOR
 ACTS = {"gelu": F.gelu, "relu": torch.relu, "tanh": torch.tanh}
@@ -64,9 +65,8 @@ def _two_axes() -> tuple[nn.Module, torch.Tensor]:
     return TwoAxes().eval(), torch.randn(3, 16)
 
 
-def _block(m: nn.Module) -> dict[str, Any]:
-    rows = [{"axis": a, "values": v} for a, v in lanes.switches(m).items()]
-    return {"axes": rows, "selector": lanes.selector_spec(rows)}
+def _block(m: nn.Module) -> Switches:
+    return lanes.switch_table([LaneAxis(a, tuple(v)) for a, v in lanes.switches(m).items()])
 
 
 def _sel_leaf(contract: dict[str, Any]) -> dict[str, Any]:
@@ -175,7 +175,7 @@ def test_outside_the_export_a_switch_runs_the_value_it_is_set_to() -> None:
 def test_the_selector_of_a_choice_is_its_value_indices_over_the_base() -> None:
     m, _ = _two_axes()
     block = _block(m)
-    assert block["selector"] == {"input": SELECTOR, "axes": ["act", "scale"], "base": 2}
+    assert block.selector == Selector(SELECTOR, ("act", "scale"), 2)
     sel = lanes.selector(block, {"act": "tanh", "scale": "double"})
     assert sel.shape == (4, 2, 0) and sel.numel() == 0
     lanes.set_lanes(m, {"act": "relu", "scale": "half"})
@@ -183,8 +183,10 @@ def test_the_selector_of_a_choice_is_its_value_indices_over_the_base() -> None:
     assert held is not None and held.shape == (3, 3, 0)
     with pytest.raises(ValueError, match="no value 'swish'"):
         lanes.selector(block, {"act": "swish", "scale": "double"})
-    single = [{"axis": "act", "values": ["gelu"]}]
-    assert lanes.selector_spec(single) is None  # one value: no selector, the plain program
+    single = lanes.switch_table([LaneAxis("act", ("gelu",))])
+    assert single.selector is None  # one value: no selector, the plain program
+    with pytest.raises(ValueError, match="takes no lane selector"):
+        lanes.selector(single, {"act": "gelu"})
 
 
 # ---- compiled ------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from cgbuild_rules.adopt.contract import distance
 from support.cli import cli, last_json
 from support.zoo import ZOO, manifested, rel_rms, served_module
 
-from cgbuild.store.contract import CallContract
+from cgbuild.protocol.contract import CallContract
 from cgbuild.store.local import Store
 
 LABEL = "//zoo-video/wan-range/8x8-f2..4-t4-b1@fp32:cpu"

@@ -17,7 +17,7 @@ from cgbuild_rules.adopt import AdoptRefused, adopt, fit
 from support.artifacts import edited
 from support.minted import tiny
 
-from cgbuild.store.contract import CallContract
+from cgbuild.protocol.contract import CallContract
 from cgbuild.store.seal import read_metadata
 
 pytestmark = pytest.mark.slow

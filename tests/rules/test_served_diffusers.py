@@ -25,7 +25,7 @@ from cgbuild_rules.adopt.contract import fit
 from diffusers import SD3Transformer2DModel, WanTransformer3DModel
 from support.zoo import artifact, minted, rel_rms, served_module
 
-from cgbuild.store.contract import CallContract
+from cgbuild.protocol.contract import CallContract
 from cgbuild.store.seal import read_metadata
 
 pytestmark = pytest.mark.slow

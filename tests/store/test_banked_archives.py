@@ -31,6 +31,8 @@ UNVERIFIED: dict[str, tuple[str, ...]] = {
     "b06c7f2e": ("structure",),
     "19c96a2f": (),
     "bbacaf57": (),
+    "74a32bb7": (),
+    "fb2f69e3": (),
 }
 
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from support.artifacts import stand_in_metadata
 
-from cgbuild.store.contract import DEPTH, CallContract, Input, Leaf, Outputs, Symbol
-from cgbuild.store.fields import Malformed
+from cgbuild.core.fields import Malformed
+from cgbuild.protocol.contract import DEPTH, CallContract, Input, Leaf, Outputs, Symbol
 from cgbuild.store.metadata import metadata_problem
 from cgbuild.store.sealed import parse
 

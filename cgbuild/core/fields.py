@@ -1,7 +1,7 @@
 """The field checks sealed metadata is read through: each names the field it refuses.
 
 Shared by the metadata's one check (`cgbuild.store.metadata`) and the call contract's parse
-(`cgbuild.store.contract`), so a refusal reads the same whichever block it is in.
+(`cgbuild.protocol.contract`), so a refusal reads the same whichever block it is in.
 """
 
 from __future__ import annotations

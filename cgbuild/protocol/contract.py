@@ -16,7 +16,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeAlias
 
-from cgbuild.store.fields import each, need, obj, string
+from cgbuild.core.fields import each, need, obj, string
 
 Dim: TypeAlias = int | str
 """A size or stride: an integer, or an expression of the contract's symbols (`S0`, `2*S0`)."""
