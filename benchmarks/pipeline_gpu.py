@@ -2,6 +2,7 @@
 
     python benchmarks/pipeline_gpu.py all WORK OUT_JSON [--phases a,b,...] [--archive-out DIR]
                                                        [--lanes-archive A.tgz] [--commit SHA]
+                                                       [--selector] [--lanes 'qk-norm = [...]']
 
 `setup` copies the example workspace twice: with its lanes dropped (the plain bf16 programs the
 committed `gpu_sm90_store_fp8.tgz` and `gpu_sm90_store_768.tgz` archives hold) and as committed
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import PhaseClock, cgbuild, commit_option, cuda_times, write_result
-from targets import drop_lanes
+from targets import add_lanes, drop_lanes
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -95,12 +96,15 @@ def _statuses(ws: Path, selector: str) -> dict[str, str]:
     return {t["label"]: t["status"] for t in plan["targets"]}
 
 
-def _workspace(ws: Path, lanes: bool, archives: tuple[Path, ...]) -> None:
-    """The example at `ws` (kept when there: its store holds what an earlier call minted)."""
+def _workspace(ws: Path, lanes: bool, archives: tuple[Path, ...], extra: str = "") -> None:
+    """The example at `ws` (kept when there: its store holds what an earlier call minted), with
+    its lanes dropped, or with `extra` lines added to them."""
     if not ws.exists():
         shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns(".cgbuild", "__pycache__"))
         if not lanes:
             drop_lanes(ws / "Cgfile")
+        elif extra:
+            add_lanes(ws / "Cgfile", "flux2-klein", extra)
     (ws / ".cgbuild").mkdir(exist_ok=True)
     for archive in archives:
         if archive.exists():
@@ -108,13 +112,17 @@ def _workspace(ws: Path, lanes: bool, archives: tuple[Path, ...]) -> None:
                 tar.extractall(ws / ".cgbuild", filter="data")
 
 
-def setup(work: Path, archive_out: Path | None, lanes_archive: Path, selector: bool) -> dict[str, Any]:
+def setup(
+    work: Path, archive_out: Path | None, lanes_archive: Path, selector: bool, lanes: str = ""
+) -> dict[str, Any]:
     ws = work / "ws"
     archives = (*(RESULTS / n for n in ARCHIVES), lanes_archive)
     manifests = SELECTOR_MANIFESTS if selector else MANIFESTS
     _workspace(ws, False, archives)  # the serving store holds every artifact
-    _workspace(work / "ws-lanes", True, (lanes_archive, RESULTS / VAE_ARCHIVE))
+    _workspace(work / "ws-lanes", True, (lanes_archive, RESULTS / VAE_ARCHIVE), lanes)
     rec: dict[str, Any] = {"archives": [a.name for a in archives if a.exists()], "manifests": manifests}
+    if lanes:
+        rec["lanes_added"] = lanes
     t = time.perf_counter()
     if selector:  # only what is served (a trace of 4B takes a while; the archive's cache is warm)
         rec["plan"] = before = {}
@@ -418,11 +426,12 @@ def run_all(
     lanes_archive: Path,
     commit: str | None,
     selector: bool = False,
+    lanes: str = "",
 ) -> None:
     results: dict[str, Any] = {}
     work.mkdir(parents=True, exist_ok=True)
     if "setup" in phases or not (work / "manifest-bf16.json").exists():
-        results["setup"] = setup(work, archive_out, lanes_archive, selector)
+        results["setup"] = setup(work, archive_out, lanes_archive, selector, lanes)
         _write(out_json, results, commit)
     for name in [p for p in phases if p != "setup"]:
         if name == "importtime":
@@ -463,6 +472,7 @@ def main() -> None:
         action="store_true",
         help="serve both transformers and the decoder from --lanes-archive's workspace (as committed)",
     )
+    ap.add_argument("--lanes", default="", help="TOML lines added to the lanes workspace's lanes table")
     commit_option(ap)
     args = ap.parse_args()
     if args.what == "weights":
@@ -472,7 +482,8 @@ def main() -> None:
     else:
         work, out_json = Path(args.rest[0]), Path(args.rest[1])
         phases = args.phases.split(",")
-        run_all(work, out_json, phases, args.archive_out, args.lanes_archive, args.commit, args.selector)
+        where = (args.archive_out, args.lanes_archive)
+        run_all(work, out_json, phases, *where, args.commit, args.selector, args.lanes)
 
 
 if __name__ == "__main__":
