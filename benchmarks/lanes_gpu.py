@@ -39,7 +39,7 @@ _SERVE = """
 import json, sys, torch
 from cgbuild_rules.lanes import measure, switch_inputs
 from cgbuild_rules.loader import Package
-from cgbuild.store.lane_block import Switches
+from cgbuild.lanes import Switches
 work, lane, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 table = Switches.from_json(json.load(open(work + "/lanes.json")))
 state = torch.load(work + "/state.pt")

@@ -418,20 +418,14 @@ def importtime() -> dict[str, Any]:
     return out
 
 
-def run_all(
-    work: Path,
-    out_json: Path,
-    phases: list[str],
-    archive_out: Path | None,
-    lanes_archive: Path,
-    commit: str | None,
-    selector: bool = False,
-    lanes: str = "",
-) -> None:
+def run_all(work: Path, out_json: Path, phases: list[str], args: argparse.Namespace) -> None:
+    """`phases` in turn (`setup` first when asked or not done), `args` the command line's
+    archives, commit, `--selector` and `--lanes`."""
+    commit = args.commit
     results: dict[str, Any] = {}
     work.mkdir(parents=True, exist_ok=True)
     if "setup" in phases or not (work / "manifest-bf16.json").exists():
-        results["setup"] = setup(work, archive_out, lanes_archive, selector, lanes)
+        results["setup"] = setup(work, args.archive_out, args.lanes_archive, args.selector, args.lanes)
         _write(out_json, results, commit)
     for name in [p for p in phases if p != "setup"]:
         if name == "importtime":
@@ -481,9 +475,7 @@ def main() -> None:
         print(json.dumps(phase(args.rest[0], Path(args.rest[1]))))
     else:
         work, out_json = Path(args.rest[0]), Path(args.rest[1])
-        phases = args.phases.split(",")
-        where = (args.archive_out, args.lanes_archive)
-        run_all(work, out_json, phases, *where, args.commit, args.selector, args.lanes)
+        run_all(work, out_json, args.phases.split(","), args)
 
 
 if __name__ == "__main__":

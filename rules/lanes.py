@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cgbuild.store.lane_block import LaneAxis, Switches
+from cgbuild.lanes import LaneAxis, Switches
 
 WARMUP = 3
 TIMED = 9

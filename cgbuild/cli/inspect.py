@@ -16,8 +16,8 @@ from cgbuild.cli.render import component_summary, console, phase_times, print_js
 from cgbuild.config.dims import Range
 from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
+from cgbuild.lanes import LaneBlock
 from cgbuild.protocol.contract import Baked, CallContract, Leaf
-from cgbuild.store.lane_block import LaneBlock
 
 if TYPE_CHECKING:
     from cgbuild.store.seal import SealError

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Self
 
 from cgbuild.core.codes import Code
 from cgbuild.core.fields import Malformed
+from cgbuild.lanes import Switches
 from cgbuild.protocol.contract import CallContract
 from cgbuild.protocol.mint import BadRequest, MintFailed, MintRequest, Phase
 from cgbuild.protocol.spawn import Talk, spawn
@@ -152,7 +153,7 @@ class Answer:
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out.update({name: out[name].to_json() for name in self.TYPED})
+        out.update({name: out[name].to_json() for name in self.TYPED if out[name] is not None})
         return {"part": self.PART, "ok": True, **out}
 
     @classmethod
@@ -162,7 +163,7 @@ class Answer:
         if raw.get("part") != cls.PART or raw.get("ok") is not True:
             raise BadMessage(f"{what}: part {raw.get('part')!r}, ok {raw.get('ok')!r}")
         try:
-            kw.update({name: typ.from_json(kw[name], name) for name, typ in cls.TYPED.items()})
+            kw.update({n: typ.from_json(kw[n], n) for n, typ in cls.TYPED.items() if kw.get(n) is not None})
         except Malformed as e:
             raise BadMessage(f"{what}: {e}") from None
         return cls(**kw)
@@ -240,15 +241,54 @@ class Compiled(Answer):
 
 
 @dataclass(frozen=True)
+class VerifiedLanes:
+    """What verify found of a program's lanes: its switch table (what is sealed), each lane's
+    errors against eager with the same lane, and each value's numerics against its axis's
+    reference (`{"ok", "rel_rms"}`, or `{"ok": false, "detail"}`: then it is no candidate)."""
+
+    table: Switches
+    checked: Mapping[str, Any]
+    numerics: Mapping[str, Mapping[str, Mapping[str, Any]]]
+
+    def passed(self) -> dict[str, dict[str, bool]]:
+        """axis → value → whether it passed its numerics check."""
+        return {a: {v: bool(r["ok"]) for v, r in vals.items()} for a, vals in self.numerics.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.table.to_json(), "checked": dict(self.checked), "numerics": dict(self.numerics)}
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str = "lanes") -> VerifiedLanes:
+        if not isinstance(raw, Mapping):
+            raise Malformed(f"{where}: not an object")
+        try:
+            table = Switches.from_json(raw)
+        except (KeyError, TypeError, ValueError) as e:
+            raise Malformed(f"{where}.axes: not a switch table ({type(e).__name__}: {e})") from None
+        numerics: Any = raw.get("numerics")
+        rows = numerics.values() if isinstance(numerics, Mapping) else None
+        if rows is None or not all(
+            isinstance(vals, Mapping)
+            and all(isinstance(r, Mapping) and isinstance(r.get("ok"), bool) for r in vals.values())
+            for vals in rows
+        ):
+            raise Malformed(f"{where}.numerics: not axis → value → {{ok, ...}}")
+        if not isinstance(raw.get("checked"), Mapping):
+            raise Malformed(f"{where}.checked: not lane → errors")
+        return cls(table, raw["checked"], numerics)
+
+
+@dataclass(frozen=True)
 class Verified(Answer):
     """The package against eager: one error row per output, the device it ran on and, with
-    lanes, the lane rows, their selector and each value's numerics."""
+    lanes, what verify found of them."""
 
     errors: Sequence[Mapping[str, Any]]
     device: Mapping[str, Any]
-    lanes: Mapping[str, Any] | None = None
+    lanes: VerifiedLanes | None = None
 
     PART: ClassVar[str] = "verify"
+    TYPED: ClassVar[Mapping[str, Any]] = {"lanes": VerifiedLanes}
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ The metadata comes from a file anyone could have written: `parse` runs the field
 `cgbuild.store.metadata` (a malformed field is `Malformed`, naming it) and only then builds the
 values adopt, `inspect` and the store read, so no reader indexes the raw document. The call
 contract is parsed by that check (`cgbuild.protocol.contract`), the lanes block into a
-`cgbuild.store.lane_block.LaneBlock`. The configuration record, whose meaning belongs to the serving
+`cgbuild.lanes.LaneBlock`. The configuration record, whose meaning belongs to the serving
 side, is carried as the checked mapping and interpreted there.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cgbuild.lanes import LaneBlock
 from cgbuild.protocol.contract import CallContract
-from cgbuild.store.lane_block import LaneBlock
 from cgbuild.store.metadata import checked
 
 

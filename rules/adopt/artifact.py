@@ -27,10 +27,9 @@ from torch import nn
 from cgbuild import lanes
 from cgbuild.core.codes import Code
 from cgbuild.core.fields import Malformed
-from cgbuild.lanes import Refit
+from cgbuild.lanes import LaneBlock, Refit
 from cgbuild.protocol.contract import CallContract
 from cgbuild.store.errors import StoreError
-from cgbuild.store.lane_block import LaneBlock
 from cgbuild.store.local import Store
 from cgbuild.store.s3 import RemoteError
 from cgbuild.store.seal import LITERALS, PACKAGE, SealError, read_metadata, unseal

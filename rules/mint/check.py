@@ -17,9 +17,9 @@ from cgbuild_rules.mint.failure import MintFailure
 from cgbuild_rules.mint.stages import Conversation, Stage, fault
 
 from cgbuild.core.codes import Code
+from cgbuild.lanes import LaneAxis, Switches
 from cgbuild.protocol.mint import MintRequest
-from cgbuild.protocol.stage import Compiled, Go, Measured, Served, Verified
-from cgbuild.store.lane_block import LaneAxis, Switches
+from cgbuild.protocol.stage import Compiled, Go, Measured, Served, Verified, VerifiedLanes
 from cgbuild.store.seal import LITERALS, PACKAGE, read_metadata
 from cgbuild.store.sealed import parse
 
@@ -77,8 +77,9 @@ def _verify(req: MintRequest, work: Path, c: _Checked) -> Verified:
         return Verified(errors, _verified_on(job.device))
     c.table = lane_rt.switch_table(_lane_rows(req, job, built.module))
     checks = _verify_lanes(job, built, c.package, c.table)
-    found = {**c.table.to_json(), **checks}
-    return Verified(errors, _verified_on(job.device), found)
+    return Verified(
+        errors, _verified_on(job.device), VerifiedLanes(c.table, checks["checked"], checks["numerics"])
+    )
 
 
 def _verified_on(device: str) -> dict[str, Any]:
@@ -300,15 +301,13 @@ def lane_verdict(
         check.part(Measured, Go("measure", candidates=()))
         return None, None
     assert checked.lanes is not None  # verify found the rows of a request with lanes
-    table = Switches.from_json(checked.lanes)
+    table = checked.lanes.table
     rows = table.axes
     used = set(table.names)
     declared = [(axis, values) for axis, values in want["axes"] if axis in used]
     needs = {a: {v: lanes.Needs.from_json(n) for v, n in want["needs"][a].items()} for a, _ in want["axes"]}
     triton = lanes.has_triton(built.toolchain["components"])
-    numerics = {
-        a: {v: bool(r["ok"]) for v, r in vals.items()} for a, vals in checked.lanes["numerics"].items()
-    }
+    numerics = checked.lanes.passed()
     excluded = lanes.exclusions(want["axes"], needs, req.sm, triton)
     excluded.update(
         {f"{a}.{v}": "numerics" for a, vals in numerics.items() for v, ok in vals.items() if not ok}
@@ -342,7 +341,7 @@ def lane_verdict(
         "sku": want["sku"],
         "candidates": candidates,
         "measured": runs,
-        "numerics": checked.lanes["numerics"],
+        "numerics": checked.lanes.numerics,
         "excluded": excluded,
         "verdict": verdict,
     }

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from cgbuild import lanes
-from cgbuild.lanes import GIB, Measured, Needs
-from cgbuild.store.lane_block import Verdict
+from cgbuild.lanes import GIB, Measured, Needs, Verdict
 
 GB = 10**9
 MS = 10**6

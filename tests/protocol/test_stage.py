@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from support.minted import job_for
 
+from cgbuild.lanes import LaneAxis, Switches
 from cgbuild.protocol.contract import CallContract
 from cgbuild.protocol.mint import MintRequest
 from cgbuild.protocol.stage import (
@@ -23,6 +24,7 @@ from cgbuild.protocol.stage import (
     StageStart,
     Traced,
     Verified,
+    VerifiedLanes,
 )
 from cgbuild.protocol.trace import TraceJob
 
@@ -55,6 +57,15 @@ ANSWERS = [
         seconds={"export": 1.0, "compile": 2.0},
     ),
     Verified([{"output": 0, "rel_rms": 0.0}], {"type": "cpu", "visible": None}),
+    Verified(
+        [{"output": 0, "rel_rms": 0.0}],
+        {"type": "cpu", "visible": None},
+        VerifiedLanes(
+            Switches.selected([LaneAxis("act", ("gelu", "relu"))], "_cgbuild_lanes", 2),
+            {"gelu": [], "relu": []},
+            {"act": {"gelu": {"ok": True, "rel_rms": 0.0}, "relu": {"ok": False, "detail": "differs"}}},
+        ),
+    ),
     Measured(),
     Served([{"output": 0}], [{"counters": {"compiled": 1}, "seconds": 0.1}]),
 ]
@@ -97,6 +108,8 @@ def test_a_malformed_answer_is_refused_by_name(edit: Any, message: str) -> None:
             "leaves\\[0\\].dtype: not a string",
         ),
         (1, "aoti", {"runtime": {}}, "aoti.cpu_isa: not a string"),
+        (3, "lanes", {"axes": [{"axis": "act"}], "checked": {}, "numerics": {}}, "lanes.axes: not a switch"),
+        (3, "lanes", {"axes": [], "checked": {}, "numerics": {"act": {"gelu": {}}}}, "lanes.numerics"),
         (1, "aoti", {"cpu_isa": "", "runtime": {"GLIBC": 2}}, "aoti.runtime: not a mapping"),
     ],
 )

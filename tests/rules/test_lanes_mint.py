@@ -26,7 +26,7 @@ from support.jobs import make_job
 from support.minted import request_for, session_dirs
 from support.toy import copy_toy
 
-from cgbuild.store.lane_block import LaneAxis
+from cgbuild.lanes import LaneAxis
 from cgbuild.store.seal import read_metadata, unseal
 
 ENTRY = textwrap.dedent(

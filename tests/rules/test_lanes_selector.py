@@ -28,8 +28,8 @@ from cgbuild_rules.loader import Package
 from support.artifacts import HOST_READS, compile_package, host_read_ops, wrapper_source
 from torch import nn
 
+from cgbuild.lanes import LaneAxis, Selector, Switches
 from cgbuild.protocol.contract import CallContract
-from cgbuild.store.lane_block import LaneAxis, Selector, Switches
 
 SELECTOR = lanes.SELECTOR
 ACTS = {"gelu": F.gelu, "relu": torch.relu, "tanh": torch.tanh}
