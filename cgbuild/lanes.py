@@ -437,22 +437,21 @@ class Switches:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The fit rule's sealed choice: the winner, the term that bound it, the recorded (rounded)
-    peaks and the order adopt walks where the winner does not fit. `doc` keeps the whole sealed
-    verdict (its margin, allowance and SKU) for people and `inspect --json`."""
+    """The fit rule's sealed choice as adopt reads it: the winner, the term that bound it, the
+    recorded (rounded) peaks and the order adopt walks where the winner does not fit. The rest of
+    the sealed verdict (margin, allowance, SKU) is for people: `inspect --json` shows the document."""
 
     winner: str
     binding: str | None
     peaks: Mapping[str, int]
     fallback: tuple[str, ...]
-    doc: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Verdict:
         peaks = {str(k): int(v) for k, v in (raw.get("peaks") or {}).items()}
         binding = raw.get("binding")
         fallback = tuple(str(v) for v in raw.get("fallback") or ())
-        return cls(str(raw["winner"]), str(binding) if binding else None, peaks, fallback, raw)
+        return cls(str(raw["winner"]), str(binding) if binding else None, peaks, fallback)
 
     def refit(self, memory_bytes: int) -> Refit:
         """Re-apply the fit to THIS device on the recorded (rounded-up) peaks; never re-benchmarks."""
