@@ -17,12 +17,14 @@ medians and ratios compare like with like:
 
 Each row: `first_s` (wrapping to the first output: adopt, or compilation), the median step in ms
 of `--reps` CUDA-event timed calls after 3 warm-ups, its relative L2 error against fp32, and for
-cgbuild how every call was served. The JSON is rewritten after each row: a call cut short keeps
-what it measured.
+cgbuild how every call was served. `--profile N` adds N more steps under torch.profiler to each
+row (`profile`: kernel time by group and the largest kernels, `profile_gpu.summarize`'s), so a
+peer's compiled step and the artifact's are compared kernel by kernel in one process. The JSON is
+rewritten after each row: a call cut short keeps what it measured.
 
     python benchmarks/klein_step_gpu.py OUT_JSON [--store A.tgz,..] [--keys LABEL=KEY,..]
                                                  [--lanes 'qk-norm = [...]'] [--only row,..]
-                                                 [--pin fp8=LANE,bf16=LANE]
+                                                 [--pin fp8=LANE,bf16=LANE] [--profile N]
                                                  [--commit SHA]
     python benchmarks/klein_step_gpu.py OUT_JSON --tiny   # a CPU rehearsal: flux2-klein-tiny,
                                                           # fp32 and int8 minted on the cpu sku
@@ -58,6 +60,22 @@ FULL = {  # the row's cgbuild layout, per mode
     "gpu": ("//flux2-klein/transformer/1024x1024-t512-b1@{}:sm_90", {"fp8": "fp8", "bf16": "bf16"}),
     "tiny": ("//flux2-klein-tiny/transformer/64x64-t8-b1@{}:cpu", {"fp8": "int8", "bf16": "fp32"}),
 }
+
+
+def _profiled(call: Callable[[], Any], steps: int, cuda: bool) -> dict[str, Any] | None:
+    """`steps` calls under torch.profiler, summarized per step (None when `steps` is 0)."""
+    if not steps:
+        return None
+    import torch
+    from profile_gpu import summarize
+
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            call()
+        if cuda:
+            torch.cuda.synchronize()
+    return summarize(list(prof.events()), steps, cuda)
 
 
 def _keys(ws: Path, labels: list[str]) -> dict[str, Any]:
@@ -122,8 +140,11 @@ class Step:
             first = round(time.perf_counter() - start, 2)
             reps, warmup = (3, 0) if row == "fp32" else (self.opts.reps, 3)  # the reference: no contest
             steps = [s * 1e3 for s in timer(lambda: fn(*given), reps=reps, warmup=warmup)]
+            profiled = _profiled(lambda: fn(*given), self.opts.profile, not self.opts.tiny)
         rec: dict[str, Any] = {"first_s": first, "ms": round(statistics.median(steps), 3)}
         rec["ms_all"] = [round(s, 3) for s in steps]
+        if profiled is not None:
+            rec["profile"] = profiled
         if row == "fp32":
             self.ref = out.float()
         elif self.ref is not None:
@@ -205,6 +226,7 @@ def main() -> None:
     parser.add_argument("--lanes", default="", help="TOML lines added to the flagship's lanes table")
     parser.add_argument("--pin", default="", help="LAYOUT=LANE,..: the lane each _pinned row serves")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--profile", type=int, default=0, help="steps to profile after each row's timing")
     parser.add_argument("--tiny", action="store_true", help="a CPU rehearsal on the tiny family")
     commit_option(parser)
     opts = parser.parse_args()
@@ -222,7 +244,7 @@ def main() -> None:
                 method(row)
             except Exception as exc:  # a peer that fails is a row that says so; the others still run
                 step.doc["rows"][row] = {"failed": f"{type(exc).__name__}: {str(exc)[:2000]}"}
-            shown = {k: v for k, v in step.doc["rows"][row].items() if k != "ms_all"}
+            shown = {k: v for k, v in step.doc["rows"][row].items() if k not in ("ms_all", "profile")}
             print(row, json.dumps(shown)[:600], flush=True)
             step.save()
             if not opts.tiny:
