@@ -36,6 +36,7 @@ from typing import Any
 
 from cgbuild.core.codes import Code
 from cgbuild.core.errors import UserError
+from cgbuild.core.fields import each, natural, need, obj, string
 from cgbuild.core.literal import read_entry_literal
 from cgbuild.core.platform import device_of, sm_number
 
@@ -427,12 +428,49 @@ class Switches:
         return out
 
     @classmethod
+    def parse(cls, raw: Any, where: str) -> Switches:
+        """The table of a JSON document anyone could have written (sealed metadata, a stage's
+        answer): `Malformed` naming the first field that is wrong. Each axis of two or more values
+        is switched one way: by the selector input (what a trace makes) or by its one-hot literal
+        (artifacts sealed before), never neither (adopt would bind nothing and the program run its
+        default) and never both."""
+        block = obj(raw, where)
+        rows = each(block.get("axes"), f"{where}.axes", _axis_row)
+        selector = obj(block.get("selector"), f"{where}.selector", optional=True)
+        dims: list[str] = []
+        if selector:
+            string(selector.get("input"), f"{where}.selector.input")
+            each(selector.get("axes"), f"{where}.selector.axes", string, optional=False)
+            natural(selector.get("base"), f"{where}.selector.base")
+            dims = selector["axes"]
+            need(len(set(dims)) == len(dims), f"{where}.selector.axes", "repeat an axis")
+        for i, row in enumerate(rows):
+            switched = len(row["values"]) > 1
+            ways = int(bool(row.get("fqn"))) + int(row["axis"] in dims)
+            need(
+                ways == int(switched), f"{where}.axes[{i}]", "not switched by exactly one selector or one-hot"
+            )
+        unknown = sorted(set(dims) - {row["axis"] for row in rows})
+        need(not unknown, f"{where}.selector.axes", f"names {unknown[0] if unknown else ''!r}, not an axis")
+        return cls.from_json(block)
+
+    @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Switches:
+        """The table of a document already checked (`parse`), or written by this process."""
         selector = raw.get("selector")
         return cls(
             tuple(LaneAxis.from_json(r) for r in raw.get("axes") or ()),
             Selector.from_json(selector) if selector else None,
         )
+
+
+def _axis_row(value: Any, where: str) -> dict[str, Any]:
+    row = obj(value, where)
+    string(row.get("axis"), f"{where}.axis")
+    each(row.get("values"), f"{where}.values", string, optional=False)
+    need(bool(row["values"]), f"{where}.values", "empty")
+    need(row.get("fqn") is None or isinstance(row["fqn"], str), f"{where}.fqn", "not a string")
+    return row
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from cgbuild.core.codes import Code
-from cgbuild.core.fields import Malformed
+from cgbuild.core.fields import Malformed, need, obj
 from cgbuild.lanes import Switches
 from cgbuild.protocol.contract import CallContract
 from cgbuild.protocol.mint import BadRequest, MintFailed, MintRequest, Phase
@@ -162,8 +162,15 @@ class Answer:
         kw = _fields(cls, raw, what, skip=("part", "ok"))
         if raw.get("part") != cls.PART or raw.get("ok") is not True:
             raise BadMessage(f"{what}: part {raw.get('part')!r}, ok {raw.get('ok')!r}")
+        optional = {f.name for f in fields(cls) if f.default is None}  # absent or null: None
         try:
-            kw.update({n: typ.from_json(kw[n], n) for n, typ in cls.TYPED.items() if kw.get(n) is not None})
+            kw.update(
+                {
+                    n: typ.from_json(kw[n], n)
+                    for n, typ in cls.TYPED.items()
+                    if n in kw and not (kw[n] is None and n in optional)
+                }
+            )
         except Malformed as e:
             raise BadMessage(f"{what}: {e}") from None
         return cls(**kw)
@@ -259,23 +266,14 @@ class VerifiedLanes:
 
     @classmethod
     def from_json(cls, raw: Any, where: str = "lanes") -> VerifiedLanes:
-        if not isinstance(raw, Mapping):
-            raise Malformed(f"{where}: not an object")
-        try:
-            table = Switches.from_json(raw)
-        except (KeyError, TypeError, ValueError) as e:
-            raise Malformed(f"{where}.axes: not a switch table ({type(e).__name__}: {e})") from None
-        numerics: Any = raw.get("numerics")
-        rows = numerics.values() if isinstance(numerics, Mapping) else None
-        if rows is None or not all(
-            isinstance(vals, Mapping)
-            and all(isinstance(r, Mapping) and isinstance(r.get("ok"), bool) for r in vals.values())
-            for vals in rows
-        ):
-            raise Malformed(f"{where}.numerics: not axis → value → {{ok, ...}}")
-        if not isinstance(raw.get("checked"), Mapping):
-            raise Malformed(f"{where}.checked: not lane → errors")
-        return cls(table, raw["checked"], numerics)
+        table = Switches.parse(raw, where)
+        numerics = obj(raw.get("numerics"), f"{where}.numerics")
+        for axis, vals in numerics.items():
+            for value, row in obj(vals, f"{where}.numerics.{axis}").items():
+                at = f"{where}.numerics.{axis}.{value}"
+                need(isinstance(obj(row, at).get("ok"), bool), f"{at}.ok", "not a boolean")
+        checked = obj(raw.get("checked"), f"{where}.checked")
+        return cls(table, checked, numerics)
 
 
 @dataclass(frozen=True)

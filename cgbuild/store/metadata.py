@@ -19,7 +19,7 @@ from typing import Any
 
 from cgbuild.config.dims import Range
 from cgbuild.core.fields import Malformed, each, natural, naturals, need, obj, string
-from cgbuild.lanes import combinations
+from cgbuild.lanes import Switches
 from cgbuild.protocol.contract import CallContract
 
 _VERSION = re.compile(r"\d{1,6}(\.\d{1,6}){0,5}")
@@ -41,40 +41,11 @@ def _layout_row(value: Any, where: str) -> None:
     naturals(value[2], f"{where}[2]")
 
 
-def _lane_axis(value: Any, where: str) -> None:
-    row = obj(value, where)
-    string(row.get("axis"), f"{where}.axis")
-    each(row.get("values"), f"{where}.values", string, optional=False)
-    need(bool(row["values"]), f"{where}.values", "empty")
-    need(row.get("fqn") is None or isinstance(row["fqn"], str), f"{where}.fqn", "not a string")
-
-
-def _lane_switches(block: Mapping[str, Any], where: str) -> None:
-    """Each axis of two or more values is switched one way: by the selector input (what a trace
-    makes) or by its one-hot literal (artifacts sealed before), never neither (adopt would bind
-    nothing and the program run its default) and never both."""
-    selector = obj(block.get("selector"), f"{where}.selector", optional=True)
-    dims: list[str] = []
-    if selector:
-        string(selector.get("input"), f"{where}.selector.input")
-        each(selector.get("axes"), f"{where}.selector.axes", string, optional=False)
-        natural(selector.get("base"), f"{where}.selector.base")
-        dims = selector["axes"]
-        need(len(set(dims)) == len(dims), f"{where}.selector.axes", "repeat an axis")
-    for i, row in enumerate(block["axes"]):
-        switched = len(row["values"]) > 1
-        ways = int(bool(row.get("fqn"))) + int(row["axis"] in dims)
-        need(ways == int(switched), f"{where}.axes[{i}]", "not switched by exactly one selector or one-hot")
-    unknown = sorted(set(dims) - {row["axis"] for row in block["axes"]})
-    need(not unknown, f"{where}.selector.axes", f"names {unknown[0] if unknown else ''!r}, not an axis")
-
-
 def _lanes(value: Any, where: str) -> None:
     block = obj(value, where, optional=True)
     if not block.get("axes"):
         return
-    each(block["axes"], f"{where}.axes", _lane_axis)
-    _lane_switches(block, where)
+    switches = Switches.parse(block, where)
     verdict = obj(block.get("verdict"), f"{where}.verdict")
     string(verdict.get("winner"), f"{where}.verdict.winner")
     need(
@@ -86,7 +57,7 @@ def _lanes(value: Any, where: str) -> None:
     for lane, peak in peaks.items():
         natural(peak, f"{where}.verdict.peaks.{lane}")
     each(verdict.get("fallback"), f"{where}.verdict.fallback", string)
-    carried = set(combinations([(r["axis"], r["values"]) for r in block["axes"]]))
+    carried = set(switches.carried())
     for lane in [verdict["winner"], *peaks, *(verdict.get("fallback") or [])]:
         need(lane in carried, f"{where}.verdict", f"names lane {lane!r}, which the axes do not carry")
     need(not peaks or verdict["winner"] in peaks, f"{where}.verdict.winner", "has no recorded peak")

@@ -105,7 +105,7 @@ def _sandbox(
 def _metadata(req: MintRequest, built: Compiled, lanes_block: dict[str, Any] | None = None) -> dict[str, Any]:
     """The sealed metadata: discrete facts only (no clocks, no paths, no measured errors). The
     contract is sealed as the engine's type writes it, so what adopt parses is what was sealed
-    (a contract it would refuse fails the mint here, naming the field)."""
+    (the compile stage parsed it from the trace, and its answer was parsed again at this end)."""
     contract = built.contract.to_json()
     components = built.toolchain["components"]
     extra = {} if lanes_block is None else {"lanes": lanes_block}

@@ -40,6 +40,8 @@ REQUEST = MintRequest(
 )
 X = {"dtype": "float32", "device": "cpu", "shape": [1, 8], "stride": [8, 1]}
 CONTRACT = CallContract.from_json({"inputs": [{"name": "x", "tree": "*", "leaves": [X]}]})
+BAD_AXIS = "lanes.axes\\[0\\].values: not a list"
+BAD_OK = "lanes.numerics.act.gelu.ok: not a boolean"
 ANSWERS = [
     Traced("b" * 64, CONTRACT, [["fc1.weight", "F32", [4, 8]]], 18, "2.13.0", "cpu"),
     Compiled(
@@ -108,8 +110,20 @@ def test_a_malformed_answer_is_refused_by_name(edit: Any, message: str) -> None:
             "leaves\\[0\\].dtype: not a string",
         ),
         (1, "aoti", {"runtime": {}}, "aoti.cpu_isa: not a string"),
-        (3, "lanes", {"axes": [{"axis": "act"}], "checked": {}, "numerics": {}}, "lanes.axes: not a switch"),
-        (3, "lanes", {"axes": [], "checked": {}, "numerics": {"act": {"gelu": {}}}}, "lanes.numerics"),
+        (1, "aoti", None, "aoti.cpu_isa: not a string"),
+        (0, "contract", None, "contract: not an object"),
+        (
+            3,
+            "lanes",
+            {"axes": [{"axis": "act"}], "checked": {}, "numerics": {}},
+            "lanes.axes\\[0\\].values: not a list",
+        ),
+        (
+            3,
+            "lanes",
+            {"axes": [], "checked": {}, "numerics": {"act": {"gelu": {}}}},
+            "lanes.numerics.act.gelu.ok",
+        ),
         (1, "aoti", {"cpu_isa": "", "runtime": {"GLIBC": 2}}, "aoti.runtime: not a mapping"),
     ],
 )
