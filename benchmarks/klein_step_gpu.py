@@ -18,7 +18,7 @@ medians and ratios compare like with like:
 Each row: `first_s` (wrapping to the first output: adopt, or compilation), the median step in ms
 of `--reps` CUDA-event timed calls after 3 warm-ups, its relative L2 error against fp32, and for
 cgbuild how every call was served. `--profile N` adds N more steps under torch.profiler to each
-row (`profile`: kernel time by group and the largest kernels, `profile_gpu.summarize`'s), so a
+row (`profile`: kernel time by group and the largest kernels, `profile_gpu.profiled`'s), so a
 peer's compiled step and the artifact's are compared kernel by kernel in one process. The JSON is
 rewritten after each row: a call cut short keeps what it measured.
 
@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import cgbuild, commit_option, cuda_times, rel_l2, scratch, wall_times, write_result
+from profile_gpu import profiled
 from targets import add_lanes, built_of, copy_workspace, job_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,22 +61,6 @@ FULL = {  # the row's cgbuild layout, per mode
     "gpu": ("//flux2-klein/transformer/1024x1024-t512-b1@{}:sm_90", {"fp8": "fp8", "bf16": "bf16"}),
     "tiny": ("//flux2-klein-tiny/transformer/64x64-t8-b1@{}:cpu", {"fp8": "int8", "bf16": "fp32"}),
 }
-
-
-def _profiled(call: Callable[[], Any], steps: int, cuda: bool) -> dict[str, Any] | None:
-    """`steps` calls under torch.profiler, summarized per step (None when `steps` is 0)."""
-    if not steps:
-        return None
-    import torch
-    from profile_gpu import summarize
-
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(steps):
-            call()
-        if cuda:
-            torch.cuda.synchronize()
-    return summarize(list(prof.events()), steps, cuda)
 
 
 def _keys(ws: Path, labels: list[str]) -> dict[str, Any]:
@@ -140,11 +125,12 @@ class Step:
             first = round(time.perf_counter() - start, 2)
             reps, warmup = (3, 0) if row == "fp32" else (self.opts.reps, 3)  # the reference: no contest
             steps = [s * 1e3 for s in timer(lambda: fn(*given), reps=reps, warmup=warmup)]
-            profiled = _profiled(lambda: fn(*given), self.opts.profile, not self.opts.tiny)
+            cuda = not self.opts.tiny
+            kernels = profiled(lambda: fn(*given), self.opts.profile, cuda) if self.opts.profile else None
         rec: dict[str, Any] = {"first_s": first, "ms": round(statistics.median(steps), 3)}
         rec["ms_all"] = [round(s, 3) for s in steps]
-        if profiled is not None:
-            rec["profile"] = profiled
+        if kernels is not None:
+            rec["profile"] = kernels
         if row == "fp32":
             self.ref = out.float()
         elif self.ref is not None:

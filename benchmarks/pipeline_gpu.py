@@ -390,8 +390,10 @@ WATCHED = ("torch._dynamo", "torch._inductor", "sympy", "transformers", "sklearn
 
 
 def importtime() -> dict[str, Any]:
-    """Cumulative import time (`-X importtime`) of each step in `IMPORTS`: the top-level packages
-    ranked, and the `WATCHED` modules wherever they were first imported."""
+    """Cumulative import time (`-X importtime`) of each step in `IMPORTS`: per package, the largest
+    cumulative time of any of its modules (the package's own import, or a submodule imported later
+    by another package: `torch` can be `torch._dynamo` pulled in by diffusers), ranked; and the
+    `WATCHED` modules wherever they were first imported."""
     out: dict[str, Any] = {}
     for step, code in IMPORTS.items():
         argv = [sys.executable, "-X", "importtime", "-c", code]
@@ -404,11 +406,10 @@ def importtime() -> dict[str, Any]:
             _, cumulative, name = (p.strip() for p in line.removeprefix("import time:").split("|"))
             if not cumulative.isdigit():
                 continue
-            if not name.startswith(" "):
-                root = name.split(".")[0]
-                top[root] = max(top.get(root, 0), int(cumulative))
-            if name.strip() in WATCHED:
-                watched[name.strip()] = int(cumulative)
+            root = name.split(".")[0]
+            top[root] = max(top.get(root, 0), int(cumulative))
+            if name in WATCHED:
+                watched[name] = int(cumulative)
         ranked = sorted(top.items(), key=lambda kv: -kv[1])[:15]
         out[step] = {
             "code": code,

@@ -42,6 +42,7 @@ import sys
 import tarfile
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,19 @@ def summarize(events: list[Any], steps: int, cuda: bool) -> dict[str, Any]:
     }
 
 
+def profiled(call: Callable[[], Any], steps: int, cuda: bool) -> dict[str, Any]:
+    """`steps` calls of `call` under torch.profiler (CPU, and CUDA on a GPU), summarized per step."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            call()
+        if cuda:
+            torch.cuda.synchronize()
+    return summarize(list(prof.events()), steps, cuda)
+
+
 def profile(
     ws: Path, label: str, key: str, store: Path, steps: int, reps: int, lane: str | None
 ) -> dict[str, Any]:
@@ -128,16 +142,11 @@ def profile(
     def call() -> Any:
         return served(*built.args, **built.kwargs)
 
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.inference_mode():
         for _ in range(WARMUP):
             call()
         wall = (cuda_timed if cuda else timed)(call, reps=reps)
-        with torch.profiler.profile(activities=acts) as prof:
-            for _ in range(steps):
-                call()
-            if cuda:
-                torch.cuda.synchronize()
+        summary = profiled(call, steps, cuda)
     (fit,) = served.lanes.values() or [None]
     return {
         "label": label,
@@ -148,7 +157,7 @@ def profile(
         "steps": steps,
         "reps": reps,
         "counters": dict(served.counters),
-        **summarize(list(prof.events()), steps, cuda),
+        **summary,
     }
 
 
